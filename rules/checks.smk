@@ -1,0 +1,1 @@
+# Stage rules for 'checks' (see its issue).

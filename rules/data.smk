@@ -1,0 +1,26 @@
+# Stage `data`: DAPO-Math-17k and AIME-2024 (hub or local files) -> verified verl parquet
+# and a summary.
+
+
+rule data:
+    input:
+        model_config=f"{config['model']['path']}/config.json",
+    output:
+        train=f"{RESULTS}/data/train.parquet",
+        val=f"{RESULTS}/data/val.parquet",
+        summary=f"{RESULTS}/data/summary.json",
+    params:
+        cfg=section_json("data"),
+        tokenizer=config["model"]["path"],
+    log:
+        f"{LOGS}/data.log",
+    conda:
+        "../envs/workflow.yaml"
+    threads: 2
+    resources:
+        mem_mb=8000,
+        runtime=60,
+    shell:
+        "{PY} hy3rl.data --config-json {params.cfg:q} --tokenizer {params.tokenizer:q}"
+        " --train-out {output.train} --val-out {output.val} --summary {output.summary}"
+        " > {log} 2>&1"

@@ -1,0 +1,1 @@
+# Stage rules for 'eval' (see its issue).

@@ -1,0 +1,1 @@
+# Stage rules for 'model' (see its issue).

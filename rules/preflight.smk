@@ -1,0 +1,1 @@
+# Stage rules for 'preflight' (see its issue).

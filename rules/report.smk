@@ -1,0 +1,1 @@
+# Stage rules for 'report' (see its issue).

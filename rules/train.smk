@@ -1,0 +1,1 @@
+# Stage rules for 'train' (see its issue).

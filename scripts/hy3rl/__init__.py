@@ -1,0 +1,1 @@
+"""Hy3 GRPO reproduction workflow: one module a stage, each with a CLI."""

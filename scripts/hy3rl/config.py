@@ -1,0 +1,153 @@
+"""Load, merge and validate the workflow configuration against config/schema/.
+
+The schema (JSON Schema draft 2020-12, one file a section) is the documentation: every key
+has a description and a default. Validation fills the defaults in and reports *every* error
+with the dotted key path at fault, e.g. ``deps.repos.verl.commit: '220e903' does not match
+'^[0-9a-f]{40}$'``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import hashlib
+import json
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+from jsonschema import Draft202012Validator, validators
+from referencing import Registry, Resource
+from referencing.jsonschema import DRAFT202012
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SCHEMA_DIR = REPO_ROOT / "config" / "schema"
+ROOT_SCHEMA = "config.schema.yaml"
+
+
+class ConfigError(ValueError):
+    """A configuration value is wrong; the message names every offending key path."""
+
+
+def _load_yaml(path: Path) -> Any:
+    try:
+        with open(path) as fh:
+            return yaml.safe_load(fh)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+
+
+def _registry(schema_dir: Path) -> Registry:
+    resources = []
+    for path in sorted(schema_dir.glob("*.schema.yaml")):
+        contents = _load_yaml(path)
+        # Drop the per-file "$schema": jsonschema switches to the plain validator class of
+        # that dialect when descending into such a resource, which would skip our defaults.
+        contents.pop("$schema", None)
+        resources.append((path.name, Resource(contents, specification=DRAFT202012)))
+    return Registry().with_resources(resources)
+
+
+def _with_defaults(validator_class):
+    validate_properties = validator_class.VALIDATORS["properties"]
+
+    def set_defaults(validator, properties, instance, schema):
+        if isinstance(instance, dict):
+            for name, sub in properties.items():
+                if name in instance:
+                    continue
+                default = sub.get("default")
+                if default is None and "$ref" in sub:
+                    resolved = validator._resolver.lookup(sub["$ref"]).contents
+                    default = resolved.get("default")
+                if default is not None:
+                    instance[name] = copy.deepcopy(default)
+        yield from validate_properties(validator, properties, instance, schema)
+
+    return validators.extend(validator_class, {"properties": set_defaults})
+
+
+_DefaultingValidator = _with_defaults(Draft202012Validator)
+
+
+def key_path(parts) -> str:
+    return ".".join(str(p) for p in parts) or "<config>"
+
+
+def validate(config: Mapping[str, Any], schema_dir: Path = SCHEMA_DIR) -> dict[str, Any]:
+    """Return a deep copy of ``config`` with defaults filled in; raise ConfigError otherwise."""
+    data = copy.deepcopy(dict(config))
+    schema = _load_yaml(schema_dir / ROOT_SCHEMA)
+    registry = _registry(schema_dir)
+    # Fill defaults (repeat: defaults may create objects whose own defaults need filling).
+    for _ in range(8):
+        before = json.dumps(data, sort_keys=True, default=str)
+        for _err in _DefaultingValidator(schema, registry=registry).iter_errors(data):
+            pass
+        if json.dumps(data, sort_keys=True, default=str) == before:
+            break
+    errors = sorted(
+        Draft202012Validator(schema, registry=registry).iter_errors(data),
+        key=lambda e: list(map(str, e.absolute_path)),
+    )
+    if errors:
+        lines = []
+        for err in errors:
+            path = key_path(err.absolute_path)
+            if err.validator == "additionalProperties":
+                extra = sorted(set(err.instance) - set(err.schema.get("properties", {})))
+                keys = ", ".join(f"{path}.{k}" if err.absolute_path else k for k in extra)
+                lines.append(f"unknown key {keys} (not in the schema; check the spelling)")
+            else:
+                lines.append(f"{path}: {err.message}")
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(lines))
+    return data
+
+
+def deep_merge(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
+    """Merge like Snakemake merges several --configfile: mappings recursively, others replace."""
+    out = copy.deepcopy(base)
+    for key, value in override.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def load(*paths: str | Path) -> dict[str, Any]:
+    """Load and merge config files in order, then validate (for the CLIs and tests)."""
+    merged: dict[str, Any] = {}
+    for path in paths:
+        loaded = _load_yaml(Path(path)) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: top level must be a mapping")
+        merged = deep_merge(merged, loaded)
+    return validate(merged)
+
+
+def config_hash(config: Mapping[str, Any]) -> str:
+    """sha256 of the canonical JSON of a (validated) config."""
+    blob = json.dumps(config, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="hy3rl.config", description="Validate config files and print the resolved config."
+    )
+    ap.add_argument("configfiles", nargs="+", type=Path)
+    args = ap.parse_args(argv)
+    try:
+        cfg = load(*args.configfiles)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    yaml.safe_dump(cfg, sys.stdout, sort_keys=False)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
