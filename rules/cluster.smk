@@ -1,0 +1,1 @@
+# Stage rules for the cluster probe (SLURM issue).
