@@ -14,6 +14,10 @@ from hy3rl.config import ConfigError, validate  # noqa: E402
 configfile: "config/config.yaml"
 
 
+envvars:
+    "PATH",
+
+
 try:
     _resolved = validate(config)
 except ConfigError as exc:
@@ -38,6 +42,6 @@ include: "rules/report.smk"
 
 
 rule all:
+    default_target: True
     input:
         all_inputs(),
-    default_target: True

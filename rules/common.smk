@@ -4,13 +4,14 @@ import json
 import os
 import sys
 
-# Jobs (local or SLURM) find this interpreter's console scripts first.
-os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+# Jobs (local or SLURM) find this interpreter (the workflow's venv) first on PATH.
+_BIN = os.path.dirname(sys.executable)
+os.environ["PATH"] = _BIN + os.pathsep + os.environ.get("PATH", "")
 
 RUN = config["run"]["name"]
 RESULTS = f"{config['run']['results_root']}/{RUN}"
 LOGS = f"{RESULTS}/logs"
-PY = "python -m"  # every rule calls one stage module's CLI: {PY} hy3rl.<stage> ...
+# Each stage is one module of scripts/hy3rl with a CLI: python -m hy3rl.<stage> ...
 
 
 wildcard_constraints:
@@ -41,3 +42,4 @@ def all_inputs():
 
 # Stage files register a function returning their `all` targets here.
 STAGE_TARGETS = []
+PY = "python -m"  # deprecated alias; rules call python -m hy3rl.<stage> directly

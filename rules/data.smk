@@ -1,17 +1,28 @@
 # Stage `data`: DAPO-Math-17k and AIME-2024 (hub or local files) -> verified verl parquet
-# and a summary.
+# and a summary (docs/formats/data.md).
+from hy3rl.data import local_source_path
+
+STAGE_TARGETS.append(lambda: [f"{RESULTS}/data/summary.json"])
+
+
+def data_inputs(wildcards):
+    """The model directory (tokenizer + chat template) and the local source files; hub
+    sources are fetched by the job itself."""
+    inputs = {"model": config["model"]["path"]}
+    for split in ("train", "val"):
+        local = local_source_path(config["data"][split]["source"])
+        if local is not None:
+            inputs[split] = local
+    return inputs
 
 
 rule data:
     input:
-        model_config=f"{config['model']['path']}/config.json",
+        unpack(data_inputs),
     output:
         train=f"{RESULTS}/data/train.parquet",
         val=f"{RESULTS}/data/val.parquet",
         summary=f"{RESULTS}/data/summary.json",
-    params:
-        cfg=section_json("data"),
-        tokenizer=config["model"]["path"],
     log:
         f"{LOGS}/data.log",
     conda:
@@ -20,7 +31,10 @@ rule data:
     resources:
         mem_mb=8000,
         runtime=60,
+    params:
+        cfg=section_json("data"),
+        tokenizer=config["model"]["path"],
     shell:
-        "{PY} hy3rl.data --config-json {params.cfg:q} --tokenizer {params.tokenizer:q}"
+        "python -m hy3rl.data --config-json {params.cfg:q} --tokenizer {params.tokenizer:q}"
         " --train-out {output.train} --val-out {output.val} --summary {output.summary}"
         " > {log} 2>&1"

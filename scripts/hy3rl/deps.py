@@ -1,0 +1,523 @@
+"""Stage `deps`: clone verl, Megatron-Bridge and TransferQueue at exact commits.
+
+Each repository is cloned into ``<deps.dir>/<name>`` at its pinned full 40-hex SHA (short
+SHAs, tags and branch names are refused: they move or are ambiguous), fetching only that
+commit (``git fetch --depth 1 <url> <sha>``; a full fetch of branches and tags if the server
+refuses requests for a bare SHA), checked out detached and verified (``HEAD == pin``).
+
+A clone already at its pin with a clean tree is left alone (no fetch, no network), so a
+second run is a no-op that works offline. A clean clone at another commit is moved to the
+pin (fetching only when the commit is not there yet). A clone with local changes is never
+touched: the run stops and says which files changed. A ``fcntl`` lock on the deps
+directory serialises concurrent runs.
+
+Outputs: ``lock.json`` (what was pinned and verified, per repository) and a Ray
+``runtime_env.yaml`` for ``ray job submit`` (working dir = the verl clone, ``.git`` and
+caches excluded, ``PYTHONPATH`` with Megatron-Bridge's ``src`` and the TransferQueue clone),
+built on the pinned verl's own ``verl/trainer/runtime_env.yaml``. Formats:
+docs/formats/deps.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator, Mapping
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+log = logging.getLogger("hy3rl.deps")
+
+SCHEMA_VERSION = 1
+REPO_NAMES = ("verl", "megatron_bridge", "transfer_queue")
+FULL_SHA = re.compile(r"^[0-9a-f]{40}$")
+LOCK_FILE = ".hy3rl-deps.lock"
+
+# Paths each clone is expected to hold at its pin (name, path, why). A missing one is a
+# warning in the log and in lock.json, not an error: a user may pin a fork on purpose.
+EXPECTED_PATHS: dict[str, list[tuple[str, str, str]]] = {
+    "verl": [
+        ("hy3_script", "examples/grpo_trainer/run_hy_v3_megatron.sh",
+         "the published Hy3 GRPO recipe (its overrides drive preflight and train)"),
+        ("trainer_config", "verl/trainer/config",
+         "Hydra config of verl.trainer.main_ppo (preflight composes it)"),
+        ("runtime_env", "verl/trainer/runtime_env.yaml",
+         "verl's Ray runtime env, the base of runtime_env.yaml"),
+    ],
+    "megatron_bridge": [
+        ("src", "src", "goes on PYTHONPATH"),
+        ("hy_v3_bridge", "src/megatron/bridge/models/hy_v3/hy_v3_bridge.py",
+         "HYV3Bridge, the Hy3 HF<->Megatron mapping"),
+    ],
+    "transfer_queue": [
+        ("package", "transfer_queue/__init__.py",
+         "the `transfer_queue` package imported by verl (clone root goes on PYTHONPATH)"),
+    ],
+}
+
+# Excluded from the working_dir upload (gitignore-style patterns relative to working_dir);
+# Ray also honours the clone's own .gitignore.
+RUNTIME_ENV_EXCLUDES = [".git", "__pycache__", "*.pyc"]
+# Set by the Hy3 script itself (`export CUDA_DEVICE_MAX_CONNECTIONS=1`); the script's
+# exports reach only the driver, the runtime env carries them to every Ray worker.
+HY3_SCRIPT_ENV = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+
+
+class DepsError(RuntimeError):
+    """A pin, a clone or a fetch is wrong; the message names the repository and key."""
+
+
+@dataclass(frozen=True)
+class RepoPin:
+    name: str
+    url: str
+    commit: str
+
+    @property
+    def key(self) -> str:
+        return f"deps.repos.{self.name}"
+
+
+@dataclass
+class PathCheck:
+    name: str
+    path: str
+    present: bool
+    why: str
+
+
+@dataclass
+class RepoLock:
+    name: str
+    url: str
+    commit: str  # the pin from the config
+    head: str  # `git rev-parse HEAD` of the clone after checkout (== commit)
+    path: str  # absolute path of the clone
+    action: str  # cloned | unchanged | checked_out
+    fetched: bool  # whether this run fetched anything from url
+    fetch_mode: str | None  # shallow-sha | full | None (nothing fetched)
+    shallow: bool
+    verified_at: str
+    submodules: list[dict[str, str]] = field(default_factory=list)
+    checks: list[PathCheck] = field(default_factory=list)
+
+
+@dataclass
+class Lock:
+    schema_version: int
+    created: str
+    git_version: str
+    host: str
+    deps_dir: str
+    repos: dict[str, RepoLock]
+    runtime_env: dict[str, Any]
+    warnings: list[str]
+
+
+# --------------------------------------------------------------------------- pins
+
+
+def parse_pins(section: Mapping[str, Any]) -> tuple[Path, list[RepoPin]]:
+    """Read ``deps`` (dir, repos) and check every pin; raise DepsError naming the key."""
+    if not isinstance(section, Mapping):
+        raise DepsError("deps: must be a mapping with keys dir and repos")
+    deps_dir = section.get("dir")
+    if not isinstance(deps_dir, str) or not deps_dir:
+        raise DepsError("deps.dir: missing or empty (where the clones live)")
+    repos = section.get("repos")
+    if not isinstance(repos, Mapping):
+        raise DepsError("deps.repos: missing (one entry per repository: url, commit)")
+    errors: list[str] = []
+    pins: list[RepoPin] = []
+    for name in REPO_NAMES:
+        entry = repos.get(name)
+        if not isinstance(entry, Mapping):
+            errors.append(f"deps.repos.{name}: missing (needs url and commit)")
+            continue
+        url, commit = entry.get("url"), entry.get("commit")
+        if not isinstance(url, str) or not url.strip():
+            errors.append(f"deps.repos.{name}.url: missing or empty")
+        problem = commit_problem(commit)
+        if problem:
+            errors.append(f"deps.repos.{name}.commit: {problem}")
+        if isinstance(url, str) and url.strip() and not problem:
+            pins.append(RepoPin(name, url.strip(), commit))
+    extra = sorted(set(repos) - set(REPO_NAMES))
+    if extra:
+        errors.append("unknown repository key(s) " + ", ".join(f"deps.repos.{k}" for k in extra)
+                      + f" (expected {', '.join(REPO_NAMES)})")
+    if errors:
+        raise DepsError("invalid deps configuration:\n  " + "\n  ".join(errors))
+    return Path(deps_dir), pins
+
+
+def resolve_section(section: Any) -> dict[str, Any]:
+    """Check the pins (clear messages first), then fill defaults through the config schema."""
+    from hy3rl.config import ConfigError, validate
+
+    if not isinstance(section, Mapping):
+        raise DepsError("deps: must be a mapping with keys dir and repos")
+    repos = section.get("repos")
+    if isinstance(repos, Mapping):
+        errors = [f"deps.repos.{name}.commit: {commit_problem(entry.get('commit'))}"
+                  for name, entry in repos.items()
+                  if isinstance(entry, Mapping) and "commit" in entry
+                  and commit_problem(entry.get("commit"))]
+        if errors:
+            raise DepsError("invalid deps configuration:\n  " + "\n  ".join(errors))
+    try:
+        return validate({"deps": dict(section)})["deps"]
+    except ConfigError as exc:
+        raise DepsError(str(exc)) from exc
+
+
+def commit_problem(commit: Any) -> str | None:
+    """Why ``commit`` is not an acceptable pin, or None when it is a full 40-hex SHA."""
+    if not isinstance(commit, str) or not commit:
+        return "missing; pin a full 40-hex commit SHA"
+    if FULL_SHA.match(commit):
+        return None
+    if re.fullmatch(r"[0-9a-fA-F]{40}", commit):
+        return f"{commit!r} must be lowercase hex (as `git rev-parse` prints it)"
+    if re.fullmatch(r"[0-9a-fA-F]{4,39}", commit):
+        return (f"{commit!r} is a short SHA ({len(commit)} characters); pin the full 40-hex "
+                "SHA (`git rev-parse <short>` in a clone prints it): short SHAs can become "
+                "ambiguous")
+    return (f"{commit!r} is not a commit SHA; branch names and tags are refused because they "
+            "move: pin the full 40-hex SHA (`git ls-remote <url> <ref>` prints it)")
+
+
+# --------------------------------------------------------------------------- git
+
+
+def _git_env() -> dict[str, str]:
+    # Never prompt for credentials (a batch job would hang); English messages in errors.
+    return {**os.environ, "GIT_TERMINAL_PROMPT": "0", "LC_ALL": "C", "LANG": "C"}
+
+
+def git(*args: str, cwd: Path | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    cmd = ["git", *args]
+    log.debug("+ %s (in %s)", " ".join(cmd), cwd)
+    proc = subprocess.run(cmd, cwd=cwd, env=_git_env(), capture_output=True, text=True)
+    if check and proc.returncode != 0:
+        raise DepsError(f"`{' '.join(cmd)}` failed in {cwd} ({proc.returncode}):\n"
+                        f"{proc.stderr.strip()}")
+    return proc
+
+
+def git_version() -> str:
+    try:
+        return git("--version").stdout.strip()
+    except FileNotFoundError as exc:
+        raise DepsError("git is not installed (needed to clone the pinned repositories)") from exc
+
+
+def has_commit(repo: Path, sha: str) -> bool:
+    return git("cat-file", "-e", f"{sha}^{{commit}}", cwd=repo, check=False).returncode == 0
+
+
+def head_of(repo: Path) -> str | None:
+    proc = git("rev-parse", "--verify", "-q", "HEAD", cwd=repo, check=False)
+    return proc.stdout.strip() if proc.returncode == 0 else None
+
+
+def local_changes(repo: Path) -> list[str]:
+    """Modified, staged, deleted and untracked (not ignored) paths of a clone."""
+    out = git("status", "--porcelain=v1", "--untracked-files=normal", cwd=repo).stdout
+    return [line for line in out.splitlines() if line.strip()]
+
+
+def is_clone_root(path: Path) -> bool:
+    proc = git("rev-parse", "--show-toplevel", cwd=path, check=False)
+    return proc.returncode == 0 and Path(proc.stdout.strip()).resolve() == path.resolve()
+
+
+def fetch_commit(repo: Path, pin: RepoPin) -> str:
+    """Fetch ``pin.commit`` from ``pin.url`` into ``repo``; return the mode that worked.
+
+    First only that commit, shallow (servers that allow requests for reachable SHAs, which
+    includes GitHub and any local path or mirror with protocol v2). If that is refused, all
+    branches and tags (unshallowing a shallow clone, else an older pin stays out of reach).
+    """
+    git("remote", "remove", "origin", cwd=repo, check=False)
+    git("remote", "add", "origin", pin.url, cwd=repo)
+    shallow = git("fetch", "--depth", "1", "--no-tags", "origin", pin.commit, cwd=repo,
+                  check=False)
+    if shallow.returncode == 0 and has_commit(repo, pin.commit):
+        return "shallow-sha"
+    log.info("%s: shallow fetch of %s refused (%s); fetching all branches and tags",
+             pin.name, pin.commit, _last_line(shallow.stderr))
+    args = ["fetch", "--no-tags", "origin", "+refs/heads/*:refs/remotes/origin/*",
+            "+refs/tags/*:refs/tags/*"]
+    if git("rev-parse", "--is-shallow-repository", cwd=repo).stdout.strip() == "true":
+        args.insert(1, "--unshallow")
+    full = git(*args, cwd=repo, check=False)
+    if full.returncode != 0:
+        raise DepsError(
+            f"{pin.key}: cannot fetch from {pin.url!r} (repo {pin.name}, commit {pin.commit}):\n"
+            f"  shallow fetch: {_last_line(shallow.stderr)}\n"
+            f"  full fetch:    {_last_line(full.stderr)}\n"
+            "  check the URL, the network or the mirror path (deps.repos.*.url)"
+        )
+    if not has_commit(repo, pin.commit):
+        kind = git("cat-file", "-t", pin.commit, cwd=repo, check=False).stdout.strip()
+        what = f"is a {kind}, not a commit" if kind else "is not in any branch or tag there"
+        raise DepsError(
+            f"{pin.key}.commit: commit {pin.commit} {what} at {pin.url!r} (repo {pin.name}): "
+            "mistyped, or force-pushed away upstream? Check it with "
+            f"`git ls-remote {pin.url}` or pin a commit that exists"
+        )
+    return "full"
+
+
+def _last_line(text: str) -> str:
+    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+    return lines[-1] if lines else "(no message)"
+
+
+def checkout(repo: Path, pin: RepoPin) -> str:
+    git("-c", "advice.detachedHead=false", "checkout", "-q", "--detach", pin.commit, cwd=repo)
+    head = head_of(repo)
+    if head != pin.commit:
+        raise DepsError(f"{pin.key}: after checkout HEAD of {repo} is {head}, not the pin "
+                        f"{pin.commit}")
+    return head
+
+
+def submodules(repo: Path) -> list[dict[str, str]]:
+    """Submodules recorded at HEAD (path and commit). They are not fetched."""
+    out = git("ls-files", "-s", cwd=repo).stdout
+    subs = []
+    for line in out.splitlines():
+        meta, _, path = line.partition("\t")
+        mode, sha, *_ = meta.split()
+        if mode == "160000":
+            subs.append({"path": path, "commit": sha})
+    return subs
+
+
+def ensure_clone(pin: RepoPin, dest: Path) -> RepoLock:
+    """Make ``dest`` a clean clone of ``pin.url`` with ``HEAD == pin.commit``."""
+    dest = dest.absolute()
+    if dest.exists() and dest.is_dir() and not any(dest.iterdir()):
+        dest.rmdir()  # an empty directory (e.g. made by hand) counts as absent
+    fetched_mode: str | None = None
+    if not dest.exists():
+        action = "cloned"
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+        try:
+            git("init", "-q", cwd=tmp)
+            fetched_mode = fetch_commit(tmp, pin)
+            checkout(tmp, pin)
+            os.replace(tmp, dest)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    else:
+        if not dest.is_dir() or not is_clone_root(dest):
+            raise DepsError(f"{pin.key}: {dest} exists but is not a git clone; move it away "
+                            "(or set deps.dir elsewhere) and rerun")
+        changes = local_changes(dest)
+        if changes:
+            shown = "\n    ".join(changes[:20]) + ("\n    ..." if len(changes) > 20 else "")
+            raise DepsError(
+                f"{pin.key}: the clone {dest} has local changes; refusing to touch it (and a "
+                f"run from it would not be the pinned code):\n    {shown}\n"
+                "  commit or save them elsewhere, then `git -C <clone> checkout -- . && git "
+                "clean -fd` or delete the clone, and rerun"
+            )
+        if head_of(dest) == pin.commit:
+            action = "unchanged"
+        else:
+            action = "checked_out"
+            if not has_commit(dest, pin.commit):
+                fetched_mode = fetch_commit(dest, pin)
+            checkout(dest, pin)
+    head = head_of(dest)
+    if head != pin.commit:  # belt and braces: never record an unverified HEAD
+        raise DepsError(f"{pin.key}: HEAD of {dest} is {head}, not the pin {pin.commit}")
+    checks = [PathCheck(n, p, (dest / p).exists(), why) for n, p, why in EXPECTED_PATHS[pin.name]]
+    shallow = git("rev-parse", "--is-shallow-repository", cwd=dest).stdout.strip() == "true"
+    return RepoLock(
+        name=pin.name, url=pin.url, commit=pin.commit, head=head, path=str(dest),
+        action=action, fetched=fetched_mode is not None, fetch_mode=fetched_mode,
+        shallow=shallow, verified_at=_now(), submodules=submodules(dest), checks=checks,
+    )
+
+
+# --------------------------------------------------------------------------- locking
+
+
+@contextlib.contextmanager
+def dir_lock(deps_dir: Path) -> Iterator[None]:
+    """Exclusive fcntl lock on ``<deps_dir>/.hy3rl-deps.lock`` for the whole update."""
+    deps_dir.mkdir(parents=True, exist_ok=True)
+    path = deps_dir / LOCK_FILE
+    with open(path, "a+") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fh.seek(0)
+            holder = fh.read().strip() or "another process"
+            log.warning("waiting for the lock %s held by %s", path, holder)
+            fcntl.flock(fh, fcntl.LOCK_EX)
+        fh.seek(0)
+        fh.truncate()
+        fh.write(f"pid {os.getpid()} on {socket.gethostname()} since {_now()}\n")
+        fh.flush()
+        try:
+            yield
+        finally:
+            fh.seek(0)
+            fh.truncate()
+            fh.flush()
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def remove_stale_tmp(deps_dir: Path) -> None:
+    """Temporary clones left by a killed run (only ours: `.<name>.tmp-*`; call under lock)."""
+    for name in REPO_NAMES:
+        for tmp in deps_dir.glob(f".{name}.tmp-*"):
+            log.info("removing the unfinished clone %s of an interrupted run", tmp)
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------- outputs
+
+
+def build_runtime_env(repos: Mapping[str, RepoLock]) -> tuple[dict[str, Any], str | None]:
+    """The Ray runtime env for ``ray job submit --runtime-env``; also where its base came from.
+
+    Base: the pinned verl's ``verl/trainer/runtime_env.yaml`` (what verl's multinode docs
+    pass to ``ray job submit``). Then: working_dir = the verl clone (absolute), excludes
+    extended, PYTHONPATH = Megatron-Bridge ``src`` + the TransferQueue clone (Ray itself puts
+    working_dir first and appends the cluster's PYTHONPATH), and the Hy3 script's export.
+    """
+    verl = Path(repos["verl"].path)
+    base_file = verl / "verl/trainer/runtime_env.yaml"
+    env: dict[str, Any] = {}
+    source = None
+    if base_file.is_file():
+        loaded = yaml.safe_load(base_file.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise DepsError(f"{base_file}: expected a mapping (Ray runtime env)")
+        env = loaded
+        source = str(base_file)
+    excludes = list(env.get("excludes") or [])
+    for pattern in RUNTIME_ENV_EXCLUDES:
+        if pattern not in excludes:
+            excludes.append(pattern)
+    env_vars = {str(k): str(v) for k, v in (env.get("env_vars") or {}).items()}
+    env_vars.update(HY3_SCRIPT_ENV)
+    env_vars["PYTHONPATH"] = os.pathsep.join(
+        [str(Path(repos["megatron_bridge"].path) / "src"), repos["transfer_queue"].path]
+    )
+    env["working_dir"] = str(verl)
+    env["excludes"] = excludes
+    env["env_vars"] = env_vars
+    return env, source
+
+
+def _now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write via a temporary file in the same directory, then os.replace."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def run(section: Mapping[str, Any], lock_path: Path, runtime_env_path: Path) -> Lock:
+    """Bring every clone to its pin, then write lock.json and runtime_env.yaml."""
+    deps_dir, pins = parse_pins(resolve_section(section))
+    deps_dir = deps_dir.absolute()
+    version = git_version()
+    repos: dict[str, RepoLock] = {}
+    warnings: list[str] = []
+    with dir_lock(deps_dir):
+        remove_stale_tmp(deps_dir)
+        for pin in pins:
+            rl = ensure_clone(pin, deps_dir / pin.name)
+            log.info("%s: %s at %s (%s)", pin.name, rl.action, rl.head, rl.path)
+            for check in rl.checks:
+                if not check.present:
+                    msg = (f"{pin.name}@{pin.commit[:12]}: {check.path} is missing ({check.why})")
+                    log.warning(msg)
+                    warnings.append(msg)
+            repos[pin.name] = rl
+        env, source = build_runtime_env(repos)
+        if source is None:
+            msg = ("verl: verl/trainer/runtime_env.yaml is missing; runtime_env.yaml holds only "
+                   "working_dir, excludes, PYTHONPATH and the Hy3 script's env")
+            log.warning(msg)
+            warnings.append(msg)
+        lock = Lock(
+            schema_version=SCHEMA_VERSION, created=_now(), git_version=version,
+            host=socket.gethostname(), deps_dir=str(deps_dir), repos=repos,
+            runtime_env={"path": str(runtime_env_path.absolute()), "base": source},
+            warnings=warnings,
+        )
+        header = ("# Ray runtime env for `ray job submit --runtime-env` (written by hy3rl.deps;\n"
+                  f"# base: {source or 'none'}). Format: docs/formats/deps.md\n")
+        write_atomic(runtime_env_path, header + yaml.safe_dump(env, sort_keys=False))
+        write_atomic(lock_path, json.dumps(asdict(lock), indent=2) + "\n")
+    return lock
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="hy3rl.deps",
+        description="Clone the pinned upstream repositories, verify them, write the lock file "
+                    "and the Ray runtime env.",
+    )
+    ap.add_argument("--config-json", required=True,
+                    help='JSON with a "deps" section (or the deps section itself)')
+    ap.add_argument("--lock", required=True, type=Path, help="lock.json to write")
+    ap.add_argument("--runtime-env", required=True, type=Path, help="runtime_env.yaml to write")
+    ap.add_argument("-v", "--verbose", action="store_true", help="log every git command")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = json.loads(args.config_json)
+    except json.JSONDecodeError as exc:
+        print(f"hy3rl.deps: --config-json is not valid JSON: {exc}", file=sys.stderr)
+        return 2
+    section = cfg.get("deps", cfg) if isinstance(cfg, dict) else cfg
+    try:
+        lock = run(section, args.lock, args.runtime_env)
+    except DepsError as exc:
+        print(f"hy3rl.deps: error: {exc}", file=sys.stderr)
+        return 1
+    for name, rl in lock.repos.items():
+        print(f"{name}: {rl.head} {rl.action} {rl.path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,739 @@
+"""The Ray-on-SLURM launcher run inside the training job (also on one machine, no SLURM).
+
+``launch(spec)``:
+
+1. finds the allocation's nodes (``squeue -h -j $SLURM_JOB_ID -o %N`` + ``scontrol show
+   hostnames``: inside the job step the other ``SLURM_*`` variables are scrubbed) and checks
+   the configured CPUs/GPUs per node against the allocation (``scontrol show job -d``);
+2. derives every Ray port from the job id (GCS, dashboard, client server, node manager,
+   object manager, dashboard agent, metrics, runtime-env agent, worker port range), per node
+   sharing a host, and a node-local per-job ``--temp-dir``;
+3. starts the Ray head in its own ``srun --overlap -N1 -n1 -w <node>`` step (this module's
+   ``node`` command wrapping ``ray start --block``), waits until its GCS answers, then one
+   worker per other node (retried with backoff), and polls until every node and GPU is
+   registered (hard deadline; the error names the missing nodes);
+4. ``ray job submit --submission-id <id> --runtime-env <merged> -- bash <launch.sh>``,
+   streaming the job's output into ``driver.log`` and this process's stdout (the rule log),
+   then asks ``ray job status`` explicitly (a STOPPED job makes ``submit`` exit 0);
+5. watches every node step: a node's Ray dying tears everything down instead of hanging;
+   SIGTERM / SIGINT / SIGUSR1 (time limit, scancel) stop the Ray job and Ray on every node.
+   Each node's wrapper kills exactly the processes it started (marked through the
+   environment variable ``HY3RL_RAY_SCOPE``), never another job's Ray (``ray stop`` would).
+
+Logs (``spec.log_dir``): ``launcher.log`` (timestamped phases), ``driver.log``,
+``node-<name>.log``, ``ray.json`` (nodes, head, ports), ``runtime_env.yaml`` (0600; secrets
+redacted in every log).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+log = logging.getLogger("hy3rl.launch")
+
+SCOPE_VAR = "HY3RL_RAY_SCOPE"
+SECRET_RE = re.compile(r"(KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL)", re.I)
+RAY_DEFAULTS: dict[str, Any] = {
+    "port_base": 20000,
+    "port_span": 12000,
+    "worker_ports": 400,
+    "head_timeout_s": 180,
+    "register_timeout_s": 300,
+    "worker_start_retries": 2,
+    "stop_grace_s": 8,
+    "temp_root": "/tmp",
+    "node_setup": "",
+}
+
+
+class LaunchError(RuntimeError):
+    """The launch failed before or outside the trainer; the message names the node/file."""
+
+    def __init__(self, message: str, reason: str | None = None):
+        super().__init__(message)
+        self.reason = reason or message
+
+
+@dataclass
+class LaunchSpec:
+    submission_id: str
+    launch_script: Path
+    runtime_env: Path
+    log_dir: Path
+    env_vars: dict[str, str] = field(default_factory=dict)
+    passthrough_env: list[str] = field(default_factory=list)
+    nodes: int = 1
+    gpus_per_node: int = 0
+    cpus_per_node: int = 1
+    ray: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class LaunchResult:
+    exit_code: int
+    reason: str
+    nodes: list[str]
+    job_status: str | None = None
+
+
+@dataclass
+class Node:
+    name: str
+    host: str  # NodeHostName: several SLURM nodes may share one host (test clusters)
+    cpus: int | None = None
+    gpus: int | None = None
+
+
+@dataclass
+class Ports:
+    gcs: int
+    dashboard: int
+    client_server: int
+    node_manager: int
+    object_manager: int
+    agent_grpc: int
+    agent_listen: int
+    metrics: int
+    runtime_env_agent: int
+    min_worker: int
+    max_worker: int
+
+
+def redact(text: str, secrets: list[str]) -> str:
+    for s in secrets:
+        if s and len(s) >= 4:
+            text = text.replace(s, "***")
+    return text
+
+
+# --------------------------------------------------------------------------- allocation
+
+
+def _run(cmd: list[str], timeout: float = 60) -> str:
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except FileNotFoundError:
+        raise LaunchError(f"{cmd[0]} not found on PATH") from None
+    if proc.returncode != 0:
+        raise LaunchError(f"{shlex.join(cmd)} failed ({proc.returncode}): {proc.stderr.strip()}")
+    return proc.stdout
+
+
+def _count_ids(spec: str) -> int:
+    n = 0
+    for part in spec.split(","):
+        if "-" in part:
+            a, b = part.split("-", 1)
+            n += int(b) - int(a) + 1
+        elif part:
+            n += 1
+    return n
+
+
+def parse_job_detail(text: str) -> dict[str, tuple[int | None, int | None]]:
+    """``scontrol show job -d`` -> {node list expression: (cpus per node, gpus per node)}
+    from its per-node lines ``Nodes=n[1-2] CPU_IDs=0-1 Mem=... GRES=gpu:2(IDX:0-1)``."""
+    out = {}
+    for m in re.finditer(r"^\s*Nodes=(\S+)\s+CPU_IDs=(\S+)(.*)$", text, re.M):
+        rest = m.group(3)
+        g = re.search(r"GRES=(\S*)", rest)
+        gpus = 0
+        if g:
+            for item in re.finditer(r"gpu(?::[^:(,]+)?:(\d+)", g.group(1)):
+                gpus += int(item.group(1))
+        out[m.group(1)] = (_count_ids(m.group(2)), gpus)
+    return out
+
+
+def slurm_nodes(job_id: str) -> list[Node]:
+    expr = _run(["squeue", "-h", "-j", job_id, "-o", "%N"]).strip()
+    if not expr:
+        raise LaunchError(f"squeue shows no nodes for job {job_id}")
+    names = _run(["scontrol", "show", "hostnames", expr]).split()
+    detail = parse_job_detail(_run(["scontrol", "show", "job", "-d", job_id]))
+    per_node: dict[str, tuple[int | None, int | None]] = {}
+    for group, vals in detail.items():
+        for n in _run(["scontrol", "show", "hostnames", group]).split():
+            per_node[n] = vals
+    hosts = {}
+    for block in _run(["scontrol", "show", "node", ",".join(names)]).split("\n\n"):
+        m = re.search(r"NodeName=(\S+)", block)
+        h = re.search(r"NodeHostName=(\S+)", block)
+        if m:
+            hosts[m.group(1)] = h.group(1) if h else m.group(1)
+    return [Node(n, hosts.get(n, n), *per_node.get(n, (None, None))) for n in names]
+
+
+def local_gpus() -> int | None:
+    cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if cvd is not None:
+        return len([d for d in cvd.split(",") if d.strip()])
+    if shutil.which("nvidia-smi"):
+        with contextlib.suppress(LaunchError):
+            return len(_run(["nvidia-smi", "-L"]).strip().splitlines())
+    return None
+
+
+def check_allocation(nodes: list[Node], spec: LaunchSpec) -> None:
+    if len(nodes) != spec.nodes:
+        names = ", ".join(n.name for n in nodes)
+        raise LaunchError(f"the allocation has {len(nodes)} node(s) ({names}) but "
+                          f"cluster.nodes is {spec.nodes}")
+    for n in nodes:
+        if n.cpus is not None and spec.cpus_per_node > n.cpus:
+            raise LaunchError(f"node {n.name}: cluster.cpus_per_node={spec.cpus_per_node} "
+                              f"but the allocation gives {n.cpus} CPUs there (Ray would "
+                              "over-subscribe and hang)")
+        if n.gpus is not None and n.gpus != spec.gpus_per_node:
+            raise LaunchError(f"node {n.name}: cluster.gpus_per_node={spec.gpus_per_node} "
+                              f"but the allocation gives {n.gpus} GPUs there")
+
+
+def port_plan(job_key: int, nodes: list[Node], ray: dict[str, Any]) -> dict[str, Ports]:
+    """Every Ray port of every node, derived from the job id. Nodes sharing a host get
+    disjoint blocks; jobs land in ``port_span / block`` slots (job id modulo)."""
+    stride = 10 + int(ray["worker_ports"])
+    per_host: dict[str, int] = {}
+    index = {}
+    for n in nodes:
+        index[n.name] = per_host.get(n.host, 0)
+        per_host[n.host] = index[n.name] + 1
+    block = stride * max(per_host.values())
+    slots = max(1, int(ray["port_span"]) // block)
+    base = int(ray["port_base"]) + (job_key % slots) * block
+    if base + block > 65535:
+        raise LaunchError(f"train.ray ports {base}..{base + block} exceed 65535")
+    out = {}
+    for n in nodes:
+        b = base + index[n.name] * stride
+        out[n.name] = Ports(b, b + 1, b + 2, b + 3, b + 4, b + 5, b + 6, b + 7, b + 8,
+                            b + 10, b + 10 + int(ray["worker_ports"]) - 1)
+    return out
+
+
+# --------------------------------------------------------------------------- node wrapper
+
+
+def scope_processes(scope: str) -> list:
+    """Processes (of any name: Ray retitles its workers) whose environment carries
+    ``HY3RL_RAY_SCOPE=<scope>``, excluding this process."""
+    import psutil
+
+    me = os.getpid()
+    found = []
+    for p in psutil.process_iter(["pid"]):
+        if p.pid == me:
+            continue
+        try:
+            if p.environ().get(SCOPE_VAR) == scope:
+                found.append(p)
+        except (psutil.Error, OSError):
+            continue
+    return found
+
+
+def kill_scope(scope: str, grace: float) -> int:
+    """SIGTERM every process of the scope, SIGKILL what is left after ``grace`` seconds."""
+    import psutil
+
+    procs = scope_processes(scope)
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            p.terminate()
+    _, alive = psutil.wait_procs(procs, timeout=grace)
+    for p in alive:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    psutil.wait_procs(alive, timeout=5)
+    return len(procs)
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
+def node_main(args: argparse.Namespace) -> int:
+    """Runs on one node (in its own srun step): ``ray start --block`` with the given ports,
+    in a scope that is killed completely on exit or signal."""
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout, force=True,
+                        format=f"%(asctime)s node {args.name} %(levelname)s: %(message)s")
+    ports = Ports(**json.loads(args.ports))
+    temp = Path(args.temp_dir)
+    killed = kill_scope(args.scope, 2)  # leftovers of an earlier start with this scope
+    if killed:
+        log.info("cleaned up %d leftover process(es) of scope %s", killed, args.scope)
+    shutil.rmtree(temp, ignore_errors=True)
+    temp.mkdir(parents=True, exist_ok=True)
+    os.environ[SCOPE_VAR] = args.scope
+    os.environ["HY3RL_NODE"] = args.name
+    cmd = ["ray", "start", "--block", "--disable-usage-stats", f"--temp-dir={temp}",
+           f"--num-cpus={args.num_cpus}", f"--num-gpus={args.num_gpus}",
+           f"--node-manager-port={ports.node_manager}",
+           f"--object-manager-port={ports.object_manager}",
+           f"--dashboard-agent-grpc-port={ports.agent_grpc}",
+           f"--dashboard-agent-listen-port={ports.agent_listen}",
+           f"--metrics-export-port={ports.metrics}",
+           f"--runtime-env-agent-port={ports.runtime_env_agent}",
+           f"--min-worker-port={ports.min_worker}", f"--max-worker-port={ports.max_worker}",
+           "--resources=" + json.dumps({f"hy3rl_node_{args.name}": 1})]
+    if args.role == "head":
+        busy = [p for p in (ports.gcs, ports.dashboard, ports.client_server)
+                if not _port_free(p)]
+        if busy:
+            log.error("port(s) %s already in use on %s: another Ray? (train.ray.port_base)",
+                      busy, socket.gethostname())
+            return 4
+        import ray.util
+
+        ip = ray.util.get_node_ip_address()
+        cmd += ["--head", f"--node-ip-address={ip}", f"--port={ports.gcs}",
+                "--include-dashboard=true", f"--dashboard-host={ip}",
+                f"--dashboard-port={ports.dashboard}",
+                f"--ray-client-server-port={ports.client_server}"]
+        Path(args.publish).parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(f"{args.publish}.tmp")
+        tmp.write_text(json.dumps({"node": args.name, "ip": ip, "gcs_port": ports.gcs,
+                                   "dashboard_port": ports.dashboard}))
+        os.replace(tmp, args.publish)
+    else:
+        cmd += [f"--address={args.head_address}"]
+    setup = args.setup or ":"
+    full = ["bash", "-c", f"set -e\n{setup}\nexec \"$@\"", "hy3rl-node-setup", *cmd]
+    log.info("starting: %s", shlex.join(cmd))
+    sys.stdout.flush()
+    child = subprocess.Popen(full, start_new_session=True)
+    stopping = threading.Event()
+
+    def on_signal(signum, _frame):
+        if not stopping.is_set():
+            stopping.set()
+            log.info("%s: stopping Ray on this node", signal.Signals(signum).name)
+            with contextlib.suppress(ProcessLookupError):
+                child.terminate()
+
+    for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP):
+        signal.signal(s, on_signal)
+    code = None
+    while code is None:
+        try:
+            code = child.wait(timeout=0.5)
+        except subprocess.TimeoutExpired:
+            if stopping.is_set():
+                try:
+                    code = child.wait(timeout=args.grace)
+                except subprocess.TimeoutExpired:
+                    child.kill()
+                    code = child.wait()
+    n = kill_scope(args.scope, 2)
+    log.info("ray start exited %s; %d process(es) of the scope stopped", code, n)
+    shutil.rmtree(temp, ignore_errors=True)
+    return 0 if stopping.is_set() else (code or 1)
+
+
+# --------------------------------------------------------------------------- launcher
+
+
+class NodeProc:
+    def __init__(self, node: Node, role: str, cmd: list[str], logfile: Path):
+        self.node, self.role, self.cmd, self.logfile = node, role, cmd, logfile
+        self.proc: subprocess.Popen | None = None
+        self.started = 0.0
+
+    def start(self) -> None:
+        fh = open(self.logfile, "ab")
+        self.proc = subprocess.Popen(self.cmd, stdout=fh, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        fh.close()
+        self.started = time.monotonic()
+
+    def poll(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    def tail(self, n: int = 15) -> str:
+        try:
+            lines = self.logfile.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join("    " + ln for ln in lines[-n:])
+
+
+class Launcher:
+    def __init__(self, spec: LaunchSpec):
+        self.spec = spec
+        self.ray = {**RAY_DEFAULTS, **(spec.ray or {})}
+        self.job_id = os.environ.get("SLURM_JOB_ID") or None
+        self.nodes: list[Node] = []
+        self.procs: dict[str, NodeProc] = {}
+        self.stop_reason: str | None = None
+        self.stop_event = threading.Event()
+        self.submit: subprocess.Popen | None = None
+        self.dashboard: str | None = None
+        self.submitted = False
+        self.secrets: list[str] = []
+        self.t0 = time.monotonic()
+
+    # ---- helpers
+    def phase(self, msg: str, *a: Any) -> None:
+        log.info("[+%7.1fs] " + msg, time.monotonic() - self.t0, *a)
+
+    def request_stop(self, reason: str) -> None:
+        if self.stop_reason is None:
+            self.stop_reason = reason
+            self.phase("stop requested: %s", reason)
+        self.stop_event.set()
+        if self.submit and self.submit.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.submit.terminate()
+
+    def check_stop(self) -> None:
+        if self.stop_reason:
+            raise LaunchError(self.stop_reason)
+        for name, np_ in self.procs.items():
+            code = np_.poll()
+            if code is not None:
+                if self.submitted:
+                    what, reason = "died", f"ray node {name} died"
+                else:
+                    what, reason = "failed to start", f"ray failed to start on {name}"
+                raise LaunchError(
+                    f"Ray on node {name} ({np_.role}) {what}: its step exited {code}; "
+                    f"{np_.logfile}:\n{np_.tail()}", reason)
+
+    def node_cmd(self, node: Node, role: str, ports: Ports, head_address: str | None) -> list[str]:
+        scope = f"{self.job_id or 'local'}-{node.name}-{self.spec.submission_id}"
+        temp = Path(self.ray["temp_root"]) / f"hy3rl-ray-{self.job_id or os.getpid()}-{node.name}"
+        inner = [sys.executable, "-m", "hy3rl.launch", "node", "--name", node.name,
+                 "--role", role, "--temp-dir", str(temp), "--scope", scope,
+                 "--ports", json.dumps(asdict(ports)),
+                 "--num-cpus", str(self.spec.cpus_per_node),
+                 "--num-gpus", str(self.spec.gpus_per_node),
+                 "--grace", str(self.ray["stop_grace_s"]),
+                 "--setup", str(self.ray["node_setup"] or "")]
+        if role == "head":
+            inner += ["--publish", str(self.spec.log_dir / "head.json")]
+        else:
+            inner += ["--head-address", str(head_address)]
+        if not self.job_id:
+            return inner
+        return ["srun", "--overlap", "-N1", "-n1", "-w", node.name, "--jobid", self.job_id,
+                "--kill-on-bad-exit=1", "--export=ALL", *inner]
+
+    # ---- phases
+    def discover(self) -> None:
+        if self.job_id:
+            self.nodes = slurm_nodes(self.job_id)
+        else:
+            self.nodes = [Node(socket.gethostname(), socket.gethostname(),
+                               os.cpu_count(), local_gpus())]
+        check_allocation(self.nodes, self.spec)
+        self.phase("nodes: %s (job %s)", ", ".join(n.name for n in self.nodes),
+                   self.job_id or "local")
+
+    def start_head(self, ports: Ports) -> dict[str, Any]:
+        head = self.nodes[0]
+        np_ = NodeProc(head, "head", self.node_cmd(head, "head", ports, None),
+                       self.spec.log_dir / f"node-{head.name}.log")
+        self.procs[head.name] = np_
+        np_.start()
+        published = self.spec.log_dir / "head.json"
+        deadline = time.monotonic() + float(self.ray["head_timeout_s"])
+        info = None
+        while time.monotonic() < deadline:
+            self.check_stop()
+            if info is None and published.exists():
+                info = json.loads(published.read_text())
+            if info is not None:
+                addr = f"{info['ip']}:{info['gcs_port']}"
+                hc = subprocess.run(["ray", "health-check", "--address", addr],
+                                    capture_output=True, timeout=60)
+                if hc.returncode == 0:
+                    self.phase("head GCS alive at %s", addr)
+                    return info
+            self.stop_event.wait(1.0)
+        raise LaunchError(f"Ray head on {head.name} not alive after {self.ray['head_timeout_s']}s;"
+                          f" {np_.logfile}:\n{np_.tail()}", f"ray failed to start on {head.name}")
+
+    def start_workers(self, plan: dict[str, Ports], address: str) -> None:
+        for n in self.nodes[1:]:
+            np_ = NodeProc(n, "worker", self.node_cmd(n, "worker", plan[n.name], address),
+                           self.spec.log_dir / f"node-{n.name}.log")
+            self.procs[n.name] = np_
+            np_.start()
+
+    def registered(self, client_nodes: list) -> tuple[list[str], float]:
+        alive = [n for n in client_nodes if n.state == "ALIVE"]
+        seen = set()
+        gpus = 0.0
+        for n in alive:
+            res = n.resources_total or {}
+            gpus += res.get("GPU", 0)
+            for key in res:
+                if key.startswith("hy3rl_node_"):
+                    seen.add(key[len("hy3rl_node_"):])
+        missing = [n.name for n in self.nodes if n.name not in seen]
+        return missing, gpus
+
+    def wait_registered(self) -> None:
+        from ray.util.state import list_nodes
+
+        want_gpus = self.spec.gpus_per_node * len(self.nodes)
+        deadline = time.monotonic() + float(self.ray["register_timeout_s"])
+        retries = {n.name: 0 for n in self.nodes[1:]}
+        missing = [n.name for n in self.nodes]
+        gpus = 0.0
+        while time.monotonic() < deadline:
+            # Retry workers whose step ended before registering (backoff), up to the limit.
+            for name, np_ in self.procs.items():
+                code = np_.poll()
+                if code is not None and np_.role == "worker" and name in missing \
+                        and retries[name] < int(self.ray["worker_start_retries"]):
+                    retries[name] += 1
+                    wait = 2 ** retries[name]
+                    self.phase("worker %s exited %s before registering; retry %d in %ds:\n%s",
+                               name, code, retries[name], wait, np_.tail(5))
+                    self.stop_event.wait(wait)
+                    np_.start()
+            self.check_stop()
+            try:
+                missing, gpus = self.registered(list_nodes(address=self.dashboard, timeout=10,
+                                                           detail=True, limit=10000))
+            except Exception as exc:  # dashboard still starting
+                log.debug("list_nodes: %s", exc)
+            if not missing and gpus >= want_gpus:
+                self.phase("all %d node(s) and %d GPU(s) registered", len(self.nodes), gpus)
+                return
+            self.stop_event.wait(1.0)
+        raise LaunchError(
+            f"after {self.ray['register_timeout_s']}s, node(s) not registered with Ray: "
+            f"{', '.join(missing) or 'none'}; GPUs registered {gpus:g} of {want_gpus}. "
+            f"Node logs in {self.spec.log_dir}", f"nodes not registered: {' '.join(missing)}")
+
+    def merged_runtime_env(self) -> Path:
+        try:
+            base = yaml.safe_load(self.spec.runtime_env.read_text()) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            raise LaunchError(f"{self.spec.runtime_env}: cannot read the runtime env: {exc}")\
+                from None
+        env = {str(k): str(v) for k, v in (base.get("env_vars") or {}).items()}
+        env.update({k: str(v) for k, v in self.spec.env_vars.items()})
+        for name in self.spec.passthrough_env:
+            if name in os.environ:
+                env[name] = os.environ[name]
+                if SECRET_RE.search(name):
+                    self.secrets.append(os.environ[name])
+        merged = {**base, "env_vars": env}
+        path = self.spec.log_dir / "runtime_env.yaml"
+        tmp = path.with_name(".runtime_env.yaml.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            yaml.safe_dump(merged, fh, sort_keys=False)
+        os.replace(tmp, path)
+        shown = {k: ("***" if SECRET_RE.search(k) else v) for k, v in env.items()}
+        self.phase("runtime env %s (from %s): env_vars %s", path, self.spec.runtime_env, shown)
+        return path
+
+    def run_job(self, runtime_env: Path) -> tuple[int, str, str]:
+        from ray.job_submission import JobSubmissionClient
+
+        cmd = ["ray", "job", "submit", "--address", self.dashboard,
+               "--submission-id", self.spec.submission_id, "--runtime-env", str(runtime_env),
+               "--", "bash", str(self.spec.launch_script)]
+        self.phase("submitting: %s", shlex.join(cmd))
+        driver_log = self.spec.log_dir / "driver.log"
+        self.submit = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                       stdin=subprocess.DEVNULL, start_new_session=True)
+        self.submitted = True
+
+        def pump() -> None:
+            with open(driver_log, "a") as fh:
+                for raw in self.submit.stdout:
+                    line = redact(raw.decode(errors="replace"), self.secrets)
+                    fh.write(line)
+                    fh.flush()
+                    sys.stdout.write(line)
+                    sys.stdout.flush()
+
+        reader = threading.Thread(target=pump, daemon=True)
+        reader.start()
+        while self.submit.poll() is None:
+            self.check_stop()
+            self.stop_event.wait(0.5)
+        reader.join(timeout=10)
+        self.check_stop()
+        client = JobSubmissionClient(self.dashboard)
+        info = client.get_job_info(self.spec.submission_id)
+        status = str(getattr(info.status, "value", info.status))
+        code = getattr(info, "driver_exit_code", None)
+        self.phase("ray job %s: %s (submit exited %s, driver exit code %s) %s",
+                   self.spec.submission_id, status, self.submit.returncode, code,
+                   info.message or "")
+        if status == "SUCCEEDED":
+            return 0, "succeeded", status
+        exit_code = int(code) if isinstance(code, int) and code != 0 else 1
+        if status == "STOPPED":
+            return exit_code, "trainer stopped (STOPPED)", status
+        return exit_code, f"trainer failed ({status}, exit {code})", status
+
+    def teardown(self) -> None:
+        self.phase("teardown")
+        if self.submitted and self.dashboard:
+            with contextlib.suppress(Exception):
+                from ray.job_submission import JobStatus, JobSubmissionClient
+
+                client = JobSubmissionClient(self.dashboard)
+                if client.get_job_status(self.spec.submission_id) in (JobStatus.PENDING,
+                                                                      JobStatus.RUNNING):
+                    client.stop_job(self.spec.submission_id)
+                    self.phase("ray job stop %s", self.spec.submission_id)
+                    deadline = time.monotonic() + 10
+                    while time.monotonic() < deadline and client.get_job_status(
+                            self.spec.submission_id) in (JobStatus.PENDING, JobStatus.RUNNING):
+                        time.sleep(0.5)
+        if self.submit and self.submit.poll() is None:
+            self.submit.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.submit.wait(5)
+            if self.submit.poll() is None:
+                self.submit.kill()
+        # Workers first, the head last.
+        order = list(reversed(list(self.procs.values())))
+        for np_ in order:
+            if np_.proc and np_.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    np_.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + float(self.ray["stop_grace_s"]) + 15
+        for np_ in order:
+            if np_.proc is None:
+                continue
+            try:
+                np_.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.phase("node %s did not stop in time: killing its step", np_.node.name)
+                np_.proc.kill()
+                np_.proc.wait()
+        self.phase("Ray stopped on %d node(s)", len(order))
+
+    def run(self, on_nodes: Callable[[list[str]], None] | None = None) -> LaunchResult:
+        self.spec.log_dir.mkdir(parents=True, exist_ok=True)
+        (self.spec.log_dir / "head.json").unlink(missing_ok=True)
+        code, reason, status = 1, "launcher error", None
+        try:
+            self.discover()
+            if on_nodes:
+                on_nodes([n.name for n in self.nodes])
+            key = int(self.job_id) if self.job_id and self.job_id.isdigit() else os.getpid()
+            plan = port_plan(key, self.nodes, self.ray)
+            (self.spec.log_dir / "ray.json").write_text(json.dumps(
+                {"job_id": self.job_id, "nodes": [asdict(n) for n in self.nodes],
+                 "ports": {k: asdict(v) for k, v in plan.items()}}, indent=2))
+            info = self.start_head(plan[self.nodes[0].name])
+            self.dashboard = f"http://{info['ip']}:{info['dashboard_port']}"
+            self.start_workers(plan, f"{info['ip']}:{info['gcs_port']}")
+            self.wait_registered()
+            runtime_env = self.merged_runtime_env()
+            code, reason, status = self.run_job(runtime_env)
+        except LaunchError as exc:
+            log.error("%s", exc)
+            code, reason = 1, exc.reason
+            if self.stop_reason:
+                code, reason = 128 + _SIGNUMS.get(self.stop_reason, 15), self.stop_reason
+        finally:
+            self.teardown()
+        self.phase("exit %d: %s", code, reason)
+        return LaunchResult(code, reason, [n.name for n in self.nodes], status)
+
+
+_SIGNUMS = {f"signal {s.name}": s.value for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
+
+
+def launch(spec: LaunchSpec, on_nodes: Callable[[list[str]], None] | None = None) -> LaunchResult:
+    """Run one training job on Ray (see the module docstring). Signal handlers for SIGTERM,
+    SIGINT and SIGUSR1 are installed for the duration (main thread only)."""
+    spec.log_dir.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(spec.log_dir / "launcher.log")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s: %(message)s"))
+    logging.getLogger("hy3rl").addHandler(handler)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, stream=sys.stdout,
+                            format="%(asctime)s %(name)s %(levelname)s: %(message)s")
+    logging.getLogger("hy3rl").setLevel(logging.INFO)
+    launcher = Launcher(spec)
+    old = {}
+    if threading.current_thread() is threading.main_thread():
+        for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+            old[s] = signal.signal(s, lambda n, _f: launcher.request_stop(
+                f"signal {signal.Signals(n).name}"))
+    try:
+        return launcher.run(on_nodes)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        logging.getLogger("hy3rl").removeHandler(handler)
+        handler.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="hy3rl.launch", description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    nd = sub.add_parser("node", help="(internal) run Ray on this node until stopped")
+    nd.add_argument("--name", required=True)
+    nd.add_argument("--role", choices=["head", "worker"], required=True)
+    nd.add_argument("--temp-dir", required=True)
+    nd.add_argument("--scope", required=True)
+    nd.add_argument("--ports", required=True)
+    nd.add_argument("--num-cpus", type=int, required=True)
+    nd.add_argument("--num-gpus", type=int, required=True)
+    nd.add_argument("--grace", type=float, default=8)
+    nd.add_argument("--setup", default="")
+    nd.add_argument("--publish")
+    nd.add_argument("--head-address")
+    cl = sub.add_parser("cleanup", help="kill every process of a scope on this node")
+    cl.add_argument("--scope", required=True)
+    js = sub.add_parser("job", help="run a command as a Ray job on the job's nodes")
+    js.add_argument("--submission-id", required=True)
+    js.add_argument("--runtime-env", required=True, type=Path)
+    js.add_argument("--log-dir", required=True, type=Path)
+    js.add_argument("--nodes", type=int, default=1)
+    js.add_argument("--gpus-per-node", type=int, default=0)
+    js.add_argument("--cpus-per-node", type=int, default=1)
+    js.add_argument("--env", action="append", default=[], help="NAME=VALUE for the job")
+    js.add_argument("launch_script", type=Path)
+    args = ap.parse_args(argv)
+    if args.cmd == "node":
+        return node_main(args)
+    if args.cmd == "cleanup":
+        print(f"stopped {kill_scope(args.scope, 5)} process(es)")
+        return 0
+    spec = LaunchSpec(args.submission_id, args.launch_script.resolve(), args.runtime_env,
+                      args.log_dir, dict(e.split("=", 1) for e in args.env), [],
+                      args.nodes, args.gpus_per_node, args.cpus_per_node)
+    return launch(spec).exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,288 @@
+"""AIME metrics from graded samples: avg@n, unbiased pass@k, maj@k, format failures,
+truncation, sampling standard error, problem-level bootstrap intervals, per-problem table,
+and for a checkpoint the per-problem differences against ``base`` with a paired bootstrap.
+
+Definitions are in docs/formats/eval.md (the contract); in short, with n samples per
+problem, N problems and c_i correct samples of problem i:
+pass@k = mean_i [1 - C(n - c_i, k) / C(n, k)] (Chen et al. 2021); maj@k votes over the
+extracted answers of samples 0..k-1, a tie scoring the fraction of tied answers that are
+correct; sampling_se = sqrt(sum_i p_i (1 - p_i) / n) / N; bootstrap intervals resample
+problems with numpy ``default_rng(seed)``.
+
+CLI: ``python -m hy3rl.metrics compute --scores S --scores-meta M --tag T [--base-scores B]
+--out metrics.json`` and ``python -m hy3rl.metrics summarize --metrics A B ... --out summary.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+GRADERS = ("math_dapo", "math_verify")
+NO_ANSWER = {"math_dapo": "[INVALID]", "math_verify": ""}
+
+
+class MetricsError(ValueError):
+    """Inconsistent scores (the message names the file and problem at fault)."""
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k of one problem with c correct out of n samples (Chen et al. 2021):
+    1 - C(n-c, k)/C(n, k), computed as a stable product."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n (n={n}, c={c}, k={k})")
+    if n - c < k:
+        return 1.0
+    return 1.0 - float(np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
+
+
+def ks_for(n: int) -> list[int]:
+    """k = 1, 2, 4, ... below n, and n itself."""
+    ks, k = [], 1
+    while k < n:
+        ks.append(k)
+        k *= 2
+    return ks + [n]
+
+
+def majority_vote(answers: Sequence[str | None],
+                  correct: Sequence[bool]) -> tuple[float, list[str]]:
+    """maj score of one problem: the most common extracted answer among ``answers`` (None =
+    no answer, does not vote). Ties: the score is the fraction of the tied top answers that
+    are correct (expected score of a uniformly random tie-break), and all tied answers are
+    returned (in order of first appearance). An answer is correct per the verdict of its
+    first sample. No vote at all: 0.0."""
+    counts: Counter[str] = Counter(a for a in answers if a is not None)
+    if not counts:
+        return 0.0, []
+    top = max(counts.values())
+    first_verdict: dict[str, bool] = {}
+    for a, ok in zip(answers, correct, strict=True):
+        if a is not None and a not in first_verdict:
+            first_verdict[a] = bool(ok)
+    tied = [a for a in first_verdict if counts[a] == top]
+    return sum(first_verdict[a] for a in tied) / len(tied), tied
+
+
+def sampling_se(p: Sequence[float], n: int) -> float:
+    """Standard error of the mean accuracy from sampling n answers per problem, problems
+    fixed: sqrt(sum_i p_i (1 - p_i) / n) / N."""
+    arr = np.asarray(p, dtype=float)
+    return float(math.sqrt(float(np.sum(arr * (1 - arr))) / n) / len(arr))
+
+
+def bootstrap_ci(values: Sequence[float], resamples: int, level: float,
+                 seed: int) -> dict[str, Any]:
+    """Percentile interval of the mean of ``values`` over problem-level resamples."""
+    arr = np.asarray(values, dtype=float)
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, len(arr), size=(resamples, len(arr)))
+    means = arr[idx].mean(axis=1)
+    lo, hi = np.quantile(means, [(1 - level) / 2, 1 - (1 - level) / 2])
+    return {"level": level, "low": float(lo), "high": float(hi), "resamples": resamples,
+            "seed": seed}
+
+
+@dataclass
+class ProblemScores:
+    problem_id: str
+    ground_truth: str
+    # per grader: lists indexed by sample_index
+    acc: dict[str, list[bool]] = field(default_factory=dict)
+    pred: dict[str, list[str | None]] = field(default_factory=dict)
+    status: dict[str, list[str]] = field(default_factory=dict)
+    finish: list[str] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+
+
+def group_scores(scores: Sequence[dict[str, Any]], source: str = "scores") -> list[ProblemScores]:
+    """Group scores.jsonl lines by problem id (order of first appearance), checking that
+    each problem has sample indices 0..n-1 exactly once and all problems the same n."""
+    by_id: dict[str, list[dict[str, Any]]] = {}
+    for s in scores:
+        by_id.setdefault(str(s["problem_id"]), []).append(s)
+    out = []
+    n_expected = None
+    for pid, rows in by_id.items():
+        rows = sorted(rows, key=lambda r: int(r["sample_index"]))
+        idx = [int(r["sample_index"]) for r in rows]
+        if idx != list(range(len(rows))):
+            raise MetricsError(f"{source}: problem {pid}: sample indices are not 0..{len(rows)-1}"
+                               " exactly once (duplicates or gaps)")
+        if n_expected is None:
+            n_expected = len(rows)
+        elif len(rows) != n_expected:
+            raise MetricsError(f"{source}: problem {pid} has {len(rows)} samples, others "
+                               f"{n_expected}")
+        ps = ProblemScores(pid, str(rows[0].get("ground_truth", "")))
+        for g in GRADERS:
+            ps.acc[g] = [bool(r[g]["acc"]) and r[g]["status"] == "ok" for r in rows]
+            ps.status[g] = [r[g]["status"] for r in rows]
+            ps.pred[g] = [r[g]["pred"] if r[g]["status"] == "ok" and r[g]["pred"] != NO_ANSWER[g]
+                          else None for r in rows]
+        ps.finish = [str(r.get("finish_reason")) for r in rows]
+        ps.tokens = [int(r.get("num_tokens") or 0) for r in rows]
+        out.append(ps)
+    if not out:
+        raise MetricsError(f"{source}: no scored samples")
+    return out
+
+
+def grader_metrics(problems: Sequence[ProblemScores], grader: str,
+                   boot: dict[str, Any]) -> dict[str, Any]:
+    n = len(problems[0].acc[grader])
+    c = [sum(p.acc[grader]) for p in problems]
+    p_i = [ci / n for ci in c]
+    res: dict[str, Any] = {
+        "avg@n": float(np.mean(p_i)),
+        "pass@k": {str(k): float(np.mean([pass_at_k(n, ci, k) for ci in c])) for k in ks_for(n)},
+        "maj@k": {str(k): float(np.mean([majority_vote(p.pred[grader][:k],
+                                                       p.acc[grader][:k])[0] for p in problems]))
+                  for k in ks_for(n)},
+        "sampling_se": sampling_se(p_i, n),
+        "bootstrap_ci": bootstrap_ci(p_i, boot["resamples"], boot["level"], boot["seed"]),
+        "grader_failures": {st: sum(s == st for p in problems for s in p.status[grader])
+                            for st in ("timeout", "error")},
+    }
+    return res
+
+
+def compare_to_base(this: Sequence[ProblemScores], base: Sequence[ProblemScores],
+                    boot: dict[str, Any], base_tag: str = "base") -> dict[str, Any]:
+    """Per-problem accuracy differences (this - base) and a paired bootstrap interval of
+    their mean (the same problem resample applied to both)."""
+    this_ids = [p.problem_id for p in this]
+    base_by = {p.problem_id: p for p in base}
+    if set(this_ids) != set(base_by):
+        only = sorted(set(this_ids) ^ set(base_by))[:5]
+        raise MetricsError(f"problem ids differ from {base_tag}'s (e.g. {only})")
+    out: dict[str, Any] = {"base_tag": base_tag}
+    for g in GRADERS:
+        rows = []
+        for p in this:
+            b = base_by[p.problem_id]
+            a_this = sum(p.acc[g]) / len(p.acc[g])
+            a_base = sum(b.acc[g]) / len(b.acc[g])
+            rows.append({"problem_id": p.problem_id, "base": a_base, "this": a_this,
+                         "diff": a_this - a_base})
+        diffs = [r["diff"] for r in rows]
+        out[g] = {"mean_diff": float(np.mean(diffs)),
+                  "paired_bootstrap_ci": bootstrap_ci(diffs, boot["resamples"], boot["level"],
+                                                      boot["seed"]),
+                  "per_problem": rows}
+    return out
+
+
+def compute_metrics(scores: Sequence[dict[str, Any]], tag: str, graders_info: dict[str, Any],
+                    boot: dict[str, Any], base_scores: Sequence[dict[str, Any]] | None = None,
+                    source: str = "scores") -> dict[str, Any]:
+    problems = group_scores(scores, source)
+    n = len(problems[0].finish)
+    total = n * len(problems)
+    fmt = [sum(mv and not md for mv, md in zip(p.acc["math_verify"], p.acc["math_dapo"],
+                                               strict=True)) for p in problems]
+    per_problem = []
+    for p, f in zip(problems, fmt, strict=True):
+        row: dict[str, Any] = {"problem_id": p.problem_id, "ground_truth": p.ground_truth,
+                               "n": n, "truncated": sum(x == "length" for x in p.finish),
+                               "format_failures": f}
+        for g in GRADERS:
+            maj, tied = majority_vote(p.pred[g], p.acc[g])
+            row[g] = {"correct": sum(p.acc[g]), "acc": sum(p.acc[g]) / n,
+                      "pass@n": 1.0 if any(p.acc[g]) else 0.0, "maj": maj,
+                      "majority_answers": tied}
+        per_problem.append(row)
+    return {
+        "tag": tag, "num_problems": len(problems), "n": n, "primary_grader": "math_dapo",
+        "graders": graders_info,
+        "by_grader": {g: grader_metrics(problems, g, boot) for g in GRADERS},
+        "format_failures": int(sum(fmt)), "format_failure_rate": sum(fmt) / total,
+        "truncation_rate": sum(x == "length" for p in problems for x in p.finish) / total,
+        "mean_response_tokens": float(np.mean([t for p in problems for t in p.tokens])),
+        "per_problem": per_problem,
+        "vs_base": (compare_to_base(problems, group_scores(base_scores, "base scores"), boot)
+                    if base_scores is not None else None),
+    }
+
+
+def summarize(metrics: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    rows = []
+    for m in metrics:
+        bg = m["by_grader"]
+        row = {"tag": m["tag"], "num_problems": m["num_problems"], "n": m["n"]}
+        for g in GRADERS:
+            row[f"{g}_avg"] = bg[g]["avg@n"]
+            row[f"{g}_ci"] = [bg[g]["bootstrap_ci"]["low"], bg[g]["bootstrap_ci"]["high"]]
+            row[f"{g}_pass@n"] = bg[g]["pass@k"][str(m["n"])]
+            row[f"{g}_maj@n"] = bg[g]["maj@k"][str(m["n"])]
+        row["sampling_se"] = bg["math_dapo"]["sampling_se"]
+        row["format_failure_rate"] = m["format_failure_rate"]
+        row["truncation_rate"] = m["truncation_rate"]
+        if m.get("vs_base"):
+            row["math_dapo_diff_vs_base"] = m["vs_base"]["math_dapo"]["mean_diff"]
+            ci = m["vs_base"]["math_dapo"]["paired_bootstrap_ci"]
+            row["math_dapo_diff_ci"] = [ci["low"], ci["high"]]
+        rows.append(row)
+    return {"tags": [m["tag"] for m in metrics], "rows": rows}
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    import os
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    from hy3rl.graders import read_jsonl
+
+    return read_jsonl(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="hy3rl.metrics", description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("compute", help="metrics.json of one tag")
+    c.add_argument("--scores", type=Path, required=True)
+    c.add_argument("--scores-meta", type=Path, required=True)
+    c.add_argument("--tag", required=True)
+    c.add_argument("--base-scores", type=Path, default=None)
+    c.add_argument("--config-json", default="{}", help="JSON with an 'eval' section")
+    c.add_argument("--out", type=Path, required=True)
+    s = sub.add_parser("summarize", help="summary.json over tags")
+    s.add_argument("--metrics", type=Path, nargs="+", required=True)
+    s.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args(argv)
+    try:
+        if args.cmd == "summarize":
+            _write_json(args.out, summarize([json.loads(p.read_text()) for p in args.metrics]))
+            return 0
+        boot = {"resamples": 10000, "level": 0.95, "seed": 0,
+                **json.loads(args.config_json).get("eval", {}).get("bootstrap", {})}
+        meta = json.loads(args.scores_meta.read_text())
+        base = _read_jsonl(args.base_scores) if args.base_scores else None
+        metrics = compute_metrics(_read_jsonl(args.scores), args.tag, meta["graders"], boot,
+                                  base, source=str(args.scores))
+    except (MetricsError, ValueError, OSError, KeyError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    _write_json(args.out, metrics)
+    bg = metrics["by_grader"]
+    print(f"{args.tag}: math_dapo avg@{metrics['n']} {bg['math_dapo']['avg@n']:.4f}, "
+          f"math_verify {bg['math_verify']['avg@n']:.4f}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,432 @@
+"""Stage `data` on real files made in the tests: parquet / JSONL / CSV in DAPO-Math-17k and
+AIME-2024 shapes, a real BPE tokenizer with a chat template, the real CLI."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import yaml
+from fixtures.common import REPO_ROOT, run_snakemake
+from fixtures.data import (
+    AIME_ANSWERS,
+    DAPO_PREFIX,
+    DAPO_SUFFIX,
+    aime_rows,
+    dapo_rows,
+    write_jsonl,
+    write_parquet,
+)
+from hy3rl import data
+
+COLUMNS = ["data_source", "prompt", "ability", "reward_model", "extra_info"]
+
+
+def run_cli(tmp_path: Path, tokenizer: Path, train: dict, val: dict,
+            max_prompt_length: int = 2048) -> tuple[int, Path]:
+    out = tmp_path / "out"
+    cfg = {"data": {"max_prompt_length": max_prompt_length, "train": train, "val": val}}
+    rc = data.main([
+        "--config-json", json.dumps(cfg), "--tokenizer", str(tokenizer),
+        "--train-out", str(out / "train.parquet"), "--val-out", str(out / "val.parquet"),
+        "--summary", str(out / "summary.json"), "--cache-dir", str(tmp_path / "hf-cache"),
+    ])
+    return rc, out
+
+
+def read_summary(out: Path) -> dict:
+    return json.loads((out / "summary.json").read_text())
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def verl_lengths(tokenizer_dir: Path, prompts: list) -> list[int]:
+    """Independent count: verl's per-row call (RLHFDataset.doc2len), one prompt at a time."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    return [len(tok.apply_chat_template(p, add_generation_prompt=True, tokenize=True,
+                                        return_dict=False)) for p in prompts]
+
+
+def nearest_rank(values: list[int], q: float) -> int:
+    ordered = sorted(values)
+    return ordered[max(1, math.ceil(q / 100 * len(ordered))) - 1]
+
+
+@pytest.fixture
+def files(tmp_path: Path) -> dict[str, Path]:
+    src = tmp_path / "src"
+    return {
+        # 20 prompts x 100 (whole blocks repeated, as DAPO-Math-17k) + a pandas index column
+        "dapo": write_parquet(src / "dapo-math-17k.parquet", dapo_rows(20, 100),
+                              pandas_index=True),
+        "aime": write_parquet(src / "aime-2024.parquet", aime_rows(32), pandas_index=True),
+    }
+
+
+def test_paper_shape_keeps_file_as_is_and_summary_matches_independent_count(
+    tmp_path, files, tiny_tokenizer_dir
+):
+    """The published setting: both files as they are (no dedup), val_n 1."""
+    rc, out = run_cli(tmp_path, tiny_tokenizer_dir,
+                      {"source": str(files["dapo"]), "dedup": False},
+                      {"source": str(files["aime"]), "dedup": False}, max_prompt_length=200)
+    assert rc == 0
+    summary = read_summary(out)
+    train = pq.read_table(out / "train.parquet")
+    val = pq.read_table(out / "val.parquet")
+    assert train.column_names == COLUMNS and val.column_names == COLUMNS
+    assert train.schema.metadata is None  # no pandas index re-created on read
+    assert train.num_rows == 2000 and val.num_rows == 960
+    assert pa.types.is_string(train.schema.field("data_source").type)
+    src_rows = dapo_rows(20, 100)
+    assert train.to_pylist() == src_rows  # content and order preserved exactly
+    assert summary["val_n"] == 1 and summary["splits"]["val"]["val_n"] == 1
+
+    rec = summary["splits"]["train"]
+    assert (rec["rows"], rec["unique_prompts"], rec["duplicates"]) == (2000, 20, 1980)
+    assert rec["input"]["dropped_columns"] == ["__index_level_0__"]
+    assert rec["input"]["prompts_with_conflicting_answers"] == 0
+    assert rec["data_sources"] == {"math_dapo": 2000}
+    lengths = verl_lengths(tiny_tokenizer_dir, [r["prompt"] for r in src_rows])
+    tok = rec["prompt_tokens"]
+    assert tok["min"] == min(lengths) and tok["max"] == max(lengths)
+    for q in (50, 90, 99):
+        assert tok[f"p{q}"] == nearest_rank(lengths, q), q
+    assert tok["mean"] == pytest.approx(sum(lengths) / len(lengths), abs=1e-3)
+    over = [n for n in lengths if n > 200]
+    assert 0 < len(over) < len(lengths)  # the fixture straddles the limit
+    assert rec["over_max_prompt_length"]["rows"] == len(over)
+    assert rec["over_max_prompt_length"]["unique_prompts"] == len(over) // 100
+    assert "left-truncates" in rec["over_max_prompt_length"]["note"]
+
+    for split in ("train", "val"):
+        r = summary["splits"][split]
+        assert r["sha256"] == sha256(out / f"{split}.parquet")
+        assert r["bytes"] == (out / f"{split}.parquet").stat().st_size
+    assert rec["source"] == {"kind": "file", "path": str(files["dapo"]), "format": "parquet",
+                             "sha256": sha256(files["dapo"])}
+    assert sorted(p.name for p in out.iterdir()) == ["summary.json", "train.parquet",
+                                                     "val.parquet"]
+
+
+def test_dedup_keeps_first_occurrences_and_aime_problem_mode(tmp_path, files,
+                                                            tiny_tokenizer_dir):
+    rc, out = run_cli(tmp_path, tiny_tokenizer_dir, {"source": str(files["dapo"])},
+                      {"source": str(files["aime"])})
+    assert rc == 0
+    summary = read_summary(out)
+    train = pq.read_table(out / "train.parquet").to_pylist()
+    assert train == dapo_rows(20, 1)
+    rec = summary["splits"]["train"]
+    assert (rec["rows"], rec["unique_prompts"], rec["duplicates"]) == (20, 20, 0)
+    assert (rec["input"]["rows"], rec["input"]["unique_prompts"]) == (2000, 20)
+    # 30 problems, kept apart even though two share the answer 104; n = 32 repeats.
+    val = pq.read_table(out / "val.parquet").to_pylist()
+    assert len(val) == 30
+    assert sorted(r["extra_info"]["index"] for r in val) == list(range(30))
+    assert sorted(r["reward_model"]["ground_truth"] for r in val) == sorted(
+        str(a) for a in AIME_ANSWERS)
+    assert [r["reward_model"]["ground_truth"] for r in val].count("104") == 2
+    assert summary["val_n"] == 32
+    assert "32" in summary["splits"]["val"]["val_n_source"]
+    lengths = verl_lengths(tiny_tokenizer_dir, [r["prompt"] for r in val])
+    assert summary["splits"]["val"]["prompt_tokens"]["max"] == max(lengths)
+
+
+def test_explicit_and_uneven_val_n(tmp_path, files, tiny_tokenizer_dir):
+    rc, out = run_cli(tmp_path, tiny_tokenizer_dir, {"source": str(files["dapo"])},
+                      {"source": str(files["aime"]), "n": 16})
+    assert rc == 0 and read_summary(out)["val_n"] == 16
+    rows = aime_rows(32)[:-1]  # one problem now repeats 31 times
+    uneven = write_parquet(tmp_path / "uneven.parquet", rows)
+    rc, out2 = run_cli(tmp_path / "b", tiny_tokenizer_dir, {"source": str(files["dapo"])},
+                       {"source": str(uneven)})
+    assert rc == 1 and not out2.exists()
+
+
+def test_seeded_sample_is_reproducible_and_in_source_order(tmp_path, files,
+                                                           tiny_tokenizer_dir):
+    train = {"source": str(files["dapo"]), "dedup": False, "limit": 50, "seed": 7}
+    val = {"source": str(files["aime"]), "limit": 5, "seed": 1}
+    rc, out_a = run_cli(tmp_path / "a", tiny_tokenizer_dir, train, val)
+    rc_b, out_b = run_cli(tmp_path / "b", tiny_tokenizer_dir, train, val)
+    rc_c, out_c = run_cli(tmp_path / "c", tiny_tokenizer_dir, {**train, "seed": 8}, val)
+    assert rc == rc_b == rc_c == 0
+    assert sha256(out_a / "train.parquet") == sha256(out_b / "train.parquet")
+    assert sha256(out_a / "train.parquet") != sha256(out_c / "train.parquet")
+    rows = pq.read_table(out_a / "train.parquet").to_pylist()
+    assert len(rows) == 50
+    source = dapo_rows(20, 100)
+    import numpy as np
+
+    expected = np.sort(np.random.default_rng(7).choice(2000, 50, replace=False))
+    assert rows == [source[i] for i in expected]
+    summary = read_summary(out_a)
+    assert summary["splits"]["val"]["rows"] == 5 and summary["val_n"] == 32
+    assert summary["splits"]["train"]["options"]["limit"] == 50
+
+
+def test_jsonl_source_and_custom_conversions(tmp_path, files, tiny_tokenizer_dir):
+    jsonl = write_jsonl(tmp_path / "dapo.jsonl", dapo_rows(6, 2))
+    # A user's own CSV: "025" must stay text, negative answers kept, ids mapped.
+    csv = tmp_path / "mine.csv"
+    csv.write_text('uid,problem,answer,other\n'
+                   'a1,"What is 5*5, written with three digits?",025,x\n'
+                   'a2,Compute 3 - 10.,-7,y\n')
+    rc, out = run_cli(
+        tmp_path, tiny_tokenizer_dir, {"source": str(jsonl), "dedup": False},
+        {"source": str(csv), "convert": {"question": "problem", "answer": "answer",
+                                         "id": "uid"}},
+    )
+    assert rc == 0
+    assert pq.read_table(out / "train.parquet").to_pylist() == dapo_rows(6, 2)
+    val = pq.read_table(out / "val.parquet").to_pylist()
+    assert val[0] == {
+        "data_source": "math_dapo",
+        "prompt": [{"content": DAPO_PREFIX + "What is 5*5, written with three digits?"
+                    + DAPO_SUFFIX, "role": "user"}],
+        "ability": "MATH",
+        "reward_model": {"ground_truth": "025", "style": "rule-lighteval/MATH_v2"},
+        "extra_info": {"index": "a1", "raw_problem": "What is 5*5, written with three digits?",
+                       "split": "val"},
+    }
+    assert val[1]["reward_model"]["ground_truth"] == "-7"
+    summary = read_summary(out)
+    assert summary["splits"]["val"]["input"]["dropped_columns"] == ["other"]
+    assert summary["splits"]["train"]["source"]["format"] == "jsonl"
+    assert summary["splits"]["val"]["source"]["sha256"] == sha256(csv)
+
+    # JSONL with numeric answers, no id field, template none, another routed data_source.
+    mine = write_jsonl(tmp_path / "mine.jsonl", [{"q": "Find x if x+1=0.", "a": -1},
+                                                 {"q": "Find y if 2y=208.", "a": 104}])
+    par = tmp_path / "mine.parquet"
+    pq.write_table(pa.table({"question": ["What is 1+1?"], "solution": [2]}), par)
+    rc, out2 = run_cli(
+        tmp_path / "two", tiny_tokenizer_dir,
+        {"source": str(mine), "convert": {"question": "q", "answer": "a", "template": "none",
+                                          "data_source": "aime2024"}},
+        {"source": str(par), "convert": {"question": "question", "answer": "solution"}},
+    )
+    assert rc == 0
+    train = pq.read_table(out2 / "train.parquet").to_pylist()
+    assert [r["prompt"][0]["content"] for r in train] == ["Find x if x+1=0.",
+                                                          "Find y if 2y=208."]
+    assert [r["reward_model"]["ground_truth"] for r in train] == ["-1", "104"]
+    assert [r["extra_info"]["index"] for r in train] == ["0", "1"]
+    assert {r["data_source"] for r in train} == {"aime2024"}
+    val = pq.read_table(out2 / "val.parquet").to_pylist()
+    assert val[0]["reward_model"]["ground_truth"] == "2"
+    assert val[0]["prompt"][0]["content"].startswith(DAPO_PREFIX)
+
+
+BAD_CASES = {
+    # name: (make the bad source file, expected message fragments)
+    "missing_column": (
+        lambda d: write_parquet(d / "bad.parquet", [
+            {k: v for k, v in r.items() if k != "ability"} for r in dapo_rows(3)]),
+        ["column ability missing"]),
+    "wrong_type": (
+        lambda d: write_jsonl(d / "bad.jsonl", [
+            {**r, "reward_model": {"ground_truth": 34, "style": "s"}} for r in dapo_rows(3)]),
+        ["row 0", "column reward_model.ground_truth", "expected a string, got int64"]),
+    "mixed_type_jsonl": (
+        lambda d: write_jsonl(d / "bad.jsonl", [
+            *dapo_rows(3), {**dapo_rows(1)[0], "reward_model": {"ground_truth": 5,
+                                                                 "style": "s"}}]),
+        ["row 3", "column reward_model.ground_truth"]),
+    "empty_answer": (
+        lambda d: write_parquet(d / "bad.parquet", [
+            *dapo_rows(4), {**dapo_rows(5)[4], "reward_model": {"ground_truth": " ",
+                                                                 "style": "s"}}]),
+        ["row 4", "column reward_model.ground_truth", "empty ground truth"]),
+    "bad_role": (
+        lambda d: write_parquet(d / "bad.parquet", [
+            *dapo_rows(2), {**dapo_rows(3)[2], "prompt": [
+                {"content": "sys", "role": "system"}, {"content": "hi", "role": "human"}]}]),
+        ["row 2", "column prompt.role", "'human'"]),
+    "empty_prompt": (
+        lambda d: write_parquet(d / "bad.parquet", [*dapo_rows(2), {**dapo_rows(1)[0],
+                                                                   "prompt": []}]),
+        ["row 2", "column prompt", "no messages"]),
+    "empty_content": (
+        lambda d: write_parquet(d / "bad.parquet", [
+            {**dapo_rows(1)[0], "prompt": [{"content": "", "role": "user"}]}, *dapo_rows(2)]),
+        ["row 0", "column prompt.content", "empty message"]),
+    "unroutable_source": (
+        lambda d: write_parquet(d / "bad.parquet", [
+            *dapo_rows(5), {**dapo_rows(6)[5], "data_source": "gsm8k"}]),
+        ["row 5", "column data_source", "'gsm8k'", "NotImplementedError"]),
+    "prompt_as_text": (
+        lambda d: write_parquet(d / "bad.parquet", [
+            {**r, "prompt": r["prompt"][0]["content"]} for r in dapo_rows(2)]),
+        ["row 0", "column prompt", "list of {role, content}"]),
+    "unreadable_file": (
+        lambda d: (d / "bad.parquet").write_bytes(b"PAR1 this is not parquet") and (
+            d / "bad.parquet"),
+        ["cannot read as parquet"]),
+    "missing_file": (lambda d: d / "nope.parquet", ["no such file"]),
+    "broken_jsonl": (
+        lambda d: (d / "bad.jsonl").write_text(
+            json.dumps(dapo_rows(1)[0]) + "\n{not json\n") and d / "bad.jsonl",
+        ["line 2 (row 1)", "not valid JSON"]),
+    "null_ground_truth": (
+        lambda d: write_parquet(d / "bad.parquet", [
+            *dapo_rows(1), {**dapo_rows(2)[1], "reward_model": {"ground_truth": None,
+                                                                 "style": "s"}}]),
+        ["row 1", "column reward_model.ground_truth", "null"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CASES))
+@pytest.mark.parametrize("split", ["train", "val"])
+def test_bad_input_names_file_row_column_and_leaves_nothing(
+    case, split, tmp_path, files, tiny_tokenizer_dir, capsys
+):
+    make, fragments = BAD_CASES[case]
+    src = tmp_path / "bad"
+    src.mkdir()
+    bad = make(src)
+    good = {"train": {"source": str(files["dapo"])}, "val": {"source": str(files["aime"])}}
+    good[split] = {"source": str(bad)}
+    rc, out = run_cli(tmp_path, tiny_tokenizer_dir, good["train"], good["val"])
+    err = capsys.readouterr().err
+    assert rc == 1, err
+    assert str(bad) in err, err
+    for fragment in fragments:
+        assert fragment in err, (fragment, err)
+    assert not out.exists() or list(out.iterdir()) == []  # no outputs, no temp files
+
+
+def test_custom_conversion_errors(tmp_path, files, tiny_tokenizer_dir, capsys):
+    mine = write_jsonl(tmp_path / "mine.jsonl", [{"q": "a?", "a": 1}, {"q": "b?", "a": None}])
+    rc, out = run_cli(tmp_path, tiny_tokenizer_dir,
+                      {"source": str(mine), "convert": {"question": "q", "answer": "a"}},
+                      {"source": str(files["aime"])})
+    err = capsys.readouterr().err
+    assert rc == 1 and f"{mine}: row 1, column a: empty or missing value" in err
+    rc, out = run_cli(tmp_path, tiny_tokenizer_dir,
+                      {"source": str(mine), "convert": {"question": "question", "answer": "a"}},
+                      {"source": str(files["aime"])})
+    err = capsys.readouterr().err
+    assert rc == 1 and f"{mine}: column 'question' missing" in err
+    assert not out.exists() or list(out.iterdir()) == []
+
+
+def test_existing_outputs_survive_a_failed_rerun(tmp_path, files, tiny_tokenizer_dir):
+    rc, out = run_cli(tmp_path, tiny_tokenizer_dir, {"source": str(files["dapo"])},
+                      {"source": str(files["aime"])})
+    before = {p.name: sha256(p) for p in out.iterdir()}
+    rc2, _ = run_cli(tmp_path, tiny_tokenizer_dir, {"source": str(files["dapo"])},
+                     {"source": str(tmp_path / "missing.parquet")})
+    assert (rc, rc2) == (0, 1)
+    assert {p.name: sha256(p) for p in out.iterdir()} == before  # the old triple, intact
+
+
+def test_verl_routing():
+    for ok in ("math_dapo", "math", "math_dapo_reasoning", "aime", "aime2024", "aime_2025",
+               "openai/gsm8k", "HuggingFaceH4/MATH-500", "numina_olympiads", "searchR1_nq"):
+        assert data.verl_routes(ok), ok
+    for bad in ("gsm8k", "MATH", "", "AIME2024", "math-dapo", "DAPO"):
+        assert not data.verl_routes(bad), bad
+
+
+def test_source_kinds_and_hub_arguments(tmp_path):
+    (tmp_path / "repo").mkdir()
+    assert data.source_kind(str(tmp_path / "repo")) == "directory"
+    assert data.source_kind(str(tmp_path / "not-yet.parquet")) == "file"
+    assert data.source_kind("BytedTsinghua-SIA/DAPO-Math-17k") == "hub"
+    assert data.local_source_path("BytedTsinghua-SIA/AIME-2024") is None
+    assert data.hub_load_kwargs("BytedTsinghua-SIA/AIME-2024", "abc", "/c") == {
+        "path": "BytedTsinghua-SIA/AIME-2024", "name": "default", "revision": "abc",
+        "cache_dir": "/c"}
+
+
+def test_local_dataset_repository_through_datasets(tmp_path, tiny_tokenizer_dir):
+    """A directory laid out like the hub repository (an offline mirror) goes through the
+    real datasets.load_dataset(path, "default", split="train")."""
+    repo = tmp_path / "AIME-2024"
+    write_parquet(repo / "data" / "aime-2024.parquet", aime_rows(32), pandas_index=True)
+    train_repo = tmp_path / "DAPO-Math-17k"
+    write_parquet(train_repo / "data" / "dapo-math-17k.parquet", dapo_rows(10, 3))
+    rc, out = run_cli(tmp_path, tiny_tokenizer_dir, {"source": str(train_repo)},
+                      {"source": str(repo)})
+    assert rc == 0
+    summary = read_summary(out)
+    src = summary["splits"]["val"]["source"]
+    assert src["kind"] == "directory" and src["config"] == "default"
+    assert src["files"] == [{"path": str(repo / "data" / "aime-2024.parquet"),
+                             "sha256": sha256(repo / "data" / "aime-2024.parquet")}]
+    assert src["fingerprint"]
+    assert summary["val_n"] == 32 and summary["splits"]["val"]["rows"] == 30
+    assert summary["splits"]["val"]["input"]["dropped_columns"] == ["__index_level_0__"]
+    assert pq.read_table(out / "train.parquet").to_pylist() == dapo_rows(10, 1)
+
+
+def test_hub_source_offline_is_a_clear_error(tmp_path, tiny_tokenizer_dir):
+    """The hub path itself cannot run here (no network); offline it must fail clearly,
+    naming the dataset id, and leave nothing behind."""
+    cfg = {"data": {"train": {"source": "BytedTsinghua-SIA/DAPO-Math-17k"},
+                    "val": {"source": "BytedTsinghua-SIA/AIME-2024"}}}
+    out = tmp_path / "out"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           "HF_HOME": str(tmp_path / "hf"), "PYTHONPATH": str(REPO_ROOT / "scripts")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "hy3rl.data", "--config-json", json.dumps(cfg),
+         "--tokenizer", str(tiny_tokenizer_dir), "--train-out", str(out / "train.parquet"),
+         "--val-out", str(out / "val.parquet"), "--summary", str(out / "summary.json")],
+        capture_output=True, text=True, env=env, timeout=300,
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert "dataset 'BytedTsinghua-SIA/DAPO-Math-17k': cannot load" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not out.exists() or list(out.iterdir()) == []
+
+
+def test_bad_config_and_tokenizer(tmp_path, files, tiny_tokenizer_dir, capsys):
+    out = tmp_path / "out"
+    args = ["--train-out", str(out / "t.parquet"), "--val-out", str(out / "v.parquet"),
+            "--summary", str(out / "s.json")]
+    cfg = {"data": {"train": {"source": str(files["dapo"]), "dedupe": True}}}
+    assert data.main(["--config-json", json.dumps(cfg), "--tokenizer",
+                      str(tiny_tokenizer_dir), *args]) == 1
+    assert "data.train.dedupe" in capsys.readouterr().err
+    cfg = {"data": {"train": {"source": str(files["dapo"])},
+                    "val": {"source": str(files["aime"])}}}
+    assert data.main(["--config-json", json.dumps(cfg), "--tokenizer",
+                      str(tmp_path / "no-model"), *args]) == 1
+    assert "cannot load the tokenizer" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_data_rule_through_snakemake(tmp_path, files, tiny_tokenizer_dir):
+    """The real `data` rule with local sources and a model directory holding the
+    tokenizer (what an offline user configures)."""
+    import shutil
+
+    work = tmp_path / "work"
+    model = work / "model"
+    shutil.copytree(tiny_tokenizer_dir, model)
+    (model / "config.json").write_text("{}")
+    override = {"run": {"name": "t"}, "model": {"path": str(model)},
+                "data": {"train": {"source": str(files["dapo"]), "limit": 8},
+                         "val": {"source": str(files["aime"])}}}
+    cfg = tmp_path / "local.yaml"
+    cfg.write_text(yaml.safe_dump(override))
+    target = "results/t/data/summary.json"
+    run_snakemake(["--configfile", str(REPO_ROOT / "config/config.yaml"), str(cfg),
+                   "--cores", "2", target], work)
+    summary = json.loads((work / target).read_text())
+    assert summary["splits"]["train"]["rows"] == 8 and summary["val_n"] == 32
+    assert "val_n: 32" in (work / "results/t/logs/data.log").read_text()
