@@ -1,71 +1,41 @@
 # Stage `evaluate`: AIME generation per model tag (base, step<N>, final), two graders,
-# metrics, and a summary over tags. Formats: docs/formats/eval.md.
-import os
+# metrics, and a summary over tags. Formats: docs/formats/eval.md. The tag logic lives in
+# hy3rl.evaluate (eval_tags, model_args) so it is unit-tested.
+from hy3rl.evaluate import eval_tags, model_args
 
-EVAL = config["eval"]
+TRAIN_DONE = f"{RESULTS}/train/done.json"
+VLLM = config["eval"]["backend"] == "vllm"
+# vLLM on several nodes starts Ray with the training launcher: it needs the cluster section
+# and the runtime env written by deps.
+GEN_CFG = section_json("eval", "cluster") if VLLM else section_json("eval")
+GEN_RUNTIME_ENV = {"runtime_env": f"{RESULTS}/deps/runtime_env.yaml"} if VLLM else {}
+GEN_THREADS = (
+    2
+    if config["eval"]["backend"] == "transformers"
+    else config["cluster"]["cpus_per_node"]
+)
 
-
-def eval_tags():
-    """base always; step<N> and final only when training is in the DAG (cluster.gpu)."""
-    tags = ["base"]
-    if gpu_enabled():
-        tags += [f"step{s}" for s in EVAL["steps"]]
-        if EVAL["final"]:
-            tags.append("final")
-    return tags
-
-
-def eval_checkpoint_dir():
-    """<train.checkpoint_root>/<run.name> (empty root: <working dir>/checkpoints)."""
-    root = config.get("train", {}).get("checkpoint_root") or os.path.join(
-        os.getcwd(), "checkpoints"
-    )
-    return os.path.join(root, RUN)
-
-
-def eval_model_input(wildcards):
-    if wildcards.tag == "base":
-        return {"model": config["model"]["path"]}
-    return {"train_done": ancient(f"{RESULTS}/train/done.json")}
-
-
-def eval_model_args(wildcards):
-    """--model for base and step<N> (verl's HF weights of that checkpoint); final reads
-    its checkpoint from train/done.json at run time."""
-    if wildcards.tag == "base":
-        return f"--model {config['model']['path']}"
-    if wildcards.tag == "final":
-        return f"--train-done {RESULTS}/train/done.json"
-    step = int(wildcards.tag[len("step") :])
-    return f"--model {eval_checkpoint_dir()}/global_step_{step}/actor/model/huggingface"
-
-
-def eval_gpu_resources():
-    if EVAL["backend"] != "vllm":
-        return {"mem_mb": 8000, "runtime": 120}
-    v = EVAL["vllm"]
-    res = {
-        "nodes": v["nodes"],
-        "gres": f"gpu:{v['gpus_per_node']}",
-        "mem_mb": config["cluster"]["mem_mb_per_node"],
-        "runtime": v["time_min"],
-        "cpus_per_task": config["cluster"]["cpus_per_node"],
-    }
-    if v["nodes"] > 1:
-        res["slurm_extra"] = "'--ntasks-per-node=1 --exclusive'"
-    return res
-
-
-def eval_base_scores(wildcards):
-    return [] if wildcards.tag == "base" else [f"{RESULTS}/eval/base/scores.jsonl"]
-
+# vLLM jobs take the training job's shape (rules/cluster.smk): nodes x GPUs per node.
+_V = config["eval"]["vllm"]
+GEN_RESOURCES = (
+    gpu_job_resources(_V["nodes"], _V["gpus_per_node"], _V["time_min"])
+    if VLLM
+    else {"mem_mb": 8000, "runtime": 120}
+)
 
 STAGE_TARGETS.append(lambda: [f"{RESULTS}/eval/summary.json"])
 
 
 rule eval_generate:
     input:
-        unpack(eval_model_input),
+        unpack(
+            lambda wc: (
+                {"model": config["model"]["path"]}
+                if wc.tag == "base"
+                else {"train_done": ancient(TRAIN_DONE)}
+            )
+        ),
+        **GEN_RUNTIME_ENV,
         val=f"{RESULTS}/data/val.parquet",
     output:
         samples=f"{RESULTS}/eval/{{tag}}/samples.jsonl",
@@ -74,15 +44,19 @@ rule eval_generate:
         f"{LOGS}/eval/{{tag}}.generate.log",
     conda:
         "../envs/workflow.yaml"
-    threads: 2 if EVAL["backend"] == "transformers" else config["cluster"]["cpus_per_node"]
+    threads: GEN_THREADS
     resources:
-        **eval_gpu_resources(),
+        **GEN_RESOURCES,
     params:
-        cfg=section_json("eval"),
-        model=eval_model_args,
+        cfg=GEN_CFG,
+        model=lambda wc: model_args(config, wc.tag, TRAIN_DONE),
+        runtime_env=lambda wc, input: (
+            f"--runtime-env {input.runtime_env}" if VLLM else ""
+        ),
     shell:
         "python -m hy3rl.evaluate --config-json {params.cfg:q} --tag {wildcards.tag}"
-        " {params.model} --val {input.val} --out {output.samples} --meta {output.meta}"
+        " {params.model} {params.runtime_env} --val {input.val} --out {output.samples}"
+        " --meta {output.meta}"
         " > {log} 2>&1"
 
 
@@ -98,7 +72,7 @@ rule eval_score:
         f"{LOGS}/eval/{{tag}}.score.log",
     conda:
         "../envs/workflow.yaml"
-    threads: EVAL["graders"]["workers"]
+    threads: config["eval"]["graders"]["workers"]
     resources:
         mem_mb=4000,
         runtime=60,
@@ -114,7 +88,9 @@ rule eval_metrics:
     input:
         scores=f"{RESULTS}/eval/{{tag}}/scores.jsonl",
         meta=f"{RESULTS}/eval/{{tag}}/scores.meta.json",
-        base=eval_base_scores,
+        base=lambda wc: (
+            [] if wc.tag == "base" else [f"{RESULTS}/eval/base/scores.jsonl"]
+        ),
     output:
         f"{RESULTS}/eval/{{tag}}/metrics.json",
     log:
@@ -136,7 +112,7 @@ rule eval_metrics:
 
 rule evaluate:
     input:
-        [f"{RESULTS}/eval/{tag}/metrics.json" for tag in eval_tags()],
+        [f"{RESULTS}/eval/{tag}/metrics.json" for tag in eval_tags(config)],
     output:
         f"{RESULTS}/eval/summary.json",
     log:

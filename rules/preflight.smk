@@ -6,25 +6,13 @@
 STAGE_TARGETS.append(lambda: [f"{RESULTS}/preflight/plan.json"])
 
 
-def preflight_inputs(wildcards):
-    inputs = {
-        "lock": f"{RESULTS}/deps/lock.json",
-        "summary": f"{RESULTS}/data/summary.json",
-        "train": f"{RESULTS}/data/train.parquet",
-        "val": f"{RESULTS}/data/val.parquet",
-    }
-    try:  # until every tree has the check_checkpoint rule
-        rules.check_checkpoint
-    except AttributeError:
-        pass
-    else:
-        inputs["checkpoint_check"] = f"{RESULTS}/checks/checkpoint.json"
-    return inputs
-
-
 rule preflight:
     input:
-        unpack(preflight_inputs),
+        lock=f"{RESULTS}/deps/lock.json",
+        summary=f"{RESULTS}/data/summary.json",
+        train=f"{RESULTS}/data/train.parquet",
+        val=f"{RESULTS}/data/val.parquet",
+        checkpoint_check=f"{RESULTS}/checks/checkpoint.json",
     output:
         plan=f"{RESULTS}/preflight/plan.json",
         launch=f"{RESULTS}/preflight/launch.sh",
@@ -38,13 +26,8 @@ rule preflight:
         runtime=10,
     params:
         cfg=section_json("run", "cluster", "model", "data", "train", "preflight"),
-        check=lambda wc, input: (
-            f"--checkpoint-check {input.checkpoint_check}"
-            if "checkpoint_check" in input.keys()
-            else ""
-        ),
         out_dir=f"{RESULTS}/preflight",
     shell:
         "python -m hy3rl.preflight --config-json {params.cfg:q} --lock {input.lock}"
         " --data-summary {input.summary} --train-files {input.train} --val-files {input.val}"
-        " {params.check} --out-dir {params.out_dir} > {log} 2>&1"
+        " --checkpoint-check {input.checkpoint_check} --out-dir {params.out_dir} > {log} 2>&1"

@@ -177,7 +177,9 @@ def _flock(path: Path, mode: int, timeout: float) -> Iterator[int]:
                 if exc.errno not in (errno.EAGAIN, errno.EACCES):
                     raise
                 if time.monotonic() > deadline:
-                    raise ClusterError(f"timed out after {timeout:.0f}s waiting for {path}")
+                    raise ClusterError(
+                        f"timed out after {timeout:.0f}s waiting for {path}"
+                    ) from None
                 time.sleep(0.5)
         yield fd
     finally:
@@ -339,8 +341,18 @@ def node_states() -> dict[str, str]:
     return states
 
 
-def wait_ready(info: ClusterInfo, timeout: float = READY_TIMEOUT_S) -> None:
-    """Wait until every node is idle (or at least responding); raise with the logs."""
+def _usable(state: str, require_idle: bool) -> bool:
+    if require_idle:
+        return state == "idle"
+    bad = ("down", "drain", "fail", "unk", "not_responding", "future", "inval")
+    return bool(state) and not state.endswith("*") and not any(b in state for b in bad)
+
+
+def wait_ready(info: ClusterInfo, timeout: float = READY_TIMEOUT_S,
+               require_idle: bool = True) -> None:
+    """Wait until every node is idle (a fresh cluster) or at least up and responding
+    (``require_idle=False``: one that other sessions may be running jobs on); raise with
+    the daemons' logs otherwise."""
     deadline = time.monotonic() + timeout
     states: dict[str, str] = {}
     while time.monotonic() < deadline:
@@ -348,8 +360,7 @@ def wait_ready(info: ClusterInfo, timeout: float = READY_TIMEOUT_S) -> None:
         if dead:
             break
         states = node_states()
-        if all(states.get(n, "").rstrip("*") in ("idle", "mixed", "allocated")
-               for n in info.nodes):
+        if all(_usable(states.get(n, ""), require_idle) for n in info.nodes):
             return
         time.sleep(1)
     logs = "\n".join(
@@ -475,27 +486,37 @@ def start(persistent: bool = True) -> ClusterInfo:
     with _flock(START_LOCK, fcntl.LOCK_EX, timeout=300):
         info = _current_locked()
         if info is None:
-            info = _start_locked(persistent)
-        elif persistent and not info.persistent:
+            return _start_locked(persistent)  # waits until both nodes are idle
+        if persistent and not info.persistent:
             info.persistent = True
             info.save()
-        wait_ready(info)
+        wait_ready(info, require_idle=False)
         return info
 
 
-def stop() -> bool:
-    """Stop the running cluster (whoever started it). True if there was one."""
-    with _flock(START_LOCK, fcntl.LOCK_EX, timeout=300):
-        state = _running_state_dir()
-        if state is None:
-            return False
-        try:
-            info = ClusterInfo.load(state)
-        except FileNotFoundError:
-            _current_locked()
+def stop(force: bool = False) -> bool:
+    """Stop the running cluster (whoever started it). True if there was one. Refuses while
+    a test session uses it, unless ``force``."""
+    with contextlib.ExitStack() as stack:
+        if not force:
+            try:
+                stack.enter_context(_flock(USERS_LOCK, fcntl.LOCK_EX, timeout=0))
+            except ClusterError:
+                raise ClusterError(
+                    f"a test session is using the cluster ({USERS_LOCK} is locked); "
+                    "it stops the cluster when it ends (or use --force)"
+                ) from None
+        with _flock(START_LOCK, fcntl.LOCK_EX, timeout=300):
+            state = _running_state_dir()
+            if state is None:
+                return False
+            try:
+                info = ClusterInfo.load(state)
+            except FileNotFoundError:
+                _current_locked()
+                return True
+            _stop_locked(info)
             return True
-        _stop_locked(info)
-        return True
 
 
 def status() -> ClusterInfo | None:
@@ -551,6 +572,8 @@ def session(wait_s: float = 900) -> Iterator[ClusterInfo]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("action", choices=("start", "stop", "status"))
+    parser.add_argument("--force", action="store_true",
+                        help="stop even while a test session uses the cluster")
     args = parser.parse_args(argv)
     try:
         if args.action == "start":
@@ -558,7 +581,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(asdict(info), indent=2))
             print(f"nodes: {node_states()}", file=sys.stderr)
         elif args.action == "stop":
-            print("stopped" if stop() else "no test cluster running")
+            print("stopped" if stop(args.force) else "no test cluster running")
         else:
             info = status()
             if info is None:

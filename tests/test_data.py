@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -169,8 +170,6 @@ def test_seeded_sample_is_reproducible_and_in_source_order(tmp_path, files,
     rows = pq.read_table(out_a / "train.parquet").to_pylist()
     assert len(rows) == 50
     source = dapo_rows(20, 100)
-    import numpy as np
-
     expected = np.sort(np.random.default_rng(7).choice(2000, 50, replace=False))
     assert rows == [source[i] for i in expected]
     summary = read_summary(out_a)
@@ -277,6 +276,11 @@ BAD_CASES = {
             d / "bad.parquet"),
         ["cannot read as parquet"]),
     "missing_file": (lambda d: d / "nope.parquet", ["no such file"]),
+    "csv_without_convert": (
+        lambda d: (d / "bad.csv").write_text(
+            "data_source,prompt,ability,reward_model,extra_info\nmath_dapo,hi,MATH,1,{}\n")
+        and d / "bad.csv",
+        ["row 0", "column prompt", "list of {role, content}"]),
     "broken_jsonl": (
         lambda d: (d / "bad.jsonl").write_text(
             json.dumps(dapo_rows(1)[0]) + "\n{not json\n") and d / "bad.jsonl",
@@ -430,3 +434,48 @@ def test_data_rule_through_snakemake(tmp_path, files, tiny_tokenizer_dir):
     summary = json.loads((work / target).read_text())
     assert summary["splits"]["train"]["rows"] == 8 and summary["val_n"] == 32
     assert "val_n: 32" in (work / "results/t/logs/data.log").read_text()
+
+
+def test_prompt_ids_across_chunks_and_roles():
+    """Ids agree with a plain Python grouping by (role, content) of every message, also
+    when the column spans several chunks and slices."""
+    prompts = [
+        [{"content": "a", "role": "user"}],
+        [{"content": "a", "role": "system"}],
+        [{"content": "s", "role": "system"}, {"content": "a", "role": "user"}],
+        [{"content": "a", "role": "user"}],
+        [{"content": "s", "role": "system"}, {"content": "a", "role": "user"}],
+        [{"content": "sa", "role": "system"}],
+    ] * 3
+    arrays = [pa.array(prompts[i:i + 4]) for i in range(0, len(prompts), 4)]
+    col = pa.chunked_array(arrays)
+    seen: dict = {}
+    expected = [seen.setdefault(json.dumps(p), len(seen)) for p in prompts]
+    assert data.prompt_ids(col).tolist() == expected
+    table = pa.table({"prompt": col, "i": list(range(len(prompts)))})
+    keep = [1, 2, 7, 8, 16]
+    assert data.take_rows(table, np.array(keep))["i"].to_pylist() == keep
+
+
+def test_conflicting_answers_counted_and_first_kept(tmp_path, files, tiny_tokenizer_dir):
+    rows = dapo_rows(3, 2)
+    rows[4] = {**rows[4], "reward_model": {"ground_truth": "999", "style": "s"}}
+    src = write_parquet(tmp_path / "conflict.parquet", rows)
+    rc, out = run_cli(tmp_path, tiny_tokenizer_dir, {"source": str(src)},
+                      {"source": str(files["aime"])})
+    assert rc == 0
+    rec = read_summary(out)["splits"]["train"]
+    assert rec["input"]["prompts_with_conflicting_answers"] == 1
+    assert pq.read_table(out / "train.parquet").to_pylist() == dapo_rows(3, 1)
+
+
+def test_empty_source_and_revision_on_local_file(tmp_path, files, tiny_tokenizer_dir, capsys):
+    empty = tmp_path / "empty.parquet"
+    pq.write_table(pa.Table.from_pylist(dapo_rows(1)).slice(0, 0), empty)
+    rc, out = run_cli(tmp_path, tiny_tokenizer_dir, {"source": str(empty)},
+                      {"source": str(files["aime"])})
+    assert rc == 1 and f"data.train: {empty}: no rows" in capsys.readouterr().err
+    rc, out = run_cli(tmp_path, tiny_tokenizer_dir, {"source": str(files["dapo"])},
+                      {"source": str(files["aime"]), "revision": "main"})
+    assert rc == 1 and "applies to hub datasets only" in capsys.readouterr().err
+    assert not out.exists() or list(out.iterdir()) == []

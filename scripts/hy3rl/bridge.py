@@ -172,9 +172,10 @@ class _Interp:
                 else:
                     out.append(self.expr(arg))
         elif node is not None:
-            out = list(self.expr(node))
+            value = self.expr(node)
+            out = list(value) if isinstance(value, list | tuple) else [value]
         else:
-            raise self.fail(ast.Pass(), "bare return")
+            raise self.fail(ast.Pass(), "bare return: not a list of mappings")
         if not out or not all(isinstance(m, BridgeMapping) for m in out):
             raise self.fail(node, "return value is not a list of mappings")
         return out
@@ -761,6 +762,8 @@ def main(argv: list[str] | None = None) -> int:
     chk.add_argument("--config-json", required=True,
                      help='config slices {"model": {...}, "checks": {...}} as JSON')
     chk.add_argument("--out", required=True, help="results/<run>/checks/bridge.json")
+    chk.add_argument("--lock", help="results/<run>/deps/lock.json: the pinned Megatron-Bridge "
+                     "clone, whose src/ goes first on sys.path")
     dump = sub.add_parser("dump-registry", help="print the imported bridge's mapping table")
     dump.add_argument("--src", required=True, help="Megatron-Bridge src/ directory")
     dump.add_argument("--config", required=True, help="a Hy3 config.json")
@@ -770,6 +773,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps([{"kind": m.kind, "megatron": m.megatron, "hf": m.hf} for m in rows]))
         return 0
     cfg = json.loads(args.config_json)
+    if args.lock:
+        clone = json.loads(Path(args.lock).read_text())["repos"]["megatron_bridge"]["path"]
+        sys.path.insert(0, str(Path(clone) / "src"))
     bridge_cfg = cfg.get("checks", {}).get("bridge", {})
     model_path = cfg.get("model", {}).get("path")
     from hy3rl.model import TINY_DEFAULT_PATH

@@ -122,9 +122,12 @@ def _load_with_datasets(
     import datasets
 
     kwargs = hub_load_kwargs(source, revision if kind == "hub" else None, cache_dir)
+    requested = kwargs["revision"]
     what = f"dataset {source!r}" if kind == "hub" else f"{source}"
     try:
         builder = datasets.load_dataset_builder(**kwargs)
+        if kind == "hub":  # load exactly the commit the revision resolved to (recorded below)
+            kwargs["revision"] = builder.hash
         ds = datasets.load_dataset(**kwargs, split="train")
     except Exception as exc:  # datasets raises many types; all mean "cannot load"
         hint = ""
@@ -148,7 +151,7 @@ def _load_with_datasets(
     }
     if kind == "hub":
         # For hub datasets the module hash is the commit SHA the revision resolved to.
-        info.update(id=source, revision_requested=revision, revision=builder.hash)
+        info.update(id=source, revision_requested=requested, revision=builder.hash)
     else:
         info.update(
             path=str(source),
@@ -176,7 +179,8 @@ def _jsonl_error_detail(path: Path, exc: Exception) -> str:
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as jexc:
-                return f"line {lineno + 1} (row {lineno}): not valid JSON: {jexc.msg}"
+                return (f"line {lineno + 1} (row {lineno}): not valid JSON: {jexc.msg} "
+                        "(JSON lines expected: one object per line)")
             if col_path and first_kind:
                 value: Any = obj
                 for part in col_path:
@@ -235,9 +239,10 @@ def load_source(
     cache_dir: str | None = None,
 ) -> tuple[pa.Table, dict[str, Any]]:
     kind = source_kind(source)
+    if revision and kind != "hub":
+        raise DataError(f"{source}: `revision` applies to hub datasets only (this is a local "
+                        f"{kind})")
     if kind == "file":
-        if revision:
-            raise DataError(f"{source}: `revision` applies to hub datasets only")
         return read_file(source, convert)
     return _load_with_datasets(source, kind, revision, cache_dir)
 
@@ -273,8 +278,7 @@ def convert_custom(
     question = _as_text(_column(table, mapping["question"], label), label, mapping["question"])
     answer = _as_text(_column(table, mapping["answer"], label), label, mapping["answer"])
     for name, col in ((mapping["question"], question), (mapping["answer"], answer)):
-        bad = pc.or_kleene(pc.is_null(col), pc.equal(pc.utf8_length(pc.utf8_trim_whitespace(
-            col)), 0))
+        bad = pc.or_kleene(pc.is_null(col), _blank(col))
         _raise_first(bad, label, name, "empty or missing value")
     question = question.combine_chunks() if n else pa.array([], pa.string())
     answer = pc.utf8_trim_whitespace(answer).combine_chunks() if n else pa.array([], pa.string())
@@ -405,8 +409,7 @@ def validate(table: pa.Table, label: str) -> None:
         col = pc.struct_field(table["reward_model"], sub)
         _raise_first(pc.is_null(col), label, f"reward_model.{sub}", "missing value (null)")
     gt = pc.struct_field(table["reward_model"], "ground_truth")
-    _raise_first(pc.equal(pc.utf8_length(pc.utf8_trim_whitespace(gt)), 0), label,
-                 "reward_model.ground_truth", "empty ground truth")
+    _raise_first(_blank(gt), label, "reward_model.ground_truth", "empty ground truth")
     prompt = table["prompt"]
     _raise_first(pc.equal(pc.list_value_length(prompt), 0), label, "prompt",
                  "empty chat (no messages)")
@@ -427,9 +430,13 @@ def validate(table: pa.Table, label: str) -> None:
                 )
             _raise_first(pc.is_null(content), label, "prompt.content", "missing (null)",
                          parents)
-            _raise_first(pc.equal(pc.utf8_length(pc.utf8_trim_whitespace(content)), 0), label,
-                         "prompt.content", "empty message", parents)
+            _raise_first(_blank(content), label, "prompt.content", "empty message", parents)
         offset += len(chunk)
+
+
+def _blank(strings: pa.Array | pa.ChunkedArray) -> pa.Array | pa.ChunkedArray:
+    """True for empty or whitespace-only strings (no copy of the text)."""
+    return pc.or_(pc.equal(pc.binary_length(strings), 0), pc.utf8_is_space(strings))
 
 
 def _first_true(mask: pa.Array) -> int | None:
@@ -478,6 +485,19 @@ def prompt_ids(prompt: pa.ChunkedArray) -> np.ndarray:
         ids[pos:pos + n] = mapping[encoded.indices.to_numpy(zero_copy_only=False)]
         pos += n
     return ids
+
+
+def take_rows(table: pa.Table, indices: np.ndarray) -> pa.Table:
+    """``table.take(indices)`` for ascending ``indices`` without concatenating the table's
+    chunks first (Arrow's take on chunked list columns does, costing a full copy)."""
+    batches, start = [], 0
+    for batch in table.to_batches():
+        end = start + batch.num_rows
+        lo, hi = np.searchsorted(indices, [start, end])
+        if hi > lo:
+            batches.append(batch.take(pa.array(indices[lo:hi] - start)))
+        start = end
+    return pa.Table.from_batches(batches, schema=table.schema)
 
 
 @dataclass
@@ -620,6 +640,8 @@ def _prepare_split(
     else:
         table, dropped = select_columns(raw, label)
     del raw
+    if table.num_rows == 0:
+        raise DataError(f"{label}: no rows")
     validate(table, label)
 
     ids = prompt_ids(table["prompt"])
@@ -630,10 +652,10 @@ def _prepare_split(
     dedup = bool(cfg.get("dedup", True))
     keep = first_occurrences(ids) if dedup else None
     if keep is not None and len(keep) < len(ids):
-        table, ids = table.take(keep), ids[keep]
+        table, ids = take_rows(table, keep), ids[keep]
     chosen = sample_rows(len(ids), cfg.get("limit"), int(cfg.get("seed", 0)))
     if chosen is not None:
-        table, ids = table.take(chosen), ids[chosen]
+        table, ids = take_rows(table, chosen), ids[chosen]
     table = table.replace_schema_metadata(None)
 
     val_n = None
@@ -641,7 +663,9 @@ def _prepare_split(
         val_n, val_n_source = implied_val_n(repeats, dedup, cfg.get("n"), label)
 
     uniq, first, counts = np.unique(ids, return_index=True, return_counts=True)
-    conversations = table["prompt"].take(first).to_pylist()
+    order = np.argsort(first)  # tokenize each distinct prompt once, in file order
+    first, counts = first[order], counts[order]
+    conversations = take_rows(table.select(["prompt"]), first)["prompt"].to_pylist()
     lengths = prompt_token_lengths(tokenizer, conversations)
     over = lengths > max_prompt_length
     sources = pc.value_counts(table["data_source"]).to_pylist()
@@ -667,6 +691,7 @@ def _prepare_split(
         "source": provenance,
     }
     if split == "val":
+        record["options"]["n"] = cfg.get("n")
         record.update(val_n=val_n, val_n_source=val_n_source)
     return SplitResult(table=table, record=record, val_n=val_n)
 

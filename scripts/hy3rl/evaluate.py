@@ -538,7 +538,7 @@ def _write_json(path: Path, obj: Any) -> None:
 
 def resolve_model(tag: str, model: str | None, train_done: Path | None) -> str:
     """The model directory of a tag: given directly, or for ``final`` from the train sentinel
-    (its checkpoint dir and final step)."""
+    (``hf_model``, else ``checkpoint_dir`` + ``final_step``; docs/formats/train.md)."""
     if model:
         return model
     if tag != "final" or train_done is None:
@@ -547,6 +547,8 @@ def resolve_model(tag: str, model: str | None, train_done: Path | None) -> str:
         done = json.loads(train_done.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise EvalError(f"{train_done}: cannot read the train sentinel: {exc}") from exc
+    if isinstance(done.get("hf_model"), str):
+        return done["hf_model"]
     step = done.get("final_step")
     ckpt = done.get("checkpoint_dir")
     if not isinstance(step, int) or not isinstance(ckpt, str):
@@ -559,6 +561,84 @@ def checkpoint_model_dir(checkpoint_dir: str, step: int) -> str:
     return str(Path(checkpoint_dir) / f"global_step_{step}" / "actor" / "model" / "huggingface")
 
 
+IN_RAY_VAR = "HY3RL_EVAL_IN_RAY"
+
+
+def ray_launch_script(argv: Sequence[str], workdir: str, scripts_dir: str,
+                      python: str) -> str:
+    """The script the Ray job runs for a multi-node vLLM evaluation: this same CLI, on the
+    Ray cluster that hy3rl.launch started over the job's nodes (as for training)."""
+    import shlex
+
+    cmd = " ".join(shlex.quote(a) for a in [python, "-m", "hy3rl.evaluate", *argv])
+    return ("#!/usr/bin/env bash\n# Written by hy3rl.evaluate: the evaluation as a Ray job.\n"
+            "set -euo pipefail\n"
+            f"cd {shlex.quote(workdir)}\n"
+            f"export PYTHONPATH={shlex.quote(scripts_dir)}${{PYTHONPATH:+:$PYTHONPATH}}\n"
+            f"export {IN_RAY_VAR}=1\n"
+            f"exec {cmd}\n")
+
+
+def _launch_on_ray(args: argparse.Namespace, argv: Sequence[str], vcfg: dict[str, Any],
+                   cpus_per_node: int) -> int:
+    # ---- GPU cluster only: start Ray over the job's nodes with the training launcher and
+    # run this CLI again inside it (not run on this machine: needs vLLM and GPUs). ----
+    from hy3rl.launch import LaunchSpec, launch
+
+    if args.runtime_env is None:
+        print("error: a multi-node vLLM evaluation needs --runtime-env (deps/runtime_env.yaml)",
+              file=sys.stderr)
+        return 1
+    log_dir = args.out.parent / "ray"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    script = log_dir / "launch.sh"
+    script.write_text(ray_launch_script(argv, os.getcwd(), str(Path(__file__).parents[1]),
+                                        sys.executable))
+    job = os.environ.get("SLURM_JOB_ID", "local")
+    spec = LaunchSpec(submission_id=f"eval-{args.tag}-{job}", launch_script=script.resolve(),
+                      runtime_env=args.runtime_env, log_dir=log_dir,
+                      nodes=int(vcfg.get("nodes", 1)),
+                      gpus_per_node=int(vcfg.get("gpus_per_node", 1)),
+                      cpus_per_node=cpus_per_node)
+    return launch(spec).exit_code
+
+
+# --------------------------------------------------------------------------------------
+# Workflow helpers (used by rules/eval.smk; pure)
+# --------------------------------------------------------------------------------------
+
+
+def eval_tags(config: dict[str, Any]) -> list[str]:
+    """Tags to evaluate: base always; step<N> for eval.steps and final only when training
+    is in the DAG (cluster.gpu)."""
+    ev = config.get("eval", {})
+    tags = ["base"]
+    if config.get("cluster", {}).get("gpu"):
+        tags += [f"step{s}" for s in ev.get("steps", [])]
+        if ev.get("final", True):
+            tags.append("final")
+    return tags
+
+
+def run_checkpoint_dir(config: dict[str, Any], workdir: str | None = None) -> str:
+    """<train.checkpoint_root>/<run.name>; an empty or missing root means
+    <working dir>/checkpoints (docs/formats/train.md)."""
+    root = (config.get("train") or {}).get("checkpoint_root") or os.path.join(
+        workdir or os.getcwd(), "checkpoints")
+    return os.path.join(root, config["run"]["name"])
+
+
+def model_args(config: dict[str, Any], tag: str, train_done: str) -> str:
+    """The --model / --train-done arguments of a tag for the CLI."""
+    if tag == "base":
+        return f"--model {config['model']['path']}"
+    if tag == "final":
+        return f"--train-done {train_done}"
+    if not tag.startswith("step") or not tag[4:].isdigit():
+        raise EvalError(f"unknown evaluation tag {tag!r} (base, step<N>, final)")
+    return f"--model {checkpoint_model_dir(run_checkpoint_dir(config), int(tag[4:]))}"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="hy3rl.evaluate", description=__doc__.split("\n")[0])
     ap.add_argument("--config-json", default="{}", help="JSON with an 'eval' section")
@@ -569,8 +649,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--val", type=Path, required=True, help="data/val.parquet")
     ap.add_argument("--out", type=Path, required=True, help="<tag>/samples.jsonl")
     ap.add_argument("--meta", type=Path, required=True, help="<tag>/samples.meta.json")
+    ap.add_argument("--runtime-env", type=Path, default=None,
+                    help="deps/runtime_env.yaml (multi-node vLLM: the Ray job's runtime env)")
     args = ap.parse_args(argv)
-    cfg = json.loads(args.config_json).get("eval", {})
+    full_cfg = json.loads(args.config_json)
+    cfg = full_cfg.get("eval", {})
     started = _now()
     try:
         sampling = resolve_sampling(cfg)
@@ -608,20 +691,27 @@ def main(argv: list[str] | None = None) -> int:
         print(f"batch {i}/{n} done ({time.monotonic() - t0:.1f} s)", file=sys.stderr, flush=True)
 
     if backend == "vllm":
-        ok, why = vllm_available()
-        if not ok:
-            meta.update(status="not run", reason=why, finished=_now())
-            _write_json(args.meta, meta)
-            print(f"not run: {why}", file=sys.stderr)
-            return NOT_RUN_EXIT
         vcfg = cfg.get("vllm", {})
         max_prompt = max(len(tokenizer(t, add_special_tokens=False)["input_ids"])
                          for t in rendered.values())
-        engine = vllm_engine_kwargs(model_path, vcfg, sampling, max_prompt)
-        if int(vcfg.get("data_parallel_size", 1)) > 1:
-            print("error: data_parallel_size > 1: run one job per replica (not wired yet)",
-                  file=sys.stderr)
+        try:
+            engine = vllm_engine_kwargs(model_path, vcfg, sampling, max_prompt)
+            if int(vcfg.get("data_parallel_size", 1)) > 1:
+                raise EvalError("eval.vllm.data_parallel_size > 1 is not supported by one job "
+                                "yet: run one job per replica (e.g. one run per tag)")
+        except EvalError as exc:
+            print(f"error: {exc}", file=sys.stderr)
             return 1
+        ok, why = vllm_available()
+        if not ok:
+            meta.update(status="not run", reason=why, backend_settings={"engine": engine},
+                        finished=_now())
+            _write_json(args.meta, meta)
+            print(f"not run: {why}", file=sys.stderr)
+            return NOT_RUN_EXIT
+        if int(vcfg.get("nodes", 1)) > 1 and os.environ.get(IN_RAY_VAR) != "1":
+            cpus = int(full_cfg.get("cluster", {}).get("cpus_per_node", 1))
+            return _launch_on_ray(args, sys.argv[1:] if argv is None else argv, vcfg, cpus)
         meta["backend_settings"] = {"engine": engine, "batch_size": batch_size}
 
         llm = VllmEngine(engine)

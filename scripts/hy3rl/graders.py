@@ -41,8 +41,9 @@ from typing import Any
 GRADERS = ("math_dapo", "math_verify")
 MATH_DAPO_RELPATH = "verl/utils/reward_score/math_dapo.py"
 INVALID = "[INVALID]"
-# Standard-library modules the pinned math_dapo.py may import and still be loaded by path.
-_SAFE_IMPORTS = {"re", "typing", "math", "__future__"}
+# The pinned math_dapo.py is loaded by path only if it imports nothing but the standard
+# library (at 220e903: re, typing), so loading it cannot pull torch or ray.
+_SAFE_IMPORTS = set(sys.stdlib_module_names)
 
 
 class GraderSetupError(RuntimeError):
@@ -148,7 +149,7 @@ def _imports_only_stdlib(source: str) -> tuple[bool, str]:
             names = [(node.module or "").split(".")[0]] if node.level == 0 else ["<relative>"]
         else:
             continue
-        bad = [n for n in names if n not in _SAFE_IMPORTS]
+        bad = [n for n in names if n not in _SAFE_IMPORTS]  # includes relative imports
         if bad:
             return False, f"imports {', '.join(bad)}"
     return True, ""
@@ -264,8 +265,10 @@ def grade_one(grader: str, response: str, ground_truth: str, dapo_fn, timeout_s:
 def _worker(conn, impl_dict: dict[str, Any]) -> None:  # pragma: no cover - child process
     logging.getLogger("math_verify").setLevel(logging.ERROR)
     dapo_fn = load_dapo_function(DapoImpl(**impl_dict))
-    import math_verify  # noqa: F401  (import once, before the first timed task)
-
+    # Warm up (imports, regex compilation, the LaTeX parser) before the first timed task.
+    math_verify_grade("Answer: $\\frac{1}{2}$", "\\frac{1}{2}")
+    dapo_fn("Answer: 1", "1")
+    conn.send("ready")  # the parent starts a task's clock only once the worker is up
     while True:
         try:
             msg = conn.recv()
@@ -300,17 +303,36 @@ class GraderPool:
     _slots: list[_Slot] = field(default_factory=list)
     kills: int = 0
 
+    startup_timeout_s: float = 300.0
+
     def __post_init__(self) -> None:
         self._ctx = mp.get_context("spawn")
-        for _ in range(self.workers):
-            self._slots.append(self._spawn())
+        slots = [self._start() for _ in range(self.workers)]
+        for slot in slots:
+            self._await_ready(slot)
+        self._slots = slots
 
-    def _spawn(self) -> _Slot:
+    def _start(self) -> _Slot:
         parent, child = self._ctx.Pipe()
         proc = self._ctx.Process(target=_worker, args=(child, asdict(self.impl)), daemon=True)
         proc.start()
         child.close()
         return _Slot(proc, parent)
+
+    def _await_ready(self, slot: _Slot) -> None:
+        try:
+            ok = slot.conn.poll(self.startup_timeout_s) and slot.conn.recv() == "ready"
+        except (EOFError, OSError):
+            ok = False
+        if not ok:
+            slot.proc.kill()
+            raise GraderSetupError(f"a grader worker did not start (exit code "
+                                   f"{slot.proc.exitcode}); see the log above")
+
+    def _spawn(self) -> _Slot:
+        slot = self._start()
+        self._await_ready(slot)
+        return slot
 
     def close(self) -> None:
         for slot in self._slots:

@@ -51,6 +51,9 @@ import yaml
 log = logging.getLogger("hy3rl.launch")
 
 SCOPE_VAR = "HY3RL_RAY_SCOPE"
+# The Ray CLI of this interpreter's environment (the runtime's), else the one on PATH.
+RAY = str(Path(sys.executable).with_name("ray")) \
+    if Path(sys.executable).with_name("ray").exists() else "ray"
 SECRET_RE = re.compile(r"(KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL)", re.I)
 RAY_DEFAULTS: dict[str, Any] = {
     "port_base": 20000,
@@ -291,7 +294,7 @@ def node_main(args: argparse.Namespace) -> int:
     temp.mkdir(parents=True, exist_ok=True)
     os.environ[SCOPE_VAR] = args.scope
     os.environ["HY3RL_NODE"] = args.name
-    cmd = ["ray", "start", "--block", "--disable-usage-stats", f"--temp-dir={temp}",
+    cmd = [RAY, "start", "--block", "--disable-usage-stats", f"--temp-dir={temp}",
            f"--num-cpus={args.num_cpus}", f"--num-gpus={args.num_gpus}",
            f"--node-manager-port={ports.node_manager}",
            f"--object-manager-port={ports.object_manager}",
@@ -366,8 +369,13 @@ class NodeProc:
 
     def start(self) -> None:
         fh = open(self.logfile, "ab")
+        # The rule's step environment describes that one-node step (SLURM_NNODES=1, ...):
+        # drop it, so that srun takes the job's shape from slurmctld (--jobid names it).
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith(("SLURM_", "SRUN_", "SBATCH_"))}
         self.proc = subprocess.Popen(self.cmd, stdout=fh, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+                                     stdin=subprocess.DEVNULL, start_new_session=True,
+                                     env=env)
         fh.close()
         self.started = time.monotonic()
 
@@ -395,6 +403,8 @@ class Launcher:
         self.dashboard: str | None = None
         self.submitted = False
         self.secrets: list[str] = []
+        self.job_done = False
+        self.on_stop: Callable[[str], None] | None = None
         self.t0 = time.monotonic()
 
     # ---- helpers
@@ -402,13 +412,16 @@ class Launcher:
         log.info("[+%7.1fs] " + msg, time.monotonic() - self.t0, *a)
 
     def request_stop(self, reason: str) -> None:
-        if self.stop_reason is None:
+        first = self.stop_reason is None
+        if first:
             self.stop_reason = reason
             self.phase("stop requested: %s", reason)
         self.stop_event.set()
-        if self.submit and self.submit.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.submit.terminate()
+        if first and self.on_stop:
+            try:
+                self.on_stop(reason)
+            except Exception as exc:  # recording must not prevent the teardown
+                log.warning("on_stop: %s", exc)
 
     def check_stop(self) -> None:
         if self.stop_reason:
@@ -440,8 +453,8 @@ class Launcher:
             inner += ["--head-address", str(head_address)]
         if not self.job_id:
             return inner
-        return ["srun", "--overlap", "-N1", "-n1", "-w", node.name, "--jobid", self.job_id,
-                "--kill-on-bad-exit=1", "--export=ALL", *inner]
+        return ["srun", "--overlap", f"--jobid={self.job_id}", "--nodes=1", "--ntasks=1",
+                f"--nodelist={node.name}", "--kill-on-bad-exit=1", "--export=ALL", *inner]
 
     # ---- phases
     def discover(self) -> None:
@@ -469,7 +482,7 @@ class Launcher:
                 info = json.loads(published.read_text())
             if info is not None:
                 addr = f"{info['ip']}:{info['gcs_port']}"
-                hc = subprocess.run(["ray", "health-check", "--address", addr],
+                hc = subprocess.run([RAY, "health-check", "--address", addr],
                                     capture_output=True, timeout=60)
                 if hc.returncode == 0:
                     self.phase("head GCS alive at %s", addr)
@@ -560,7 +573,7 @@ class Launcher:
     def run_job(self, runtime_env: Path) -> tuple[int, str, str]:
         from ray.job_submission import JobSubmissionClient
 
-        cmd = ["ray", "job", "submit", "--address", self.dashboard,
+        cmd = [RAY, "job", "submit", "--address", self.dashboard,
                "--submission-id", self.spec.submission_id, "--runtime-env", str(runtime_env),
                "--", "bash", str(self.spec.launch_script)]
         self.phase("submitting: %s", shlex.join(cmd))
@@ -584,6 +597,7 @@ class Launcher:
             self.check_stop()
             self.stop_event.wait(0.5)
         reader.join(timeout=10)
+        self.job_done = True
         self.check_stop()
         client = JobSubmissionClient(self.dashboard)
         info = client.get_job_info(self.spec.submission_id)
@@ -601,41 +615,41 @@ class Launcher:
 
     def teardown(self) -> None:
         self.phase("teardown")
-        if self.submitted and self.dashboard:
-            with contextlib.suppress(Exception):
-                from ray.job_submission import JobStatus, JobSubmissionClient
-
-                client = JobSubmissionClient(self.dashboard)
-                if client.get_job_status(self.spec.submission_id) in (JobStatus.PENDING,
-                                                                      JobStatus.RUNNING):
-                    client.stop_job(self.spec.submission_id)
-                    self.phase("ray job stop %s", self.spec.submission_id)
-                    deadline = time.monotonic() + 10
-                    while time.monotonic() < deadline and client.get_job_status(
-                            self.spec.submission_id) in (JobStatus.PENDING, JobStatus.RUNNING):
-                        time.sleep(0.5)
+        if self.submitted and not self.job_done and self.dashboard:
+            # Bounded: SLURM's KillWait after a SIGTERM may be a few seconds only.
+            with contextlib.suppress(subprocess.TimeoutExpired, OSError):
+                subprocess.run([RAY, "job", "stop", "--no-wait", "--address", self.dashboard,
+                                self.spec.submission_id], capture_output=True, timeout=15)
+                self.phase("ray job stop %s", self.spec.submission_id)
         if self.submit and self.submit.poll() is None:
-            self.submit.terminate()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.submit.wait(5)
             if self.submit.poll() is None:
+                self.submit.terminate()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.submit.wait(5)
+            if self.submit.poll() is None:
                 self.submit.kill()
-        # Workers first, the head last.
+        # Workers first, the head last. Under srun, SIGUSR1 is forwarded to the node wrapper
+        # (which stops Ray and its scope, then exits); SIGTERM would make srun cancel the
+        # step at once and leave no time for that. Then SIGTERM, then SIGKILL.
         order = list(reversed(list(self.procs.values())))
-        for np_ in order:
-            if np_.proc and np_.proc.poll() is None:
+        polite = signal.SIGUSR1 if self.job_id else signal.SIGTERM
+        grace = float(self.ray["stop_grace_s"]) + 10
+        for sig, wait in ((polite, grace), (signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+            running = [np_ for np_ in order if np_.proc and np_.proc.poll() is None]
+            if not running:
+                break
+            if sig != polite:
+                self.phase("node(s) %s did not stop in time: %s",
+                           ", ".join(np_.node.name for np_ in running), sig.name)
+            for np_ in running:
                 with contextlib.suppress(ProcessLookupError):
-                    np_.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + float(self.ray["stop_grace_s"]) + 15
-        for np_ in order:
-            if np_.proc is None:
-                continue
-            try:
-                np_.proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                self.phase("node %s did not stop in time: killing its step", np_.node.name)
-                np_.proc.kill()
-                np_.proc.wait()
+                    np_.proc.send_signal(sig)
+            deadline = time.monotonic() + wait
+            for np_ in running:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    np_.proc.wait(max(0.1, deadline - time.monotonic()))
         self.phase("Ray stopped on %d node(s)", len(order))
 
     def run(self, on_nodes: Callable[[list[str]], None] | None = None) -> LaunchResult:
@@ -671,9 +685,11 @@ class Launcher:
 _SIGNUMS = {f"signal {s.name}": s.value for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
 
 
-def launch(spec: LaunchSpec, on_nodes: Callable[[list[str]], None] | None = None) -> LaunchResult:
+def launch(spec: LaunchSpec, on_nodes: Callable[[list[str]], None] | None = None,
+           on_stop: Callable[[str], None] | None = None) -> LaunchResult:
     """Run one training job on Ray (see the module docstring). Signal handlers for SIGTERM,
-    SIGINT and SIGUSR1 are installed for the duration (main thread only)."""
+    SIGINT and SIGUSR1 are installed for the duration (main thread only); ``on_stop(reason)``
+    is called at the first one, before the teardown (to record it while there is time)."""
     spec.log_dir.mkdir(parents=True, exist_ok=True)
     handler = logging.FileHandler(spec.log_dir / "launcher.log")
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s: %(message)s"))
@@ -683,6 +699,7 @@ def launch(spec: LaunchSpec, on_nodes: Callable[[list[str]], None] | None = None
                             format="%(asctime)s %(name)s %(levelname)s: %(message)s")
     logging.getLogger("hy3rl").setLevel(logging.INFO)
     launcher = Launcher(spec)
+    launcher.on_stop = on_stop
     old = {}
     if threading.current_thread() is threading.main_thread():
         for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):

@@ -188,8 +188,10 @@ def compute_metrics(scores: Sequence[dict[str, Any]], tag: str, graders_info: di
     problems = group_scores(scores, source)
     n = len(problems[0].finish)
     total = n * len(problems)
-    fmt = [sum(mv and not md for mv, md in zip(p.acc["math_verify"], p.acc["math_dapo"],
-                                               strict=True)) for p in problems]
+    # format failure: math-verify right, math_dapo wrong (a math_dapo grader failure is not one)
+    fmt = [sum(mv and not md and st == "ok" for mv, md, st in zip(
+        p.acc["math_verify"], p.acc["math_dapo"], p.status["math_dapo"], strict=True))
+        for p in problems]
     per_problem = []
     for p, f in zip(problems, fmt, strict=True):
         row: dict[str, Any] = {"problem_id": p.problem_id, "ground_truth": p.ground_truth,

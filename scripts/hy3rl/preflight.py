@@ -103,14 +103,16 @@ HY3_REQUIRED = (
     "actor_rollout_ref.actor.megatron.context_parallel_size",
     "actor_rollout_ref.rollout.tensor_model_parallel_size",
 )
-# Environment a logger needs in the Ray job (verl/utils/tracking.py at the pin).
+HY3_ORIGIN = f"hy3-required (carried over from {DEFAULT_SCRIPT})"
+# Environment variables a logger reads (verl/utils/tracking.py at the pin and the logger
+# libraries): names only; the train launcher passes those that are set to the Ray job.
 LOGGER_ENV = {
     "file": ["VERL_FILE_LOGGER_PATH"],
-    "wandb": ["WANDB_API_KEY (or WANDB_MODE=offline)"],
-    "swanlab": ["SWANLAB_API_KEY"],
+    "wandb": ["WANDB_API_KEY", "WANDB_MODE", "WANDB_BASE_URL", "WANDB_ENTITY"],
+    "swanlab": ["SWANLAB_API_KEY", "SWANLAB_MODE"],
     "mlflow": ["MLFLOW_TRACKING_URI"],
     "tensorboard": ["TENSORBOARD_DIR"],
-    "clearml": ["CLEARML_API_ACCESS_KEY", "CLEARML_API_SECRET_KEY"],
+    "clearml": ["CLEARML_API_ACCESS_KEY", "CLEARML_API_SECRET_KEY", "CLEARML_API_HOST"],
 }
 # Knobs of the default script that other config keys own.
 OWNED_KNOBS = {
@@ -283,6 +285,9 @@ def hydra_config_of(verl_dir: Path, module: str) -> tuple[Path, str]:
         raise PreflightError(f"entrypoint module {module} not found at {src}")
     text = src.read_text()
     m = re.search(r"@hydra\.main\(([^)]*)\)", text)
+    default_dir = verl_dir / "verl/trainer/config"
+    if not m and module == DEFAULT_ENTRYPOINT and (default_dir / "ppo_trainer.yaml").is_file():
+        return default_dir.resolve(), "ppo_trainer"  # main_ppo's config at the pin
     if not m:
         raise PreflightError(f"{src}: no @hydra.main(...) found; cannot compose its config")
     args = dict(re.findall(r"(config_path|config_name)\s*=\s*[\"']([^\"']+)[\"']", m.group(1)))
@@ -394,31 +399,19 @@ def model_bytes(cfg: Mapping[str, Any]) -> tuple[int | None, str]:
     return None, f"unknown (no preflight.model_bytes and no safetensors under {mpath})"
 
 
-def _find(summary: Any, names: tuple[str, ...]) -> Any:
-    """First value under any of ``names`` in a nested summary (depth-first, dicts only)."""
-    if isinstance(summary, Mapping):
-        for name in names:
-            if name in summary and not isinstance(summary[name], Mapping):
-                return summary[name]
-        for value in summary.values():
-            found = _find(value, names)
-            if found is not None:
-                return found
-    return None
-
-
 def summary_facts(summary: Mapping[str, Any] | None) -> dict[str, Any]:
-    """Numbers preflight uses from data/summary.json (docs/formats/data.md)."""
+    """Numbers preflight uses from data/summary.json (format: docs/formats/data.md)."""
     if not summary:
         return {}
-    train = summary.get("train") or summary.get("splits", {}).get("train") or {}
-    val = summary.get("val") or summary.get("splits", {}).get("val") or {}
+    splits = summary.get("splits") or {}
+    train, val = splits.get("train") or {}, splits.get("val") or {}
+    over = train.get("over_max_prompt_length")
     return {
-        "train_rows": _find(train, ("rows", "num_rows")),
-        "val_rows": _find(val, ("rows", "num_rows")),
-        "prompts_over_max": _find(train, ("over_max_prompt_length", "prompts_over_max",
-                                          "n_over_max_prompt_length")),
-        "mean_prompt_tokens": _find(train, ("mean", "mean_prompt_tokens")),
+        "train_rows": train.get("rows"),
+        "val_rows": val.get("rows"),
+        "val_n": summary.get("val_n"),
+        "prompts_over_max": over.get("rows") if isinstance(over, Mapping) else over,
+        "mean_prompt_tokens": (train.get("prompt_tokens") or {}).get("mean"),
     }
 
 
@@ -444,10 +437,11 @@ class Resolution:
     knob_errors: list[str] = field(default_factory=list)
 
 
-def knob_env(cfg: Mapping[str, Any], paths: Mapping[str, Path], known: list[str]
-             ) -> tuple[dict[str, dict[str, str]], list[str]]:
-    """The script's environment: workflow-owned knobs plus train.env. Returns knobs with their
-    source and the problems (unknown knob, knob owned by another key)."""
+def knob_env(cfg: Mapping[str, Any], paths: Mapping[str, Path], known: list[str],
+             val_n: Any = None) -> tuple[dict[str, dict[str, str]], list[str]]:
+    """The script's environment: workflow-owned knobs, VAL_N from the data summary, then
+    train.env. Returns knobs with their origin and the problems (unknown knob, knob owned by
+    another key)."""
     cluster, train = cfg.get("cluster", {}), cfg.get("train", {})
     knobs: dict[str, dict[str, str]] = {
         "NNODES": {"value": str(cluster.get("nodes", 1)), "from": "cluster.nodes"},
@@ -459,6 +453,8 @@ def knob_env(cfg: Mapping[str, Any], paths: Mapping[str, Path], known: list[str]
         "MAX_PROMPT_LENGTH": {"value": str(cfg.get("data", {}).get("max_prompt_length", 2048)),
                               "from": "data.max_prompt_length"},
     }
+    if val_n is not None and "VAL_N" in known:
+        knobs["VAL_N"] = {"value": str(val_n), "from": "data/summary.json val_n"}
     problems = []
     for name, value in (train.get("env") or {}).items():
         if name in OWNED_KNOBS:
@@ -468,6 +464,8 @@ def knob_env(cfg: Mapping[str, Any], paths: Mapping[str, Path], known: list[str]
                             f"(it reads: {', '.join(known)})")
         else:
             knobs[name] = {"value": knob_value(value), "from": f"train.env.{name}"}
+    for knob in knobs.values():
+        knob["source"] = CONFIG
     return knobs, problems
 
 
@@ -486,7 +484,7 @@ def resolve(cfg: Mapping[str, Any], verl_dir: Path, paths: Mapping[str, Path]) -
         verl_dir / DEFAULT_SCRIPT).is_file() else []
     if script != DEFAULT_SCRIPT and (verl_dir / script).is_file():
         known = sorted(set(known) | set(script_knobs((verl_dir / script).read_text())))
-    knobs, knob_errors = knob_env(cfg, paths, known)
+    knobs, knob_errors = knob_env(cfg, paths, known, paths.get("val_n"))
     env = {k: v["value"] for k, v in knobs.items()}
 
     # Sources: a value that differs from the script's own default came from the config.
@@ -497,8 +495,6 @@ def resolve(cfg: Mapping[str, Any], verl_dir: Path, paths: Mapping[str, Path]) -
         hy3 = cap
         cap = capture_launch(verl_dir, script, env)
     config_dir, config_name = hydra_config_of(verl_dir, cap.module)
-    for name, knob in knobs.items():
-        knob["source"] = CONFIG if knob["from"] != "script" else PAPER_DEFAULT
 
     overrides: list[Override] = []
     for text in cap.overrides:
@@ -506,6 +502,13 @@ def resolve(cfg: Mapping[str, Any], verl_dir: Path, paths: Mapping[str, Path]) -
         source = PAPER_DEFAULT if defaults.get(key) == value else CONFIG
         overrides.append(Override(text, key, value, source, "script" if script == DEFAULT_SCRIPT
                                   else f"recipe {script}"))
+    script_vals = last_values(cap.overrides)
+    if script != DEFAULT_SCRIPT:  # Hy3's config-group choices first: they decide the key set
+        hy3_vals = last_values(hy3.overrides)
+        for key in HY3_REQUIRED:
+            if "." not in key and key in hy3_vals and key not in script_vals:
+                overrides.append(Override(f"{key}={hy3_vals[key]}", key, hy3_vals[key],
+                                          CORRECTION, HY3_ORIGIN))
     try:
         base = compose(config_dir, config_name, [o.text for o in overrides])
     except PreflightError as exc:
@@ -519,17 +522,14 @@ def resolve(cfg: Mapping[str, Any], verl_dir: Path, paths: Mapping[str, Path]) -
         text = _correction_text(key, rendered, base) if base is not None else f"{key}={rendered}"
         overrides.append(Override(text, key, rendered, source, origin))
 
-    script_vals = last_values(cap.overrides)
     if script != DEFAULT_SCRIPT:  # carry Hy3's required settings into the recipe's launch
-        hy3_vals = last_values(hy3.overrides)
         for key in WORKFLOW_OWNED:
             if key in hy3_vals and script_vals.get(key) != hy3_vals[key]:
                 add(key, hy3_vals[key], CORRECTION, "workflow-owned (recipe value replaced)",
                     raw=True)
         for key in HY3_REQUIRED:
-            if key in hy3_vals and key not in script_vals:
-                add(key, hy3_vals[key], CORRECTION,
-                    f"hy3-required (carried over from {DEFAULT_SCRIPT})", raw=True)
+            if "." in key and key in hy3_vals and key not in script_vals:
+                add(key, hy3_vals[key], CORRECTION, HY3_ORIGIN, raw=True)
 
     # Reward: the script's legacy reward_model.* keys are not read by this entrypoint.
     callers = legacy_reward_callers(verl_dir)
@@ -793,10 +793,11 @@ def check_rules(cfg: Mapping[str, Any], res: Resolution, eff: Mapping[str, Any],
     seq = prompt + response
     g_cfg = _int(cluster.get("nodes")) * _int(cluster.get("gpus_per_node"))
     g_verl = _int(eff.get("trainer.nnodes")) * _int(eff.get("trainer.n_gpus_per_node"))
-    a = {k: _int(eff.get(f"actor_rollout_ref.actor.megatron.{k}_model_parallel_size"), 1)
-         for k in ("tensor", "pipeline", "context", "expert", "expert_tensor")}
-    rf = {k: _int(eff.get(f"actor_rollout_ref.ref.megatron.{k}_model_parallel_size"), 1)
-          for k in ("tensor", "pipeline", "context", "expert", "expert_tensor")}
+    sizes = {"tensor": "tensor_model_parallel_size", "pipeline": "pipeline_model_parallel_size",
+             "context": "context_parallel_size", "expert": "expert_model_parallel_size",
+             "expert_tensor": "expert_tensor_parallel_size"}
+    a = {k: _int(eff.get(f"actor_rollout_ref.actor.megatron.{v}"), 1) for k, v in sizes.items()}
+    rf = {k: _int(eff.get(f"actor_rollout_ref.ref.megatron.{v}"), 1) for k, v in sizes.items()}
     rollout_tp = _int(eff.get("actor_rollout_ref.rollout.tensor_model_parallel_size"), 1)
     mem_util = _float(eff.get("actor_rollout_ref.rollout.gpu_memory_utilization"), 0.5)
 
@@ -868,8 +869,8 @@ def check_rules(cfg: Mapping[str, Any], res: Resolution, eff: Mapping[str, Any],
         r.error("max_model_len", f"rollout.max_model_len = {mml} < max_prompt_length + "
                 f"max_response_length = {prompt} + {response} = {seq} (ROLLOUT_MAX_MODEL_LEN)")
     mnbt = eff.get("actor_rollout_ref.rollout.max_num_batched_tokens")
-    if (mnbt is not None and not _truthy(eff.get("actor_rollout_ref.rollout.enable_chunked_prefill"))
-            and _int(mnbt) < seq):
+    chunked = _truthy(eff.get("actor_rollout_ref.rollout.enable_chunked_prefill"))
+    if mnbt is not None and not chunked and _int(mnbt) < seq:
         r.error("max_model_len", f"rollout.max_num_batched_tokens = {mnbt} < {seq} with chunked "
                 f"prefill off (ROLLOUT_MAX_NUM_BATCHED_TOKENS)")
     for who, cp, knob in (("rollout", a["context"], "ROLLOUT_LOG_PROB_MAX_TOKEN_LEN_PER_GPU"),
@@ -937,7 +938,7 @@ def check_rules(cfg: Mapping[str, Any], res: Resolution, eff: Mapping[str, Any],
         r.error("async_save", "actor_rollout_ref.actor.checkpoint.async_save = True: verl then "
                 "does not write latest_checkpointed_iteration.txt and resume breaks")
     save_contents = eff.get("actor_rollout_ref.actor.checkpoint.save_contents") or []
-    keep = max(1, _int(train.get("keep", train.get("checkpoint_keep", 1)), 1))
+    keep = max(1, _int(train.get("checkpoint_keep"), 1))
     ck = {"dir": str(ckpt_dir), "keep": keep, "save_contents": save_contents,
           "weights_bytes": weights, "weights_from": weights_from}
     if weights is None:
@@ -952,7 +953,7 @@ def check_rules(cfg: Mapping[str, Any], res: Resolution, eff: Mapping[str, Any],
             r.error("disk", f"checkpoints need (keep {keep} + 1 being written) x "
                     f"{per / 1e12:.3f} TB (weights {weights / 1e12:.3f} TB + optimizer "
                     f"6 x weights) = {need / 1e12:.3f} TB but {probe} has {free / 1e12:.3f} TB "
-                    f"free (train.keep, train.checkpoint_root)")
+                    f"free (train.checkpoint_keep, train.checkpoint_root)")
 
     seg = _int(train.get("segment_steps"))
     if seg > 0:
@@ -1127,17 +1128,20 @@ def make_plan(cfg: Mapping[str, Any], lock_path: Path, out_dir: Path,
     paths = {"train_files": (train_files or data_dir / "train.parquet").absolute(),
              "val_files": (val_files or data_dir / "val.parquet").absolute(),
              "out_dir": out_dir}
+    facts = summary_facts(summary)
+    if facts.get("val_n") is not None:
+        paths["val_n"] = facts["val_n"]
     res = resolve(cfg, verl_dir, paths)
     head = git_head(verl_dir)
-    facts = summary_facts(summary)
     weights, weights_from = model_bytes(cfg)
     gpu = bool(cfg.get("cluster", {}).get("gpu"))
 
     if res.composed is None:
         eff: dict[str, Any] = {}
-        rules = [RuleResult("compose", "error", [res.compose_error or "not composed"])]
-        rules += [RuleResult(n, "not run", ["not run: the config did not compose"])
-                  for n in RULES if n != "compose"]
+        rules = [RuleResult(n, "not run", ["not run: the config did not compose"])
+                 for n in RULES]
+        rules[list(RULES).index("compose")] = RuleResult(
+            "compose", "error", [res.compose_error or "not composed"])
         if res.knob_errors:
             rules[list(RULES).index("knobs")] = RuleResult("knobs", "error", res.knob_errors)
         ck: dict[str, Any] = {"dir": res.checkpoint_dir}

@@ -206,6 +206,7 @@ PATHS = {
     "data_summary": "data/summary.json",
     "checkpoint_check": "checks/checkpoint.json",
     "bridge_check": "checks/bridge.json",
+    "cluster_probe": "cluster/probe.json",
     "plan": "preflight/plan.json",
     "train_done": "train/done.json",
     "metrics": "train/metrics.jsonl",
@@ -259,13 +260,23 @@ def read_verl_log(path: Path, allow_truncated_tail: bool = True) -> VerlLog:
     return VerlLog(str(path), lines, dropped)
 
 
+def _validation_only(data: Mapping[str, Any]) -> bool:
+    return bool(data) and all(str(k).startswith("val-") for k in data)
+
+
 def merge_logs(logs: Iterable[VerlLog]) -> dict[int, dict[str, Any]]:
-    """Merge verl logs in order: per step, key by key, a later line overrides the same key
-    (a step logged twice keeps the later attempt's value)."""
+    """Merge verl logs given in attempt order, the train stage's rule (docs/formats/train.md):
+    a step logged twice keeps the later line, except that a validation-only line (verl's
+    ``val_before_train`` at the resumed step) adds its keys to the training metrics already
+    logged for that step instead of replacing them."""
     merged: dict[int, dict[str, Any]] = {}
     for log in logs:
         for step, data in log.lines:
-            merged.setdefault(step, {}).update(data)
+            old = merged.get(step)
+            if old is not None and _validation_only(data) and not _validation_only(old):
+                merged[step] = {**old, **data}
+            else:
+                merged[step] = dict(data)
     return dict(sorted(merged.items()))
 
 
@@ -584,6 +595,7 @@ def gather(results: Path, config: Mapping[str, Any]) -> Found:
         ("data_summary", "data", False),
         ("checkpoint_check", "check_checkpoint", False),
         ("bridge_check", "check_bridge", True),
+        ("cluster_probe", "cluster_probe", True),
         ("plan", "preflight", False),
     ):
         rel = PATHS[name]
@@ -602,7 +614,7 @@ def gather(results: Path, config: Mapping[str, Any]) -> Found:
         else:
             status, detail = "done", "written"
             if isinstance(d, dict) and d.get("status"):
-                status = str(d["status"])
+                status, detail = str(d["status"]), str(d.get("reason") or detail)
         stages.append(Stage(stage, status, detail, rel))
 
     gpn = _int_or_none(config.get("cluster", {}).get("gpus_per_node"))
@@ -616,6 +628,8 @@ def gather(results: Path, config: Mapping[str, Any]) -> Found:
         p = att_dir / f"attempt-{a.attempt}.metrics.jsonl"
         if p.exists():
             a.log_path = str(p.relative_to(results))
+        else:
+            notes.append(f"attempt {a.attempt}: no {p.relative_to(results)} (it logged no step)")
     log_paths = sorted(
         att_dir.glob("attempt-*.metrics.jsonl") if att_dir.is_dir() else [],
         key=lambda p: int(re.search(r"attempt-(\d+)", p.name).group(1)),
@@ -661,8 +675,14 @@ def gather(results: Path, config: Mapping[str, Any]) -> Found:
 
     evals: list[EvalRecord] = []
     eval_dir = results / PATHS["eval"]
+    summary = read_json(eval_dir / "summary.json")
+    listed = summary.get("tags") if isinstance(summary, dict) else None
     if eval_dir.is_dir():
         for p in sorted(eval_dir.glob("*/metrics.json"), key=lambda p: tag_key(p.parent.name)):
+            if isinstance(listed, list) and p.parent.name not in listed:
+                notes.append(f"{p.relative_to(results)} ignored: tag not in eval/summary.json "
+                             "(left over from an earlier configuration)")
+                continue
             evals.append(read_eval(p, p.parent.name))
     if evals:
         stages.append(Stage("evaluate", "done", "tags: " + ", ".join(e.tag for e in evals),
@@ -693,7 +713,8 @@ def all_keys(metrics: Mapping[int, Mapping[str, Any]]) -> set[str]:
 
 
 def resume_points(attempts: list[Attempt], logs: list[VerlLog]) -> list[tuple[int, str]]:
-    """(step, label) for every attempt after the first: where it restarted."""
+    """(step, label) for every attempt that resumed: every attempt after the first, and the
+    first too when it started from a checkpoint (start step > 0)."""
     points: list[tuple[int, str]] = []
     by_attempt = {}
     for log in logs:
@@ -702,7 +723,7 @@ def resume_points(attempts: list[Attempt], logs: list[VerlLog]) -> list[tuple[in
             by_attempt[int(m.group(1))] = min(s for s, _ in log.lines)
     known = {a.attempt for a in attempts}
     for a in attempts:
-        if a.attempt == min(known):
+        if a.attempt == min(known) and not a.start_step:
             continue
         step = a.start_step if a.start_step is not None else by_attempt.get(a.attempt)
         if step is not None:
@@ -748,7 +769,9 @@ PANELS = (
     ("Rollout correction K3 KL", ["rollout_corr/k3_kl"], None),
     ("Training reward", ["critic/rewards/mean"], None),
     ("AIME validation accuracy", ["val-core/math_dapo/acc/mean@1"], r"val-core/.+/acc/mean@\d+"),
-    ("Actor loss", ["actor/loss", "actor/pg_loss", "actor/policy_loss"], r"actor/.*loss"),
+    # verl@220e903's engine workers (model_engine=megatron) log actor/loss (the summed loss)
+    # and actor/pg_loss; the legacy workers only actor/pg_loss. The panel names the one used.
+    ("Actor loss", ["actor/loss", "actor/pg_loss"], r"actor/.*loss"),
     ("AIME validation reward", ["val-aux/math_dapo/reward/mean@1"],
      r"val-aux/.+/reward/mean@\d+"),
 )
@@ -821,7 +844,7 @@ def claims(found: Found, threshold: float) -> list[dict[str, str]]:
 def _png(fig: Any, redact: Redactor, dpi: int) -> bytes:
     buf = io.BytesIO()
     meta = {"Software": f"matplotlib {matplotlib.__version__}", "Title": None}
-    fig.savefig(buf, format="png", dpi=dpi, metadata=redact(meta), bbox_inches="tight")
+    fig.savefig(buf, format="png", dpi=dpi, metadata=redact(meta))
     plt.close(fig)
     return buf.getvalue()
 
@@ -912,7 +935,7 @@ def fig_step_time(found: Found, redact: Redactor, dpi: int, reason: str) -> byte
     m = found.metrics
     keys = sorted(k for k in all_keys(m) if k.startswith("timing_s/") and k != "timing_s/step")
     points = resume_points(found.attempts, found.logs)
-    fig, ax = plt.subplots(figsize=(12, 4.5))
+    fig, ax = plt.subplots(figsize=(12, 4.5), layout="constrained")
     steps = sorted(s for s, d in m.items() if any(k in d for k in keys))
     if keys and steps:
         stack = np.array([[float(m[s].get(k) or 0.0) for s in steps] for k in keys])
@@ -1027,6 +1050,8 @@ def eval_rows(found: Found) -> list[dict[str, Any]]:
                 "sampling_se": g.sampling_se,
                 "pass@k": "; ".join(f"pass@{k}={v:.3g}" for k, v in g.pass_at.items()),
                 "maj@k": "; ".join(f"maj@{k}={v:.3g}" for k, v in g.maj_at.items()),
+                "pass@n": g.pass_at.get(str(e.n)) if e.n else None,
+                "maj@n": g.maj_at.get(str(e.n)) if e.n else None,
                 "grader_failures": _short(g.failures) if any(g.failures.values()) else "0",
                 "format_failure_rate": e.format_failure_rate,
                 "format_failures": e.format_failures,
@@ -1037,8 +1062,12 @@ def eval_rows(found: Found) -> list[dict[str, Any]]:
 
 
 EVAL_HEADER = ["tag", "step", "n", "problems", "grader", "avg@n", "bootstrap_95", "sampling_se",
-               "pass@k", "maj@k", "grader_failures", "format_failure_rate", "format_failures",
-               "truncation_rate", "mean_response_tokens"]
+               "pass@n", "maj@n", "pass@k", "maj@k", "grader_failures", "format_failure_rate",
+               "format_failures", "truncation_rate", "mean_response_tokens"]
+# The page's headline table (the CSV has every column, pass@k and maj@k for every k).
+EVAL_HTML_HEADER = ["tag", "step", "n", "grader", "avg@n", "bootstrap_95", "sampling_se",
+                    "pass@n", "maj@n", "grader_failures", "format_failure_rate",
+                    "truncation_rate", "mean_response_tokens"]
 
 
 def _fmt_iv(iv: list[float] | None) -> str:
@@ -1152,8 +1181,9 @@ def provenance_rows(found: Found, env: Mapping[str, str], packages: Iterable[str
         if d is not None:
             _, _, checks = check_counts(d)
             for c in checks:
-                rows.append({"section": PATHS[name], "name": c.get("name"),
-                             "value": f"{c.get('status')}: {c.get('details', '')}"})
+                status, details = str(c.get("status")), str(c.get("details", ""))
+                value = details if details.startswith(status) else f"{status}: {details}"
+                rows.append({"section": PATHS[name], "name": c.get("name"), "value": value})
     plan = found.docs.get("plan")
     if isinstance(plan, dict) and isinstance(plan.get("launch"), Mapping):
         rows.append({"section": "preflight", "name": "launch.sh sha256",
@@ -1286,7 +1316,7 @@ def build(results: Path, config: Mapping[str, Any], env: Mapping[str, str]) -> d
         published=PUBLISHED,
         claims=claim_rows,
         evals=ev_rows,
-        ev_header=ev_header,
+        ev_header=EVAL_HTML_HEADER,
         eval_reason=eval_reason if not found.evals else "",
         pp_grader=grader,
         pp_count=len(problems),

@@ -95,13 +95,17 @@ def write_text_atomic(path: Path, text: str) -> None:
 
 
 def checkpoint_dir(config: Mapping[str, Any], workdir: Path | None = None) -> Path:
-    """``<train.checkpoint_root>/<run.name>``, absolute. An empty root means ``checkpoints``
-    under the workflow's working directory (``workdir``, default the current directory)."""
+    """``<train.checkpoint_root>/<run.name>``, absolute (preflight renders the same path as
+    ``trainer.default_local_dir``). An empty root means
+    ``<run.results_root>/<run.name>/checkpoints`` under the working directory ``workdir``
+    (default: the current directory)."""
+    run = config["run"]
     root = str(config.get("train", {}).get("checkpoint_root", "") or "")
-    base = Path(root) if root else Path("checkpoints")
-    if not base.is_absolute():
-        base = (workdir or Path.cwd()) / base
-    return Path(os.path.abspath(base / config["run"]["name"]))
+    path = Path(root) / run["name"] if root else \
+        Path(run.get("results_root", "results")) / run["name"] / "checkpoints"
+    if not path.is_absolute():
+        path = (workdir or Path.cwd()) / path
+    return Path(os.path.abspath(path))
 
 
 # --------------------------------------------------------------------------- checkpoints
@@ -345,6 +349,28 @@ def my_lock_info(attempt: int | None) -> LockInfo:
                     acquired_at=now_iso())
 
 
+def held_message(ckpt_dir: Path, holder: LockInfo) -> str:
+    hint = (f"; wait for it to end or cancel it (scancel {holder.job_id})"
+            if holder.job_id else "")
+    return (f"checkpoint directory {ckpt_dir} is in use by {holder.describe()}, attempt "
+            f"{holder.attempt}, since {holder.acquired_at}: a second trainer must not run "
+            f"on it{hint}")
+
+
+def check_lock_free(ckpt_dir: Path) -> None:
+    """Raise LockHeld when a live trainer other than this SLURM job holds the checkpoint
+    directory (called when Snakemake plans the train job, so that a relaunched controller
+    refuses before submitting a second job)."""
+    holder = read_lock(ckpt_dir / LOCK_NAME)
+    if holder is None:
+        return
+    job = os.environ.get("SLURM_JOB_ID")
+    if job and holder.job_id == job:
+        return
+    if lock_holder_alive(holder):
+        raise LockHeld(held_message(ckpt_dir, holder))
+
+
 def acquire_lock(ckpt_dir: Path, me: LockInfo,
                  alive: Callable[[LockInfo], bool] = lock_holder_alive) -> list[str]:
     """Create the lock (O_EXCL). An existing lock of a live job raises LockHeld naming it;
@@ -363,13 +389,7 @@ def acquire_lock(ckpt_dir: Path, me: LockInfo,
                 not me.job_id and not holder.job_id and holder.host == me.host
                 and holder.pid == me.pid)
             if not same and alive(holder):
-                hint = (f"; wait for it to end or cancel it (scancel {holder.job_id})"
-                        if holder.job_id else "")
-                raise LockHeld(
-                    f"checkpoint directory {ckpt_dir} is in use by {holder.describe()}, "
-                    f"attempt {holder.attempt}, since {holder.acquired_at}: a second trainer "
-                    f"must not run on it{hint}"
-                ) from None
+                raise LockHeld(held_message(ckpt_dir, holder)) from None
             stale = path.with_name(f"{LOCK_NAME}.stale-{int(time.time() * 1000)}")
             try:
                 os.rename(path, stale)
@@ -423,12 +443,22 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     return out
 
 
+def _validation_only(rec: dict[str, Any]) -> bool:
+    data = rec.get("data")
+    return isinstance(data, dict) and bool(data) and all(k.startswith("val-") for k in data)
+
+
 def merge_metrics(logs: Iterable[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     """Merge attempt logs given in attempt order: a step logged twice keeps the later
-    attempt's line (within one attempt, its last line)."""
+    attempt's line. Exception: a validation-only line (every key ``val-*``: verl validates
+    at the resumed step before training, ``val_before_train``) adds its keys to the step's
+    existing line instead of replacing the training metrics logged there."""
     by_step: dict[int, dict[str, Any]] = {}
     for lines in logs:
         for rec in lines:
+            old = by_step.get(rec["step"])
+            if old is not None and _validation_only(rec) and not _validation_only(old):
+                rec = {**old, "data": {**old.get("data", {}), **rec["data"]}}
             by_step[rec["step"]] = rec
     return [by_step[s] for s in sorted(by_step)]
 
@@ -437,7 +467,7 @@ def write_merged(attempts_dir: Path, out: Path) -> int:
     paths = sorted(attempts_dir.glob("attempt-*.metrics.jsonl"),
                    key=lambda p: int(re.search(r"attempt-(\d+)", p.name).group(1)))
     merged = merge_metrics(read_metrics(p) for p in paths)
-    write_text_atomic(out, "".join(json.dumps(r, sort_keys=True) + "\n" for r in merged))
+    write_text_atomic(out, "".join(json.dumps(r) + "\n" for r in merged))
     return len(merged)
 
 
@@ -573,13 +603,16 @@ def run_attempt(args: argparse.Namespace, config: dict[str, Any]) -> int:
         raise TrainError(f"{plan_path}: preflight reported errors: {plan.get('errors')}")
     total = total_steps_from_plan(plan, plan_path)
     ckpt = checkpoint_dir(config)
+    if args.checkpoint_dir and os.path.abspath(args.checkpoint_dir) != str(ckpt):
+        raise TrainError(f"--checkpoint-dir {args.checkpoint_dir} differs from "
+                         f"train.checkpoint_root/run.name = {ckpt}")
     planned = (plan.get("checkpoint") or {}).get("dir")
     if planned and os.path.abspath(planned) != str(ckpt):
         raise TrainError(f"{plan_path}: checkpoint.dir {planned} differs from "
                          f"train.checkpoint_root/run.name = {ckpt}; rerun preflight")
     tcfg = config.get("train", {})
     ccfg = config["cluster"]
-    keep = int(tcfg.get("keep_checkpoints", 2))
+    keep = int(tcfg.get("checkpoint_keep", 2))
     protected = [int(s) for s in json.loads(args.keep_steps or "[]")]
 
     k = (attempt_numbers(attempts_dir) or [0])[-1] + 1
@@ -591,7 +624,11 @@ def run_attempt(args: argparse.Namespace, config: dict[str, Any]) -> int:
                        if newest_complete(scan(ckpt)) else None)
         start, resume_actions = prepare_resume(ckpt, k)
         if start >= total:
-            log.info("training already reached step %d (total %d)", start, total)
+            log.info("training already reached step %d (total %d): nothing to launch", start,
+                     total)
+            write_merged(attempts_dir, results / "metrics.jsonl")
+            write_done(results, config, ckpt, start, total, attempts_dir)
+            return 0
         run = config["run"]["name"]
         sub_id = f"{run}-{me.job_id or 'local'}-{k}"
         attempt = AttemptRecord(
@@ -619,8 +656,9 @@ def run_attempt(args: argparse.Namespace, config: dict[str, Any]) -> int:
         pruner = Pruner(ckpt, keep, protected, float(tcfg.get("prune_interval_s", 60)))
         pruner.start()
         try:
-            result = launch.launch(spec, on_nodes=lambda nodes: _record_nodes(
-                attempts_dir, k, rec, nodes))
+            result = launch.launch(
+                spec, on_nodes=lambda nodes: _record_nodes(attempts_dir, k, rec, nodes),
+                on_stop=lambda reason: _record_stop(attempts_dir, k, rec, ckpt, reason))
         finally:
             pruner.stop.set()
             pruner.join(timeout=30)
@@ -652,6 +690,14 @@ def run_attempt(args: argparse.Namespace, config: dict[str, Any]) -> int:
         raise
     finally:
         release_lock(ckpt, me)
+
+
+def _record_stop(attempts_dir: Path, k: int, rec: dict[str, Any], ckpt: Path,
+                 reason: str) -> None:
+    """At a signal, record the attempt at once (SLURM kills KillWait seconds later)."""
+    best = newest_complete(scan(ckpt))
+    snapshot = close_record(dict(rec), attempts_dir, best.step if best else None, reason, None)
+    write_json_atomic(attempts_dir / f"attempt-{k}.json", snapshot)
 
 
 def _record_nodes(attempts_dir: Path, k: int, rec: dict[str, Any], nodes: list[str]) -> None:
@@ -695,6 +741,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--launch", required=True, help="preflight/launch.sh")
     ap.add_argument("--runtime-env", required=True, help="deps/runtime_env.yaml")
     ap.add_argument("--results-dir", required=True, help="results/<run>/train")
+    ap.add_argument("--checkpoint-dir", help="the checkpoint directory (checked against the "
+                    "config; default: <train.checkpoint_root>/<run.name>)")
     ap.add_argument("--keep-steps", default="[]",
                     help="JSON list of steps retention keeps (eval.steps)")
     args = ap.parse_args(argv)

@@ -1,0 +1,475 @@
+"""Preflight: the launch resolved from a (fake) pinned verl script, composed with its Hydra
+config, every coupling rule failing with its numbers, waivers, and the paper plan checked
+value by value against the published hyperparameters."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from fixtures.verl import write_lock
+from hy3rl import config as cfgmod
+from hy3rl import preflight as pf
+
+REPO = Path(__file__).resolve().parents[1]
+HY3_BYTES = 597_572_342_272
+
+# The published run, from ../shared/docs/upstream-facts.md (paper text + the pinned script's
+# defaults), written here independently of the code under test: composed key -> value.
+PUBLISHED = {
+    "trainer.nnodes": 16,                                     # 16 nodes
+    "trainer.n_gpus_per_node": 8,                             # x 8 H20
+    "data.train_batch_size": 128,                             # batch 128 prompts
+    "actor_rollout_ref.rollout.n": 16,                        # x 16 samples
+    "actor_rollout_ref.actor.ppo_mini_batch_size": 128,       # ppo_mini_batch 128
+    "data.max_prompt_length": 2048,                           # MAX_PROMPT_LENGTH=2048
+    "data.max_response_length": 8192,                         # max response 8192
+    "actor_rollout_ref.actor.optim.lr": 1e-6,                 # lr 1e-6
+    "actor_rollout_ref.actor.clip_ratio_low": 0.2,            # clip 0.2
+    "actor_rollout_ref.actor.clip_ratio_high": 0.28,          # clip 0.28
+    "actor_rollout_ref.actor.clip_ratio_c": 10.0,             # dual-clip c=10
+    "actor_rollout_ref.actor.kl_loss_coef": 0.0,              # KL-free
+    "algorithm.use_kl_in_reward": False,                      # KL-free
+    "algorithm.adv_estimator": "grpo",                        # GRPO
+    "reward.reward_manager.name": "dapo",                     # DAPO reward manager
+    "reward.reward_kwargs": {                                 # overlong buffer 4096, penalty 1
+        "overlong_buffer_cfg": {"enable": True, "len": 4096, "penalty_factor": 1.0,
+                                "log": False},
+        "max_resp_len": 8192,
+    },
+    "algorithm.rollout_correction.rollout_is": "token",       # IcePop rollout_is=token
+    "algorithm.rollout_correction.rollout_is_threshold": "0.5_4.0",  # threshold 0.5_4.0
+    "actor_rollout_ref.rollout.temperature": 0.9,             # rollout temperature 0.9
+    "actor_rollout_ref.rollout.top_p": 1,                     # top_p 1.0
+    "actor_rollout_ref.rollout.tensor_model_parallel_size": 16,  # TP=16 on H20
+    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": 30720,  # PPO_MAX_TOKEN_LEN_PER_GPU
+    "actor_rollout_ref.actor.megatron.tensor_model_parallel_size": 1,    # ACTOR_TP=1
+    "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size": 16,  # PP=16
+    "actor_rollout_ref.actor.megatron.expert_model_parallel_size": 8,    # EP=8
+    "actor_rollout_ref.actor.megatron.context_parallel_size": 8,         # CP=8
+    "actor_rollout_ref.actor.megatron.expert_tensor_parallel_size": 1,   # ETP=1
+    "actor_rollout_ref.rollout.max_model_len": 10240,         # ROLLOUT_MAX_MODEL_LEN=10240
+    "actor_rollout_ref.rollout.val_kwargs.n": 1,              # VAL_N=1
+    "trainer.save_freq": 20,                                  # SAVE_FREQ=20
+    "trainer.test_freq": 10,                                  # TEST_FREQ=10
+    "actor_rollout_ref.actor.strategy": "megatron",           # model_engine=megatron
+}
+
+
+def _num_equal(a, b) -> bool:
+    if isinstance(b, dict):
+        return isinstance(a, dict) and a.keys() == b.keys() and all(
+            _num_equal(a[k], b[k]) for k in b)
+    if isinstance(b, bool) or isinstance(a, bool):
+        return str(a).lower() == str(b).lower()
+    if isinstance(b, int | float):
+        try:
+            return float(a) == float(b)
+        except (TypeError, ValueError):
+            return False
+    return str(a) == str(b)
+
+
+def paper_cfg(tmp_path: Path) -> dict:
+    cfg = cfgmod.load(REPO / "config/config.yaml", REPO / "config/paper.yaml")
+    cfg["train"]["checkpoint_root"] = str(tmp_path / "ckpt")
+    cfg["preflight"]["waive"] = ["disk"]
+    cfg["run"]["results_root"] = str(tmp_path / "results")
+    return cfg
+
+
+def plan_for(cfg: dict, verl, tmp_path: Path, name: str = "out", **kw) -> pf.Plan:
+    return pf.make_plan(cfg, verl.lock, tmp_path / name, **kw)
+
+
+def rule(plan: pf.Plan, name: str) -> pf.RuleResult:
+    return next(r for r in plan.rules if r.name == name)
+
+
+@pytest.fixture
+def verl(fake_verl_repo):
+    return fake_verl_repo()
+
+
+# --------------------------------------------------------------------------- the paper plan
+
+
+def _check_published(plan: pf.Plan) -> None:
+    assert plan.effective, plan.errors
+    wrong = {k: (plan.effective.get(k), v) for k, v in PUBLISHED.items()
+             if not _num_equal(plan.effective.get(k), v)}
+    assert not wrong, f"plan differs from the published run (got, published): {wrong}"
+
+
+def test_paper_plan_matches_published_values(verl, tmp_path):
+    plan = plan_for(paper_cfg(tmp_path), verl, tmp_path)
+    _check_published(plan)
+    assert plan.ok and plan.launched and plan.errors == []
+    assert rule(plan, "disk").status == "waived" and plan.waived[0].startswith("disk: ")
+    assert plan.reward["mode"] == "intended"
+    # Every value carries its source; the published values are the script's defaults.
+    assert plan.resolved["trainer.nnodes"] == {"value": "16", "source": "paper default"}
+    assert plan.resolved["data.train_files"]["source"] == "config"
+    assert plan.resolved["trainer.default_local_dir"]["source"] == "correction"
+    assert plan.estimate["gpu_hours"] > 0 and "GPU-hours" in plan.estimate["formula"]
+    on_disk = json.loads((tmp_path / "out/plan.json").read_text())
+    assert on_disk["effective"]["data.train_batch_size"] == 128
+    assert on_disk["overrides"][0]["source"] in ("paper default", "config")
+
+
+REAL_VERL = os.environ.get("HY3RL_REAL_VERL", "")
+
+
+@pytest.mark.skipif(not REAL_VERL, reason="set HY3RL_REAL_VERL to a checkout of verl@220e903")
+def test_paper_plan_against_real_pinned_verl(tmp_path):
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REAL_VERL, capture_output=True,
+                          text=True).stdout.strip()
+    lock = write_lock(tmp_path / "lock.json", Path(REAL_VERL), head)
+    plan = pf.make_plan(paper_cfg(tmp_path), lock, tmp_path / "out")
+    _check_published(plan)
+    assert plan.ok, plan.errors
+    assert plan.reward["scripted_manager"] == "naive" and plan.reward["scripted_kwargs"] is None
+
+
+# --------------------------------------------------------------------------- resolution
+
+
+def test_reward_mode_scripted_keeps_upstream_behaviour(verl, tmp_path):
+    cfg = paper_cfg(tmp_path)
+    cfg["train"]["reward_mode"] = "scripted"
+    plan = plan_for(cfg, verl, tmp_path)
+    assert plan.effective["reward.reward_manager.name"] == "naive"
+    assert plan.effective["reward.reward_kwargs"] is None
+    assert not [o for o in plan.overrides if o.key.startswith("reward.")]
+    finding = plan.reward["finding"]
+    assert "reads only reward.*" in finding and "verl/experimental/async_main.py" in finding
+    assert plan.reward["entrypoint_migrates_legacy_keys"] is False
+
+
+def test_entrypoint_that_migrates_makes_legacy_keys_live(fake_verl_repo, tmp_path):
+    main = ("from verl.experimental.reward_loop import migrate_legacy_reward_impl\nimport hydra\n"
+            "@hydra.main(config_path='config', config_name='ppo_trainer')\n"
+            "def main(config):\n    migrate_legacy_reward_impl(config)\n")
+    verl = fake_verl_repo(extra_files={"verl/trainer/main_ppo.py": main})
+    plan = plan_for(paper_cfg(tmp_path), verl, tmp_path)
+    assert plan.reward["entrypoint_migrates_legacy_keys"] is True
+    assert "they are live" in plan.reward["finding"]
+    assert not [o for o in plan.overrides if o.key.startswith("reward.")]
+
+
+def test_corrections_and_rendered_launch(verl, tmp_path):
+    cfg = paper_cfg(tmp_path)
+    cfg["train"]["loggers"] = ["console", "tensorboard"]
+    plan = plan_for(cfg, verl, tmp_path)
+    last = {o.key: o for o in plan.overrides}
+    assert last["trainer.default_local_dir"].value == str(tmp_path / "ckpt" / "hy3-grpo-paper")
+    assert plan.effective["trainer.default_local_dir"] == str(tmp_path / "ckpt/hy3-grpo-paper")
+    assert plan.effective["trainer.total_training_steps"] == 200
+    assert plan.effective["trainer.resume_mode"] == "auto"
+    assert plan.effective["trainer.logger"] == ["console", "tensorboard", "file"]
+    assert plan.loggers["env"]["file"] == ["VERL_FILE_LOGGER_PATH"]
+    assert plan.script_exports == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+
+    # Run launch.sh for real inside the verl dir with a python3 that prints its argv.
+    launch = tmp_path / "out/launch.sh"
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "python3").write_text(
+        f"#!{sys.executable}\nimport json, os, sys\n"
+        "print(json.dumps({'argv': sys.argv[1:], "
+        "'cuda': os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS')}))\n")
+    (bindir / "python3").chmod(0o755)
+    env = {"PATH": f"{bindir}:/usr/bin:/bin", "HOME": str(tmp_path)}
+    missing = subprocess.run(["bash", str(launch)], cwd=verl.path, env=env, capture_output=True,
+                             text=True)
+    assert missing.returncode == 2 and "VERL_FILE_LOGGER_PATH is not set" in missing.stderr
+    log = tmp_path / "train/attempts/attempt-1.metrics.jsonl"
+    env["VERL_FILE_LOGGER_PATH"] = str(log)
+    wrong_dir = subprocess.run(["bash", str(launch)], cwd=tmp_path, env=env,
+                               capture_output=True, text=True)
+    assert wrong_dir.returncode == 2 and "verl working dir" in wrong_dir.stderr
+    ok = subprocess.run(["bash", str(launch), "trainer.val_before_train=false"], cwd=verl.path,
+                        env=env, capture_output=True, text=True, check=True)
+    got = json.loads(ok.stdout)
+    assert got["argv"] == ["-m", "verl.trainer.main_ppo", *[o.text for o in plan.overrides],
+                           "trainer.val_before_train=false"]
+    assert got["cuda"] == "1" and log.parent.is_dir()
+
+
+def test_unknown_key_is_an_error_naming_it(verl, tmp_path, capsys):
+    cfg = paper_cfg(tmp_path)
+    cfg["train"]["verl_overrides"] = {"trainer.totl_training_steps": 3}
+    rc = pf.main(["--config-json", json.dumps(cfg), "--lock", str(verl.lock),
+                  "--out-dir", str(tmp_path / "out")])
+    assert rc == 1
+    err = capsys.readouterr().err
+    assert "compose:" in err and "trainer.totl_training_steps" in err
+    plan = json.loads((tmp_path / "out/plan.json").read_text())
+    assert plan["ok"] is False and plan["rules"][2]["name"] == "compose"
+    assert "trainer.totl_training_steps" in plan["errors"][0]
+
+
+def test_verl_overrides_algorithm_and_reward_function(verl, tmp_path):
+    cfg = paper_cfg(tmp_path)
+    fn = tmp_path / "my_reward.py"
+    fn.write_text("def score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                  "    return 1.0\n")
+    cfg["train"]["reward_function"] = {"path": str(fn), "name": "score"}
+    cfg["train"]["algorithm"] = {"adv_estimator": "rloo", "loss_mode": "gspo"}
+    cfg["train"]["verl_overrides"] = {
+        "actor_rollout_ref.rollout.temperature": 1.0,
+        "+actor_rollout_ref.actor.megatron.override_transformer_config.moe_aux_loss_coeff": 0.0,
+        "trainer.val_before_train": False,
+    }
+    plan = plan_for(cfg, verl, tmp_path)
+    assert plan.ok, plan.errors
+    eff = plan.effective
+    assert eff["algorithm.adv_estimator"] == "rloo"
+    assert eff["actor_rollout_ref.actor.policy_loss.loss_mode"] == "gspo"
+    assert eff["actor_rollout_ref.rollout.temperature"] == 1.0
+    copy_ = tmp_path / "out/reward_fn.py"
+    assert eff["reward.custom_reward_function.path"] == str(copy_)
+    assert copy_.read_text() == fn.read_text()
+    assert plan.overrides[-1].origin == "train.verl_overrides"
+    assert plan.resolved["actor_rollout_ref.rollout.temperature"]["source"] == "config"
+    assert rule(plan, "val_on_resume").status == "pass"
+
+
+def test_recipe_script_gets_hy3_settings_carried_over(verl, tmp_path):
+    cfg = paper_cfg(tmp_path)
+    cfg["train"]["launch_script"] = "recipe/toy/run_toy.sh"
+    plan = plan_for(cfg, verl, tmp_path)
+    carried = {o.key: o for o in plan.overrides if o.origin.startswith("hy3-required")}
+    assert carried["model_engine"].text == "model_engine=megatron"
+    key = "actor_rollout_ref.actor.megatron.override_transformer_config.moe_router_bias_update_rate"
+    assert carried[key].text == f"+{key}=0" and carried[key].source == "correction"
+    assert plan.effective["actor_rollout_ref.actor.strategy"] == "megatron"
+    assert plan.effective["actor_rollout_ref.model.path"] == str(
+        Path(cfg["model"]["path"]).absolute())
+    assert plan.effective["algorithm.adv_estimator"] == "rloo"  # the recipe's own choice
+    assert plan.verl["script"] == "recipe/toy/run_toy.sh"
+
+
+def test_knob_errors(verl, tmp_path):
+    cfg = paper_cfg(tmp_path)
+    cfg["train"]["env"].update({"ACTR_PP": 4, "NNODES": 2})
+    plan = plan_for(cfg, verl, tmp_path)
+    msgs = rule(plan, "knobs").messages
+    assert any("train.env.ACTR_PP: the launch script does not read this knob" in m for m in msgs)
+    assert any("train.env.NNODES: set cluster.nodes instead" in m for m in msgs)
+
+
+def test_default_config_plan_is_made_but_not_launched(verl, tmp_path):
+    cfg = cfgmod.load(REPO / "config/config.yaml")
+    cfg["run"]["results_root"] = str(tmp_path / "results")
+    plan = plan_for(cfg, verl, tmp_path)
+    assert plan.ok, plan.errors
+    assert not plan.launched and plan.not_launched_reason == (
+        "not launched: no GPU (cluster.gpu is false)")
+    assert rule(plan, "actor_layout").status == "not run"
+    assert plan.effective["data.train_batch_size"] == 4
+    assert plan.effective["trainer.default_local_dir"] == str(
+        tmp_path / "results/tiny-default/checkpoints")
+
+
+def test_required_rollout_tp_table():
+    # Hy3 BF16 weights, gpu_memory_utilization 0.65 (docs/formats/preflight.md table).
+    assert pf.required_rollout_tp(HY3_BYTES, 96, 0.65) == 16   # H20
+    assert pf.required_rollout_tp(HY3_BYTES, 80, 0.65) == 16   # H100
+    assert pf.required_rollout_tp(HY3_BYTES, 141, 0.65) == 8   # H200
+    assert pf.required_rollout_tp(10**9, 96, 0.65) == 1
+
+
+# --------------------------------------------------------------------------- each rule
+
+
+def _set(cfg: dict, env: dict | None = None, over: dict | None = None, **train) -> dict:
+    cfg["train"]["env"].update(env or {})
+    cfg["train"]["verl_overrides"].update(over or {})
+    cfg["train"].update(train)
+    return cfg
+
+
+ERROR_CASES = {
+    "gpus": (lambda c: _set(c, over={"trainer.nnodes": 4}),
+             "verl's trainer.nnodes x trainer.n_gpus_per_node = 4 x 8 = 32 but the allocation "
+             "is cluster.nodes x cluster.gpus_per_node = 16 x 8 = 128"),
+    "actor_layout": (lambda c: _set(c, env={"ACTOR_PP": 3}),
+                     "actor TP x PP x CP = 1 x 3 x 8 = 24 does not divide the 128 GPUs"),
+    "ref_layout": (lambda c: _set(c, over={
+        "actor_rollout_ref.ref.megatron.expert_model_parallel_size": 3}),
+        "ref EP x ETP x PP = 3 x 1 x 16 = 48 does not divide the 128 GPUs"),
+    "rollout_tp": (lambda c: _set(c, env={"ROLLOUT_TP": 8}),
+                   "rollout TP = 8 is below the 16 needed: 597.6 GB of weights / (96 GB x "
+                   "gpu_memory_utilization 0.65) = 9.58 GPUs"),
+    "actor_token_budget": (lambda c: _set(c, env={"PPO_MAX_TOKEN_LEN_PER_GPU": 1000}),
+                           "ppo_max_token_len_per_gpu x CP = 1000 x 8 = 8000 < "
+                           "max_prompt_length + max_response_length = 2048 + 8192 = 10240"),
+    "max_model_len": (lambda c: _set(c, env={"ROLLOUT_MAX_MODEL_LEN": 9000}),
+                      "rollout.max_model_len = 9000 < max_prompt_length + max_response_length "
+                      "= 2048 + 8192 = 10240"),
+    "log_prob_token_budget": (lambda c: _set(c, env={"REF_LOG_PROB_MAX_TOKEN_LEN_PER_GPU": 1000}),
+                              "ref.log_prob_max_token_len_per_gpu x CP = 1000 x 8 = 8000 < "
+                              "2048 + 8192 = 10240"),
+    "batch_divisible": (lambda c: _set(c, env={"TRAIN_BATCH_SIZE": 100, "PPO_MINI_BATCH_SIZE": 100,
+                                               "ACTOR_PP": 1, "ACTOR_CP": 1}),
+                        "train_batch_size x n = 100 x 16 = 1600 is not divisible by the actor's "
+                        "data-parallel size 128 / (1) = 128"),
+    "total_steps": (lambda c: _set(c, total_training_steps=0),
+                    "trainer.total_training_steps = 0: set train.total_training_steps > 0"),
+    "save_test_freq": (lambda c: _set(c, env={"SAVE_FREQ": 500}),
+                       "trainer.save_freq = 500 > total_training_steps = 200"),
+    "checkpoint_root": (lambda c: _set(c, checkpoint_root="relative/ckpt"),
+                        "train.checkpoint_root = 'relative/ckpt' is relative"),
+    "async_save": (lambda c: _set(c, over={"actor_rollout_ref.actor.checkpoint.async_save": True}),
+                   "async_save = True: verl then does not write latest_checkpointed_iteration"),
+    "segment_schedule": (lambda c: _set(c, segment_steps=50, over={
+        "actor_rollout_ref.actor.optim.lr_warmup_steps": 10}),
+        "train.segment_steps = 50 needs a constant learning rate"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ERROR_CASES))
+def test_each_rule_fails_with_its_numbers(verl, tmp_path, name):
+    mutate, message = ERROR_CASES[name]
+    plan = plan_for(mutate(paper_cfg(tmp_path)), verl, tmp_path)
+    res = rule(plan, name)
+    assert res.status == "error", (res, plan.errors)
+    assert any(message in m for m in res.messages), res.messages
+    assert not plan.ok and any(e.startswith(f"{name}: ") for e in plan.errors)
+    # waiving it turns it into "waived" (and the plan passes when nothing else fails)
+    cfg = mutate(paper_cfg(tmp_path))
+    cfg["preflight"]["waive"] = ["disk", name]
+    waived = plan_for(cfg, verl, tmp_path, name="waived")
+    assert rule(waived, name).status == "waived"
+    assert not any(e.startswith(f"{name}: ") for e in waived.errors)
+
+
+def test_disk_rule_uses_free_space(verl, tmp_path):
+    cfg = paper_cfg(tmp_path)
+    cfg["preflight"]["waive"] = []
+    cfg["preflight"]["model_bytes"] = 10**15  # 1 PB of weights: never fits
+    cfg["cluster"]["gpu_memory_gb"] = 10**6  # keep the rollout rule quiet
+    cfg["train"]["checkpoint_keep"] = 2
+    plan = plan_for(cfg, verl, tmp_path)
+    res = rule(plan, "disk")
+    assert res.status == "error"
+    assert "(keep 2 + 1 being written) x 7000.000 TB" in res.messages[0]
+    assert plan.checkpoint["bytes_needed"] == 3 * 7 * 10**15
+    assert 0 < plan.checkpoint["free_bytes"] < plan.checkpoint["bytes_needed"]
+
+
+def test_verl_pin_and_checkpoint_checks(verl, tmp_path):
+    lock = write_lock(tmp_path / "other-lock.json", verl.path, "0" * 40)
+    check = tmp_path / "checkpoint.json"
+    check.write_text(json.dumps({"checks": [{"name": "index", "status": "pass"},
+                                            {"name": "hy3_expert_bias", "status": "fail"},
+                                            {"name": "bridge", "status": "not run"}]}))
+    plan = pf.make_plan(paper_cfg(tmp_path), lock, tmp_path / "out", ckpt_check_path=check)
+    assert rule(plan, "verl_pin").status == "error"
+    assert f"is at {verl.commit}, deps/lock.json says {'0' * 40}" in rule(
+        plan, "verl_pin").messages[0]
+    assert rule(plan, "checkpoint_checks").messages == [
+        "checks/checkpoint.json has failed checks: hy3_expert_bias"]
+
+
+WARNING_CASES = {
+    "ref_kl_zero": (lambda c: c, "use_kl_loss=True with kl_loss_coef=0"),
+    "val_on_resume": (lambda c: c, "re-runs on every start, including each resume"),
+    "oom_actor_memory": (lambda c: _set(c, env={"ALL_OFFLOAD": False, "ACTOR_PP": 1}),
+                         "per GPU (9 x 597.6 GB / PP x max(TP, EP x ETP) = 8) vs 96 GB GPUs "
+                         "without offload: set ALL_OFFLOAD=True or raise ACTOR_PP / ACTOR_EP"),
+    "oom_rollout_memory": (lambda c: c["cluster"].update(gpu_memory_gb=60) or c,
+                           "little KV cache left: raise ROLLOUT_TP or ROLLOUT_GPU_MEM_UTIL"),
+    "oom_micro_batch": (lambda c: _set(c, env={"ACTOR_PPO_MICRO_BATCH_SIZE_PER_GPU": 32}, over={
+        "actor_rollout_ref.actor.use_dynamic_bsz": False}),
+        "static micro batches of 32 x 10240 tokens / CP 8 = 40960 tokens per GPU exceed the "
+        "30720-token budget: lower ACTOR_PPO_MICRO_BATCH_SIZE_PER_GPU"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(WARNING_CASES))
+def test_each_warning_names_its_cost_or_knob(verl, tmp_path, name):
+    mutate, message = WARNING_CASES[name]
+    plan = plan_for(mutate(paper_cfg(tmp_path)), verl, tmp_path)
+    res = rule(plan, name)
+    assert res.status == "warning", (res, plan.errors)
+    assert any(message in m for m in res.messages), res.messages
+    assert any(w.startswith(f"{name}: ") for w in plan.warnings)
+
+
+def test_prompts_over_max_from_data_summary(verl, tmp_path):
+    summary = tmp_path / "data/summary.json"
+    summary.parent.mkdir()
+    summary.write_text(json.dumps({  # docs/formats/data.md
+        "format": "hy3rl.data.summary/1", "max_prompt_length": 2048, "val_n": 32,
+        "splits": {
+            "train": {"rows": 1791700, "prompt_tokens": {"mean": 180.5},
+                      "over_max_prompt_length": {"rows": 3, "unique_prompts": 1}},
+            "val": {"rows": 30, "over_max_prompt_length": {"rows": 0}}}}))
+    plan = plan_for(paper_cfg(tmp_path), verl, tmp_path, summary_path=summary)
+    assert "3 training prompts exceed max_prompt_length = 2048" in rule(
+        plan, "prompts_over_max").messages[0]
+    # val_n from the summary becomes VAL_N (30 deduplicated problems x 32 samples)
+    assert plan.knobs["VAL_N"] == {"value": "32", "from": "data/summary.json val_n",
+                                   "source": "config"}
+    assert plan.effective["actor_rollout_ref.rollout.val_kwargs.n"] == 32
+    assert "30 x 32 generations" in rule(plan, "val_on_resume").messages[0]
+    assert plan.estimate["inputs"]["mean_prompt_tokens"] == 180.5
+
+
+def test_cli_lists_all_errors_and_unknown_waiver(verl, tmp_path, capsys):
+    cfg = _set(paper_cfg(tmp_path), env={"ROLLOUT_MAX_MODEL_LEN": 9000, "SAVE_FREQ": -1})
+    rc = pf.main(["--config-json", json.dumps(cfg), "--lock", str(verl.lock),
+                  "--out-dir", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert rc == 1 and "max_model_len: rollout.max_model_len = 9000" in err
+    assert "save_test_freq: trainer.save_freq = -1" in err and "2 error(s)" in err
+    bad = copy.deepcopy(paper_cfg(tmp_path))
+    bad["preflight"]["waive"] = ["dsik"]
+    assert pf.main(["--config-json", json.dumps(bad), "--lock", str(verl.lock),
+                    "--out-dir", str(tmp_path / "out2")]) == 1
+    assert "preflight.waive: unknown rule 'dsik'" in capsys.readouterr().err
+    assert not (tmp_path / "out2/plan.json").exists()
+
+
+def test_rendered_launch_drives_the_train_stage_double(fake_verl_repo, tmp_path):
+    """Contract check with the train stage: the real launch.sh, run in the verl dir with
+    VERL_FILE_LOGGER_PATH, drives the trainer double (tests/fixtures/trainer_double.py) to
+    write checkpoints in the planned directory and the per-attempt metrics log."""
+    from fixtures.trainer_double import MAIN_PPO_DOUBLE
+
+    verl = fake_verl_repo(extra_files={"verl/trainer/main_ppo.py": MAIN_PPO_DOUBLE})
+    cfg = cfgmod.load(REPO / "config/config.yaml")
+    cfg["train"].update(checkpoint_root=str(tmp_path / "ckpt"), total_training_steps=3,
+                        loggers=["console"])
+    plan = pf.make_plan(cfg, verl.lock, tmp_path / "out")
+    assert plan.ok, plan.errors
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "python3").write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
+    (bindir / "python3").chmod(0o755)
+    log = tmp_path / "attempts/attempt-1.metrics.jsonl"
+    env = {"PATH": f"{bindir}:/usr/bin:/bin", "HOME": str(tmp_path),
+           "VERL_FILE_LOGGER_PATH": str(log), "HY3RL_DOUBLE_STEP_S": "0.01"}
+    subprocess.run(["bash", plan.launch["path"]], cwd=verl.path, env=env, check=True,
+                   capture_output=True, text=True, timeout=300)
+    ckpt = Path(plan.checkpoint["dir"])
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+    steps = [json.loads(line)["step"] for line in log.read_text().splitlines()]
+    assert steps[-1] == 3
+
+
+def test_paper_config_undoes_every_tiny_knob():
+    """config/paper.yaml is applied on top of config/config.yaml (mappings merge), so every
+    knob the tiny default sets must be set back explicitly in the paper config."""
+    import yaml
+
+    tiny = yaml.safe_load((REPO / "config/config.yaml").read_text())["train"]["env"]
+    paper = yaml.safe_load((REPO / "config/paper.yaml").read_text())["train"]["env"]
+    assert sorted(set(tiny) - set(paper)) == []

@@ -1,0 +1,316 @@
+"""Unit tests of the train stage on real directories in verl's checkpoint layout (written by
+the trainer double's own writer, tests/fixtures/trainer_double.py)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from fixtures.trainer_double import launch_sh, partial_checkpoint, plan_json
+from hy3rl import launch, train
+
+
+@pytest.fixture
+def ckpt(tmp_path: Path, ckpt_writer) -> Path:
+    root = tmp_path / "ckpt" / "run"
+    for step in (2, 4):
+        ckpt_writer(root, step)
+    return root
+
+
+# ---------------------------------------------------------------- completeness / resume
+
+
+def test_complete_checkpoints_detected(ckpt: Path) -> None:
+    partial_checkpoint(ckpt, 6)
+    states = {c.step: c for c in train.scan(ckpt)}
+    assert sorted(states) == [2, 4, 6]
+    assert states[2].complete and states[4].complete
+    assert not states[6].complete and "ckpt_contents.json" in states[6].reason
+    assert train.read_tracker(ckpt) == 4
+    assert train.newest_complete(states.values()).step == 4
+
+
+def test_truncated_data_pt_is_incomplete(ckpt: Path) -> None:
+    data = ckpt / "global_step_4" / "data.pt"
+    data.write_bytes(data.read_bytes()[:20])
+    ok, why = train.check_complete(ckpt / "global_step_4", 4)
+    assert not ok and "data.pt" in why
+    manifest = ckpt / "global_step_2" / "actor" / "ckpt_contents.json"
+    manifest.write_text(json.dumps({"global_step": 3}))
+    ok, why = train.check_complete(ckpt / "global_step_2", 2)
+    assert not ok and "global_step 3 != 2" in why
+
+
+def test_resume_moves_incomplete_newest_aside(ckpt: Path, caplog) -> None:
+    partial_checkpoint(ckpt, 6)
+    caplog.set_level(logging.INFO, "hy3rl.train")
+    start, actions = train.prepare_resume(ckpt, attempt=2)
+    assert start == 4
+    assert train.read_tracker(ckpt) == 4
+    assert not (ckpt / "global_step_6").exists()
+    aside = ckpt / "global_step_6.incomplete-2"
+    assert (aside / "actor" / "optimizer" / "dist_ckpt" / "__0_0.distcp").exists()  # kept
+    assert any("global_step_6" in a for a in actions)
+    assert "resume: starting from step 4" in caplog.text
+
+
+def test_resume_rewrites_tracker_naming_incomplete(ckpt: Path, ckpt_writer, caplog) -> None:
+    ckpt_writer(ckpt, 6)  # tracker -> 6, then the manifest goes missing
+    (ckpt / "global_step_6" / "actor" / "ckpt_contents.json").unlink()
+    caplog.set_level(logging.INFO, "hy3rl.train")
+    start, actions = train.prepare_resume(ckpt, attempt=3)
+    assert start == 4 and train.read_tracker(ckpt) == 4
+    assert "tracker named step 6" in caplog.text and "rewritten to 4" in caplog.text
+    assert (ckpt / "global_step_6.incomplete-3").is_dir()
+
+
+def test_resume_without_complete_checkpoint(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    partial_checkpoint(root, 2)
+    (root / train.TRACKER).write_text("2")
+    start, actions = train.prepare_resume(root, attempt=1)
+    assert start == 0
+    assert not (root / train.TRACKER).exists()
+    assert (root / f"{train.TRACKER}.invalid-1").read_text() == "2"
+    assert (root / "global_step_2.incomplete-1").is_dir()
+
+
+def test_bad_tracker_is_an_error(ckpt: Path) -> None:
+    (ckpt / train.TRACKER).write_text("four")
+    with pytest.raises(train.TrainError, match="latest_checkpointed_iteration.txt"):
+        train.prepare_resume(ckpt, attempt=1)
+
+
+# ---------------------------------------------------------------- retention
+
+
+def test_retention_keeps_newest_and_eval_steps(ckpt: Path, ckpt_writer) -> None:
+    for step in (6, 8):
+        ckpt_writer(ckpt, step)
+    partial_checkpoint(ckpt, 10)
+    removed = train.prune(ckpt, keep=2, protected=[2])
+    assert removed == [4]
+    assert sorted(c.step for c in train.scan(ckpt)) == [2, 6, 8, 10]
+    assert not list(ckpt.glob(".pruning-*"))
+    assert train.prune(ckpt, keep=0, protected=[]) == []  # 0 keeps everything
+
+
+def test_retention_never_prunes_before_newer_complete(tmp_path: Path, ckpt_writer) -> None:
+    root = tmp_path / "c"
+    ckpt_writer(root, 2)
+    partial_checkpoint(root, 4)  # a save in progress
+    assert train.prune(root, keep=1, protected=[]) == []
+    assert (root / "global_step_2").is_dir()
+    ckpts = train.scan(root)
+    assert train.retention_victims(ckpts, keep=1, protected=[]) == []
+
+
+# ---------------------------------------------------------------- lock
+
+
+def _me(job: str | None = "200", pid: int = 1) -> train.LockInfo:
+    return train.LockInfo(job_id=job, executor="slurm" if job else "local", host="h",
+                          pid=pid, pid_create_time=None, attempt=1, acquired_at="t")
+
+
+def test_lock_refuses_live_job_and_takes_over_stale(tmp_path: Path, caplog) -> None:
+    root = tmp_path / "c"
+    assert train.acquire_lock(root, _me("100")) == []
+    with pytest.raises(train.LockHeld, match=r"SLURM job 100 .*scancel 100"):
+        train.acquire_lock(root, _me("200"), alive=lambda info: True)
+    assert json.loads((root / train.LOCK_NAME).read_text())["job_id"] == "100"
+    caplog.set_level(logging.INFO, "hy3rl.train")
+    actions = train.acquire_lock(root, _me("200"), alive=lambda info: False)
+    assert actions and "stale lock of SLURM job 100" in actions[0]
+    assert "took over the stale lock" in caplog.text
+    assert json.loads((root / train.LOCK_NAME).read_text())["job_id"] == "200"
+    train.release_lock(root, _me("100"))  # not ours: stays
+    assert (root / train.LOCK_NAME).exists()
+    train.release_lock(root, _me("200"))
+    assert not (root / train.LOCK_NAME).exists()
+
+
+def test_local_lock_alive_check_uses_real_processes(tmp_path: Path) -> None:
+    import socket
+
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        holder = train.LockInfo(None, "local", socket.gethostname(), live.pid,
+                                train._pid_create_time(live.pid), 1, "t")
+        assert train.lock_holder_alive(holder)
+        holder_reused = train.LockInfo(None, "local", socket.gethostname(), live.pid,
+                                       1.0, 1, "t")  # same pid, another process
+        assert not train.lock_holder_alive(holder_reused)
+    finally:
+        live.kill()
+        live.wait()
+    assert not train.lock_holder_alive(holder)
+    with pytest.raises(train.LockHeld, match="another host"):
+        train.lock_holder_alive(train.LockInfo(None, "local", "elsewhere", 1, None, 1, "t"))
+
+
+# ---------------------------------------------------------------- metrics / attempts
+
+
+def _line(step: int, **data) -> str:
+    return json.dumps({"step": step, "data": data}) + "\n"
+
+
+def test_metrics_merge_later_attempt_wins(tmp_path: Path) -> None:
+    a = tmp_path / "attempts"
+    a.mkdir()
+    (a / "attempt-1.metrics.jsonl").write_text(
+        _line(0, **{"val-core/x": 0.8}) + _line(1, r=1.0) + _line(2, r=2.0) + _line(3, r=3.0)
+        + '{"step": 4, "da')  # cut off by a crash
+    (a / "attempt-2.metrics.jsonl").write_text(
+        _line(2, **{"val-core/x": 0.9}) + _line(3, r=30.0) + _line(4, r=40.0))
+    (a / "attempt-10.metrics.jsonl").write_text(_line(4, r=400.0))
+    n = train.write_merged(a, tmp_path / "metrics.jsonl")
+    merged = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert n == 5 and [m["step"] for m in merged] == [0, 1, 2, 3, 4]
+    assert merged[2]["data"] == {"r": 2.0, "val-core/x": 0.9}  # resume validation added
+    assert merged[3]["data"] == {"r": 30.0}
+    assert merged[4]["data"] == {"r": 400.0}  # attempt 10 after attempt 2 (numeric order)
+
+
+def test_metrics_bad_line_named(tmp_path: Path) -> None:
+    p = tmp_path / "attempt-1.metrics.jsonl"
+    p.write_text(_line(1, r=1) + "not json\n" + _line(2, r=2))
+    with pytest.raises(train.TrainError, match=r"attempt-1.metrics.jsonl:2"):
+        train.read_metrics(p)
+
+
+def test_stale_running_attempt_is_closed(tmp_path: Path) -> None:
+    a = tmp_path / "attempts"
+    a.mkdir()
+    (a / "attempt-1.metrics.jsonl").write_text(_line(1) + _line(2) + _line(3))
+    (a / "attempt-1.json").write_text(json.dumps(
+        {"attempt": 1, "exit_reason": "running", "metrics_log": "attempt-1.metrics.jsonl",
+         "started_at": "2026-12-02T10:00:00+00:00"}))
+    assert train.finalise_stale(a, end_step=2) == [1]
+    rec = json.loads((a / "attempt-1.json").read_text())
+    assert rec["exit_reason"].startswith("killed")
+    assert (rec["end_step"], rec["last_logged_step"], rec["steps_lost"]) == (2, 3, 1)
+
+
+# ---------------------------------------------------------------- CLI refusals (no Ray)
+
+
+def _inputs(tmp_path: Path, ckpt_dir: Path) -> list[str]:
+    (tmp_path / "plan.json").write_text(json.dumps(plan_json(ckpt_dir, 4, 2, "run")))
+    (tmp_path / "launch.sh").write_text(launch_sh(ckpt_dir, 4, 2))
+    (tmp_path / "env.yaml").write_text("working_dir: /nonexistent\n")
+    cfg = {"run": {"name": "run"}, "cluster": {"nodes": 1, "gpus_per_node": 0,
+                                               "cpus_per_node": 1},
+           "train": {"checkpoint_root": str(ckpt_dir.parent)}}
+    return ["--config-json", json.dumps(cfg), "--plan", str(tmp_path / "plan.json"),
+            "--launch", str(tmp_path / "launch.sh"), "--runtime-env", str(tmp_path / "env.yaml"),
+            "--results-dir", str(tmp_path / "results")]
+
+
+def test_cli_refuses_when_lock_held_by_live_process(tmp_path: Path, capsys) -> None:
+    import socket
+
+    ckpt_dir = tmp_path / "ckpt" / "run"
+    ckpt_dir.mkdir(parents=True)
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (ckpt_dir / train.LOCK_NAME).write_text(json.dumps({
+            "job_id": None, "executor": "local", "host": socket.gethostname(),
+            "pid": live.pid, "pid_create_time": train._pid_create_time(live.pid),
+            "attempt": 4, "acquired_at": "t"}))
+        assert train.main(_inputs(tmp_path, ckpt_dir)) == 3
+    finally:
+        live.kill()
+        live.wait()
+    out = capsys.readouterr().out
+    assert f"local process {live.pid}" in out and "second trainer" in out
+    assert not (tmp_path / "results" / "attempts" / "attempt-1.json").exists()
+
+
+def test_cli_checkpoint_dir_mismatch(tmp_path: Path, capsys) -> None:
+    args = _inputs(tmp_path, tmp_path / "ckpt" / "run")
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    plan["checkpoint"]["dir"] = "/elsewhere/run"
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    assert train.main(args) == 1
+    assert "checkpoint.dir /elsewhere/run differs" in capsys.readouterr().out
+
+
+def test_checkpoint_dir_resolution(tmp_path: Path) -> None:
+    cfg = {"run": {"name": "r"}, "train": {"checkpoint_root": ""}}
+    assert train.checkpoint_dir(cfg, tmp_path) == tmp_path / "results" / "r" / "checkpoints"
+    cfg["train"]["checkpoint_root"] = "/shared/ckpt"
+    assert train.checkpoint_dir(cfg) == Path("/shared/ckpt/r")
+
+
+# ---------------------------------------------------------------- launcher pieces
+
+
+SCONTROL_JOB = """JobId=12 JobName=x
+   NumNodes=2 NumCPUs=4 NumTasks=2 CPUs/Task=2 ReqB:S:C:T=0:0:*:*
+   TRES=cpu=4,mem=2000M,node=2,billing=4,gres/gpu=4
+     Nodes=n[1-2] CPU_IDs=0-1 Mem=1000 GRES=gpu:2(IDX:0-1)
+   MinCPUsNode=2 MinMemoryNode=1000M MinTmpDiskNode=0
+"""
+
+
+def test_parse_job_detail_and_allocation_check() -> None:
+    assert launch.parse_job_detail(SCONTROL_JOB) == {"n[1-2]": (2, 2)}
+    assert launch.parse_job_detail("  Nodes=a1 CPU_IDs=0-3,8 Mem=0 GRES=gpu:h20:8(IDX:0-7)") \
+        == {"a1": (5, 8)}
+    nodes = [launch.Node("n1", "h", 2, 2), launch.Node("n2", "h", 2, 2)]
+    spec = launch.LaunchSpec("s", Path("l"), Path("e"), Path("d"), nodes=2, gpus_per_node=2,
+                             cpus_per_node=2)
+    launch.check_allocation(nodes, spec)
+    spec.cpus_per_node = 3
+    with pytest.raises(launch.LaunchError, match="node n1: cluster.cpus_per_node=3"):
+        launch.check_allocation(nodes, spec)
+    spec.cpus_per_node, spec.gpus_per_node = 2, 8
+    with pytest.raises(launch.LaunchError, match="gives 2 GPUs"):
+        launch.check_allocation(nodes, spec)
+    spec.nodes = 3
+    with pytest.raises(launch.LaunchError, match="2 node"):
+        launch.check_allocation(nodes, spec)
+
+
+def test_port_plan_disjoint_for_cohosted_nodes() -> None:
+    ray = dict(launch.RAY_DEFAULTS)
+    nodes = [launch.Node("n1", "host"), launch.Node("n2", "host"), launch.Node("n3", "other")]
+    plan = launch.port_plan(1234, nodes, ray)
+
+    def ports(p: launch.Ports) -> set[int]:
+        vals = set(vars(p).values()) - {p.min_worker, p.max_worker}
+        return vals | set(range(p.min_worker, p.max_worker + 1))
+
+    assert not ports(plan["n1"]) & ports(plan["n2"])  # same host: disjoint
+    assert plan["n3"] == plan["n1"]  # another host may reuse the numbers
+    for p in plan.values():
+        assert ray["port_base"] <= min(ports(p)) and max(ports(p)) < 32768
+    assert launch.port_plan(1235, nodes, ray)["n1"].gcs != plan["n1"].gcs
+
+
+def test_scope_kill_stops_only_its_processes() -> None:
+    env = {**os.environ, launch.SCOPE_VAR: "scope-a"}
+    mine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=env)
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                             env={**os.environ, launch.SCOPE_VAR: "scope-b"})
+    try:
+        import time
+
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not launch.scope_processes("scope-a"):
+            time.sleep(0.2)
+        assert launch.kill_scope("scope-a", grace=5) == 1
+        assert mine.wait(10) is not None
+        assert other.poll() is None
+    finally:
+        for p in (mine, other):
+            p.kill()
+            p.wait()

@@ -1,0 +1,113 @@
+"""The train stage with a real Ray cluster on this machine (the profiles/local path): the
+launcher starts a single-node Ray, submits launch.sh with `ray job submit`, and the trainer
+double writes verl's checkpoint layout and logs. Few launches: Ray is slow on 2 cores."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from fixtures.trainer_double import leftover_ray as leftover
+from hy3rl import train
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+VENV_BIN = str(Path(sys.executable).parent)
+
+
+def run_train(setup, keep_steps=None, timeout=300) -> subprocess.CompletedProcess:
+    env = {**os.environ, **setup.env(), "PATH": VENV_BIN + os.pathsep + os.environ["PATH"]}
+    env.pop("SLURM_JOB_ID", None)
+    return subprocess.run([sys.executable, "-m", "hy3rl.train", *setup.train_args(keep_steps)],
+                          cwd=setup.root, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def attempt(setup, k: int) -> dict:
+    return json.loads((setup.results / "train" / "attempts" / f"attempt-{k}.json").read_text())
+
+
+def test_die_mid_save_then_resume_to_done(train_setup) -> None:
+    setup = train_setup(total=6, save_freq=2, keep=1)
+    setup.set_faults(die_mid_save=4)
+
+    first = run_train(setup, keep_steps=[2])
+    assert first.returncode != 0, first.stdout[-3000:]
+    a1 = attempt(setup, 1)
+    assert a1["exit_reason"].startswith("trainer failed (FAILED"), a1
+    assert (a1["start_step"], a1["end_step"], a1["last_logged_step"], a1["steps_lost"]) == \
+        (0, 2, 3, 1)
+    assert a1["nodes"] and a1["slurm_job_id"] is None
+    assert train.read_tracker(setup.ckpt) == 2
+    assert not train.check_complete(setup.ckpt / "global_step_4", 4)[0]
+    assert not (setup.results / "train" / "done.json").exists()
+    assert not (setup.ckpt / train.LOCK_NAME).exists()
+    logs = setup.results / "train" / "attempts" / "attempt-1"
+    assert "dying in the middle of saving step 4" in (logs / "driver.log").read_text()
+    assert "all 1 node(s)" in (logs / "launcher.log").read_text()
+    assert not leftover("t-local-1"), "Ray processes left after attempt 1"
+
+    second = run_train(setup, keep_steps=[2])
+    assert second.returncode == 0, second.stdout[-4000:]
+    a2 = attempt(setup, 2)
+    assert a2["exit_reason"] == "succeeded"
+    assert a2["start_step"] == 2 and a2["end_step"] == 6 and a2["steps_lost"] == 0
+    assert any("global_step_4" in a and "aside" in a for a in a2["resume_actions"]), a2
+    assert (setup.ckpt / "global_step_4.incomplete-2").is_dir()  # moved aside, not deleted
+    assert "Resuming from" in (setup.results / "train" / "attempts" / "attempt-2" /
+                               "driver.log").read_text()
+
+    done = json.loads((setup.results / "train" / "done.json").read_text())
+    assert done["final_step"] == 6 and done["checkpoint"].endswith("global_step_6")
+    assert done["kept_checkpoints"] == [2, 6]  # keep 1 + eval step 2; step 4 pruned
+    assert [a["attempt"] for a in done["attempts"]] == [1, 2]
+    assert done["steps_lost_total"] == 1
+
+    merged = [json.loads(x) for x in
+              (setup.results / "train" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in merged] == list(range(0, 7))
+    logs2 = {json.loads(x)["step"]: json.loads(x) for x in
+             (setup.results / "train" / "attempts" / "attempt-2.metrics.jsonl")
+             .read_text().splitlines()}
+    assert merged[3] == logs2[3]  # redone step: the later attempt's line
+    assert "critic/rewards/mean" in merged[2]["data"]  # resume validation merged in, not
+    assert "val-core/math_dapo/acc/mean@1" in merged[2]["data"]  # replacing training keys
+    assert not leftover("t-local-2")
+
+
+def test_sigterm_stops_job_and_ray(train_setup) -> None:
+    setup = train_setup(total=50, save_freq=2)
+    setup.set_faults(hang_at=3)
+    env = {**os.environ, **setup.env(), "PATH": VENV_BIN + os.pathsep + os.environ["PATH"]}
+    env.pop("SLURM_JOB_ID", None)
+    out = open(setup.root / "train.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "hy3rl.train", *setup.train_args()],
+                            cwd=setup.root, env=env, stdout=out, stderr=subprocess.STDOUT)
+    metrics = setup.results / "train" / "attempts" / "attempt-1.metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:  # val + steps 1, 2
+            break
+        time.sleep(1)
+    assert proc.poll() is None, (setup.root / "train.log").read_text()[-3000:]
+    assert (setup.ckpt / train.LOCK_NAME).exists()
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    code = proc.wait(timeout=60)
+    took = time.monotonic() - t0
+    out.close()
+    log = (setup.root / "train.log").read_text()
+    assert code != 0, log[-3000:]
+    assert took < 45, f"teardown took {took:.0f}s"
+    a1 = attempt(setup, 1)
+    assert a1["exit_reason"] == "signal SIGTERM", a1
+    assert a1["end_step"] == 2
+    assert "ray job stop t-local-1" in log
+    assert not (setup.ckpt / train.LOCK_NAME).exists()
+    assert not leftover("t-local-1"), "Ray processes left after SIGTERM"

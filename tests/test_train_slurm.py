@@ -1,0 +1,231 @@
+"""The train stage through `snakemake --profile profiles/slurm` (+ the test override) on the
+real 2-node SLURM test cluster (tests/slurm_cluster.py): Ray head and worker started with
+`srun --overlap` inside the job, the trainer double (tests/fixtures/trainer_double.py) in
+the Ray job. The preflight outputs the rule reads (plan.json, launch.sh) and the deps
+runtime_env.yaml are written by the test (docs/formats/preflight.md shape) and only the
+train rule may run (`--allowed-rules train`), so that these tests depend on this stage only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from fixtures.common import REPO_ROOT, SNAKEMAKE, run_snakemake
+from fixtures.trainer_double import TrainSetup, leftover_ray
+from hy3rl import train
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+RUN = "tiny-default"  # run.name of config/config.yaml
+TARGET = f"results/{RUN}/train/done.json"
+
+
+class SlurmTrain:
+    def __init__(self, setup: TrainSetup, profile_args: list[str], **train_cfg):
+        self.setup = setup
+        self.work = setup.root
+        cfg = {"checkpoint_root": str(setup.ckpt_root), "prune_interval_s": 1,
+               "checkpoint_keep": 2, "ray": {"register_timeout_s": 120, "head_timeout_s": 120}}
+        for key, value in train_cfg.items():
+            if isinstance(value, dict):
+                cfg.setdefault(key, {}).update(value)
+            else:
+                cfg[key] = value
+        self.config_file = self.work / "train-test.yaml"
+        self.cluster: dict = {}
+        self.train_cfg = cfg
+        self.write_config()
+        self.profile_args = profile_args
+
+    def write_config(self) -> None:
+        doc = {"train": self.train_cfg}
+        if self.cluster:
+            doc["cluster"] = self.cluster
+        self.config_file.write_text(yaml.safe_dump(doc))
+
+    def args(self, *extra: str) -> list[str]:
+        # The profile args end with `--configfile <files...>`: add ours to that list.
+        return [TARGET, *self.profile_args, str(self.config_file), "--allowed-rules", "train",
+                *extra]
+
+    def env(self, **extra: str) -> dict[str, str]:
+        return {**self.setup.env(), **extra}
+
+    def run(self, check: bool, **env: str) -> subprocess.CompletedProcess:
+        return run_snakemake(self.args(), self.work, check=check, env=self.env(**env),
+                             timeout=600)
+
+    @property
+    def train_dir(self) -> Path:
+        return self.setup.results / "train"
+
+    def attempt(self, k: int) -> dict:
+        return json.loads((self.train_dir / "attempts" / f"attempt-{k}.json").read_text())
+
+    def train_log(self) -> str:
+        return (self.setup.results / "logs" / "train.log").read_text()
+
+
+@pytest.fixture
+def slurm_train(slurm_profile_args, train_setup):
+    def factory(total: int, save_freq: int, step_s: float = 0.2, **train_cfg) -> SlurmTrain:
+        setup = train_setup(run=RUN, total=total, save_freq=save_freq, step_s=step_s)
+        return SlurmTrain(setup, slurm_profile_args, **train_cfg)
+
+    return factory
+
+
+def squeue_ids() -> list[str]:
+    out = subprocess.run(["squeue", "-h", "-o", "%i %T"], capture_output=True, text=True)
+    return [ln.split()[0] for ln in out.stdout.splitlines()
+            if ln.split()[1] in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING")]
+
+
+def wait_for(cond, timeout: float, what: str, every: float = 1.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def no_leftovers(st: SlurmTrain, job_id: str) -> None:
+    assert not leftover_ray(f"{RUN}-{job_id}-"), f"Ray processes of job {job_id} left"
+    assert not list(Path("/tmp").glob(f"hy3rl-ray-{job_id}-*")), "node temp dirs left"
+    assert not (st.setup.ckpt / train.LOCK_NAME).exists()
+
+
+def test_crash_then_incomplete_save_then_resume(slurm_train) -> None:
+    """A clean multi-node launch that crashes at step 5, a rerun that dies in the middle of
+    saving step 6, a rerun that moves that save aside and finishes."""
+    st = slurm_train(total=9, save_freq=3)
+    st.setup.set_faults(crash_at=5, die_mid_save=6)
+
+    first = st.run(check=False)
+    assert first.returncode != 0
+    a1 = st.attempt(1)
+    assert a1["nodes"] == ["n1", "n2"] and a1["slurm_job_id"], a1
+    assert a1["exit_reason"].startswith("trainer failed (FAILED"), a1
+    assert (a1["start_step"], a1["end_step"], a1["last_logged_step"]) == (0, 3, 4)
+    assert 0 < a1["steps_lost"] <= 3
+    log = st.train_log()
+    assert "all 2 node(s) and 4 GPU(s) registered" in log
+    assert "injected crash at step 5" in log  # the job's output streamed into the rule log
+    no_leftovers(st, a1["slurm_job_id"])
+
+    second = st.run(check=False)
+    assert second.returncode != 0
+    a2 = st.attempt(2)
+    assert a2["slurm_job_id"] != a1["slurm_job_id"]
+    assert (a2["start_step"], a2["end_step"], a2["last_logged_step"]) == (3, 3, 5)
+    assert a2["steps_lost"] == 2 <= 3
+    assert not train.check_complete(st.setup.ckpt / "global_step_6", 6)[0]
+    assert train.read_tracker(st.setup.ckpt) == 3
+    no_leftovers(st, a2["slurm_job_id"])
+
+    third = st.run(check=True)
+    assert "rule train" in third.stdout + third.stderr
+    a3 = st.attempt(3)
+    assert a3["exit_reason"] == "succeeded" and a3["start_step"] == 3 and a3["end_step"] == 9
+    assert any("global_step_6" in a and "aside" in a for a in a3["resume_actions"])
+    assert (st.setup.ckpt / "global_step_6.incomplete-3").is_dir()
+    done = json.loads((st.train_dir / "done.json").read_text())
+    assert done["final_step"] == 9 and done["kept_checkpoints"] == [6, 9]
+    assert [a["exit_reason"] for a in done["attempts"]][-1] == "succeeded"
+    merged = [json.loads(x) for x in (st.train_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in merged] == list(range(10))
+    a3_lines = {json.loads(x)["step"]: json.loads(x) for x in
+                (st.train_dir / "attempts" / "attempt-3.metrics.jsonl").read_text().splitlines()}
+    assert merged[4] == a3_lines[4] and merged[5] == a3_lines[5]  # redone: latest attempt
+    no_leftovers(st, a3["slurm_job_id"])
+
+
+def test_worker_ray_fails_to_start(slurm_train) -> None:
+    setup_cmd = 'if [ "$HY3RL_NODE" = n2 ]; then echo "node setup fails on n2" >&2; exit 7; fi'
+    st = slurm_train(total=4, save_freq=2,
+                     ray={"node_setup": setup_cmd, "worker_start_retries": 1})
+    proc = st.run(check=False)
+    assert proc.returncode != 0
+    a1 = st.attempt(1)
+    assert a1["exit_reason"] == "ray failed to start on n2", a1
+    log = st.train_log()
+    assert "Ray on node n2 (worker) failed to start" in log
+    assert "node setup fails on n2" in log  # the node log's tail is in the message
+    assert "retry 1" in log
+    assert not (st.train_dir / "done.json").exists()
+    no_leftovers(st, a1["slurm_job_id"])
+
+
+def test_relaunch_refused_while_job_lives_then_resumes(slurm_train) -> None:
+    st = slurm_train(total=6, save_freq=2)
+    st.setup.set_faults(hang_at=3)
+    env = {**os.environ, **st.env()}
+    ctl = subprocess.Popen([*SNAKEMAKE, "--snakefile", str(REPO_ROOT / "Snakefile"),
+                            "--directory", str(st.work), *st.args()], env=env,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                           start_new_session=True)
+    metrics = st.train_dir / "attempts" / "attempt-1.metrics.jsonl"
+    try:
+        wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3,
+                 240, "the trainer to reach step 2")
+    finally:
+        ctl.send_signal(signal.SIGKILL)  # the controller dies; its SLURM job lives on
+        ctl.wait()
+    job = st.attempt(1)["slurm_job_id"]
+    assert job in squeue_ids()
+
+    run_snakemake([*st.args(), "--unlock"], st.work, env=st.env())
+    refused = st.run(check=False)
+    assert refused.returncode != 0
+    out = refused.stdout + refused.stderr
+    assert f"in use by SLURM job {job}" in out and f"scancel {job}" in out, out[-3000:]
+    logs = st.work / ".snakemake" / "slurm_logs" / "rule_train"
+    assert sorted(p.stem for p in logs.glob("*.log")) == [job]  # nothing else submitted
+
+    # The job dies without a chance to clean up: a stale lock and a record left "running".
+    subprocess.run(["scancel", "--signal=KILL", "--full", job], check=True)
+    wait_for(lambda: job not in squeue_ids(), 60, f"job {job} to end")
+    assert (st.setup.ckpt / train.LOCK_NAME).exists()
+
+    st.run(check=True)
+    log = st.train_log()
+    assert f"took over the stale lock of SLURM job {job}" in log
+    a1, a2 = st.attempt(1), st.attempt(2)
+    assert a1["exit_reason"].startswith("killed") and a1["end_step"] == 2, a1
+    assert a2["start_step"] == 2 and a2["exit_reason"] == "succeeded"
+    assert json.loads((st.train_dir / "done.json").read_text())["final_step"] == 6
+    no_leftovers(st, a2["slurm_job_id"])
+    assert not leftover_ray(f"{RUN}-{job}-"), "Ray processes of the killed job left"
+
+
+def test_time_limit_then_resume(slurm_train) -> None:
+    st = slurm_train(total=200, save_freq=5, step_s=0.5)
+    st.cluster = {"train_time_min": 1}
+    st.write_config()
+    t0 = time.monotonic()
+    first = st.run(check=False)
+    assert first.returncode != 0
+    assert time.monotonic() - t0 < 240
+    a1 = st.attempt(1)
+    assert a1["exit_reason"] == "signal SIGTERM", a1
+    assert a1["end_step"] and a1["end_step"] % 5 == 0 and a1["end_step"] < 200
+    assert a1["steps_lost"] is not None and a1["steps_lost"] <= 5
+    wait_for(lambda: a1["slurm_job_id"] not in squeue_ids(), 60, "the job to end")
+
+    st.cluster = {"train_time_min": 5}
+    st.write_config()
+    st.run(check=True, HY3RL_DOUBLE_STEP_S="0.02")
+    a2 = st.attempt(2)
+    assert a2["start_step"] == a1["end_step"] and a2["exit_reason"] == "succeeded"
+    assert json.loads((st.train_dir / "done.json").read_text())["final_step"] == 200
+    no_leftovers(st, a2["slurm_job_id"])
+    assert not leftover_ray(f"{RUN}-{a1['slurm_job_id']}-")
