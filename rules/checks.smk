@@ -3,37 +3,7 @@
 # on one GPU node) only when cluster.gpu is true. Outputs: docs/formats/checkpoint.md.
 
 
-def checks_targets():
-    targets = [f"{RESULTS}/checks/checkpoint.json"]
-    if gpu_enabled():
-        targets.append(f"{RESULTS}/checks/bridge.json")
-    return targets
-
-
 STAGE_TARGETS.append(checks_targets)
-
-
-def checkpoint_dir():
-    """The model directory: rule tiny_model's output for the default path; any other
-    model.path is an existing checkpoint, never re-checked because its mtime changed."""
-    path = config["model"]["path"]
-    return path if path == TINY_MODEL_PATH else ancient(path)
-
-
-def bridge_job_resources():
-    """One node, one GPU (gres per node), as a SLURM job of the executor plugin."""
-    c, b = config["cluster"], config["checks"]["bridge"]
-    gres = f"gpu:{c['gpu_type']}:1" if c["gpu_type"] else "gpu:1"
-    res = {
-        "nodes": 1,
-        "gres": gres,
-        "cpus_per_task": b["cpus"],
-        "mem_mb": b["mem_mb"],
-        "runtime": b["runtime_min"],
-    }
-    if c["constraint"]:
-        res["constraint"] = c["constraint"]
-    return res
 
 
 rule check_checkpoint:
@@ -53,7 +23,7 @@ rule check_checkpoint:
     params:
         cfg=section_json("checks"),
     shell:
-        "{PY} hy3rl.checkpoint --model-path {input.model:q} --lock {input.lock}"
+        "python -m hy3rl.checkpoint --model-path {input.model:q} --lock {input.lock}"
         " --config-json {params.cfg:q} --threads {threads} --out {output} > {log} 2>&1"
 
 

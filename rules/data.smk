@@ -1,19 +1,7 @@
 # Stage `data`: DAPO-Math-17k and AIME-2024 (hub or local files) -> verified verl parquet
 # and a summary (docs/formats/data.md).
-from hy3rl.data import local_source_path
 
 STAGE_TARGETS.append(lambda: [f"{RESULTS}/data/summary.json"])
-
-
-def data_inputs(wildcards):
-    """The model directory (tokenizer + chat template) and the local source files; hub
-    sources are fetched by the job itself."""
-    inputs = {"model": config["model"]["path"]}
-    for split in ("train", "val"):
-        local = local_source_path(config["data"][split]["source"])
-        if local is not None:
-            inputs[split] = local
-    return inputs
 
 
 rule data:

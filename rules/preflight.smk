@@ -26,7 +26,7 @@ rule preflight:
         runtime=10,
     params:
         cfg=section_json("run", "cluster", "model", "data", "train", "preflight"),
-        out_dir=f"{RESULTS}/preflight",
+        out_dir=lambda w, output: os.path.dirname(output.plan),
     shell:
         "python -m hy3rl.preflight --config-json {params.cfg:q} --lock {input.lock}"
         " --data-summary {input.summary} --train-files {input.train} --val-files {input.val}"

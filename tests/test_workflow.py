@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from fixtures.common import REPO_ROOT, run_snakemake
 from fixtures.data import aime_rows, dapo_rows, write_parquet
 from fixtures.deps import make_upstreams
