@@ -304,14 +304,14 @@ def _start_munged(info: ClusterInfo) -> None:
     mdir = Path(info.state_dir) / "munge"
     mdir.mkdir(mode=0o755)
     shutil.chown(mdir, "munge", "munge")
-    log = open(Path(info.state_dir) / "log" / "munged.out", "ab")
-    proc = subprocess.Popen(
-        ["munged", "-F", f"--socket={info.munge_socket}", f"--pid-file={mdir}/munged.pid",
-         f"--log-file={mdir}/munged.log", f"--seed-file={mdir}/munged.seed"],
-        user="munge", group="munge", extra_groups=[], stdin=subprocess.DEVNULL,
-        env={**os.environ, STATE_ENV: info.state_dir}, cwd=mdir,
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )
+    with open(Path(info.state_dir) / "log" / "munged.out", "ab") as log:
+        proc = subprocess.Popen(
+            ["munged", "-F", f"--socket={info.munge_socket}", f"--pid-file={mdir}/munged.pid",
+             f"--log-file={mdir}/munged.log", f"--seed-file={mdir}/munged.seed"],
+            user="munge", group="munge", extra_groups=[], stdin=subprocess.DEVNULL,
+            env={**os.environ, STATE_ENV: info.state_dir}, cwd=mdir,
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
     info.pids["munged"] = proc.pid
     deadline = time.monotonic() + 15
     while not Path(info.munge_socket).exists():
@@ -324,10 +324,10 @@ def _start_munged(info: ClusterInfo) -> None:
 
 
 def _spawn(info: ClusterInfo, name: str, cmd: list[str]) -> None:
-    log = open(Path(info.state_dir) / "log" / f"{name}.out", "ab")
-    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True, cwd=info.state_dir,
-                            env={**os.environ, STATE_ENV: info.state_dir})
+    with open(Path(info.state_dir) / "log" / f"{name}.out", "ab") as log:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True,
+                                cwd=info.state_dir, env={**os.environ, STATE_ENV: info.state_dir})
     info.pids[name] = proc.pid
 
 

@@ -191,10 +191,14 @@ def test_relaunch_refused_while_job_lives_then_resumes(slurm_train) -> None:
     logs = st.work / ".snakemake" / "slurm_logs" / "rule_train"
     assert sorted(p.stem for p in logs.glob("*.log")) == [job]  # nothing else submitted
 
-    # The job dies without a chance to clean up: a stale lock and a record left "running".
-    subprocess.run(["scancel", "--signal=KILL", "--full", job], check=True)
-    wait_for(lambda: job not in squeue_ids(), 60, f"job {job} to end")
+    # The job dies without a chance to clean up (its trainer process is SIGKILLed, as by
+    # the OOM killer): a stale lock and a record left "running".
+    holder = json.loads((st.setup.ckpt / train.LOCK_NAME).read_text())
+    assert holder["job_id"] == job
+    os.kill(holder["pid"], signal.SIGKILL)  # jobs run on this host (test cluster)
+    wait_for(lambda: job not in squeue_ids(), 120, f"job {job} to end")
     assert (st.setup.ckpt / train.LOCK_NAME).exists()
+    assert st.attempt(1)["exit_reason"] == "running"
 
     st.run(check=True)
     log = st.train_log()
@@ -211,10 +215,8 @@ def test_time_limit_then_resume(slurm_train) -> None:
     st = slurm_train(total=200, save_freq=5, step_s=0.5)
     st.cluster = {"train_time_min": 1}
     st.write_config()
-    t0 = time.monotonic()
     first = st.run(check=False)
     assert first.returncode != 0
-    assert time.monotonic() - t0 < 240
     a1 = st.attempt(1)
     assert a1["exit_reason"] == "signal SIGTERM", a1
     assert a1["end_step"] and a1["end_step"] % 5 == 0 and a1["end_step"] < 200
