@@ -66,6 +66,11 @@ def checks_targets():
     return targets
 
 
+def bridge_check_input():
+    """check_bridge's report when cluster.gpu is true (preflight waits for it), else none."""
+    return [f"{RESULTS}/checks/bridge.json"] if gpu_enabled() else []
+
+
 def checkpoint_dir():
     """The model directory: rule tiny_model's output for the default path; any other
     model.path is an existing checkpoint, never re-checked because its mtime changed."""

@@ -4,6 +4,12 @@
 STAGE_TARGETS.append(lambda: [f"{RESULTS}/data/summary.json"])
 
 
+# Runs on the submitting host like deps: hub sources need the network (compute nodes often
+# have none), and the paper-size run takes under a minute and 3 GiB (benchmarks/bench_data.py).
+localrules:
+    data,
+
+
 rule data:
     input:
         unpack(data_inputs),

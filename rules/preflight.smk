@@ -13,6 +13,7 @@ rule preflight:
         train=f"{RESULTS}/data/train.parquet",
         val=f"{RESULTS}/data/val.parquet",
         checkpoint_check=f"{RESULTS}/checks/checkpoint.json",
+        bridge_check=bridge_check_input(),
     output:
         plan=f"{RESULTS}/preflight/plan.json",
         launch=f"{RESULTS}/preflight/launch.sh",

@@ -3,7 +3,14 @@
 # every other target of `all` and renders whatever exists (a stage that did not run is
 # shown with the reason). The outputs are report() items, so `snakemake --report` gives
 # the same record.
+from hy3rl.config import config_hash
+from hy3rl.redact import redact_config
+
 REPORT_DIR = f"{RESULTS}/report"
+# The resolved config for the report, secret-looking values redacted (rule params are
+# copied into `snakemake --report`'s record), and the hash of the full config.
+REPORT_CFG = json.dumps(redact_config(config), sort_keys=True)
+REPORT_CFG_HASH = config_hash(config)
 
 STAGE_TARGETS.append(lambda: [f"{REPORT_DIR}/index.html"])
 
@@ -92,9 +99,10 @@ rule report:
         mem_mb=2000,
         runtime=15,
     params:
-        cfg=section_json(*sorted(config)),
+        cfg=REPORT_CFG,
+        cfg_hash=REPORT_CFG_HASH,
         out=lambda wc, output: os.path.dirname(output.html),
         results=lambda wc, output: os.path.dirname(os.path.dirname(output.html)),
     shell:
         "python -m hy3rl.report --results {params.results:q} --out-dir {params.out:q}"
-        " --config-json {params.cfg:q} > {log} 2>&1"
+        " --config-json {params.cfg:q} --config-hash {params.cfg_hash} > {log} 2>&1"

@@ -165,6 +165,7 @@ def test_check_bridge_without_gpu_is_not_run(tmp_path: Path):
     assert doc["ok"] is True and doc["counts"]["pass"] == 0
     names = [c["name"] for c in doc["checks"]]
     assert "tiny/roundtrip_tensors" in names and "real_truncated/logits" in names
+    assert "mapping_table_agreement" in names
     assert all(c["status"] == "not run" and "no CUDA GPU" in c["details"]
                for c in doc["checks"])
 
@@ -294,6 +295,8 @@ STUB_MODULES = {
 
 @pytest.mark.parametrize("extra, status", [
     ("", "pass"),
+    # the imported bridge prints while building its table: the JSON line is still found
+    ('        print("[megatron] building HYV3 mappings {not json")\n', "pass"),
     ('        mappings.append(AutoMapping(megatron_param="x.*", hf_param="model.odd.*"))\n',
      "fail"),
 ])
@@ -335,3 +338,33 @@ def test_import_failure_is_not_run_with_the_error(tiny_hy3_dir, bridge_repo_fact
     r = {x.name: x for x in results}["bridge_mapping_import"]
     assert r.status == "not run"
     assert "the pinned bridge did not import" in r.details and "megatron" in r.details
+
+
+@pytest.mark.parametrize("extra, status", [
+    ("", "pass"),
+    ('        mappings.append(AutoMapping(megatron_param="x.*", hf_param="model.odd.*"))\n',
+     "fail"),
+])
+def test_check_bridge_table_agreement_with_stand_in_package(tiny_hy3_dir, bridge_repo_factory,
+                                                            monkeypatch, extra, status):
+    """check_bridge's own agreement check (the GPU job is where the pinned bridge imports):
+    the table parsed from the pinned commit against the imported mapping_registry()."""
+    clone, _, lock = bridge_repo_factory(name=f"agree-{status}")
+    for rel, content in STUB_MODULES.items():
+        path = clone / "src" / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not path.exists():
+            path.write_text(content)
+    (clone / br.BRIDGE_RELPATH).write_text(FAKE_BRIDGE.replace(
+        "        return MegatronMappingRegistry(*mappings)\n",
+        extra + "        return MegatronMappingRegistry(*mappings)\n"))
+    monkeypatch.setattr(br, "import_blocker", lambda: None)
+    r = br.check_table_agreement(lock, tiny_hy3_dir / "config.json")
+    assert r.name == "mapping_table_agreement" and r.status == status, r
+    if status == "fail":
+        assert r.problems == ["imported mapping x.* -> model.odd.*: HF pattern not in the "
+                              "parsed table"]
+    assert br.check_table_agreement(None, tiny_hy3_dir / "config.json").status == "not run"
+    _, _, moved = bridge_repo_factory(text=None, name=f"moved-{status}")
+    r = br.check_table_agreement(moved, tiny_hy3_dir / "config.json")
+    assert r.status == "not run" and "not found at" in r.details

@@ -75,6 +75,31 @@ def test_truncated_header(tiny_hy3_copy, lock):
     assert results["total_size"].status == "not run"
 
 
+def _edit_header(path: Path, edit) -> None:
+    """Rewrite a shard's JSON header in place, padded with spaces to its old length."""
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    text = edit(raw[8:8 + n].decode())
+    assert len(text.encode()) <= n
+    path.write_bytes(raw[:8] + text.encode().ljust(n) + raw[8 + n:])
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda h: "{" + h[2:], "header is not valid JSON"),
+    (lambda h: h.replace('"BF16"', '"Q8"', 1), "unknown dtype 'Q8'"),
+    (lambda h: h.replace('"F32"', '"F16"', 1), "do not hold F16"),
+])
+def test_corrupt_header_named(tiny_hy3_copy, lock, edit, message):
+    ckpt = tiny_hy3_copy()
+    shard = SHARD2  # holds F32 expert biases
+    _edit_header(ckpt / shard, edit)
+    results, _ = run_checks(ckpt, lock)
+    assert results["headers"].status == "fail"
+    assert any(p.startswith(f"{shard}: ") and message in p for p in results["headers"].problems), \
+        text(results["headers"])
+    assert results["total_size"].status == "not run"
+
+
 def test_truncated_data_region(tiny_hy3_copy, lock):
     ckpt = tiny_hy3_copy()
     raw = (ckpt / SHARD2).read_bytes()
@@ -126,6 +151,16 @@ def test_wrong_shape(tiny_hy3_copy, lock):
     results, _ = run_checks(ckpt, lock)
     assert failing(results) == {"inventory"}
     assert "shape [64, 64], expected [64, 128] from config.json" in text(results["inventory"])
+
+
+def test_wrong_shape_in_the_dense_layer(tiny_hy3_copy, lock):
+    ckpt = tiny_hy3_copy()
+    name = "model.layers.0.mlp.gate_proj.weight"  # the dense layer (intermediate 128)
+    rewrite_checkpoint(ckpt, lambda t: {**t, name: t[name][:96].clone()})
+    results, _ = run_checks(ckpt, lock)
+    assert failing(results) == {"inventory"}
+    assert f"{name} in " in text(results["inventory"])
+    assert "shape [96, 64], expected [128, 64] from config.json" in text(results["inventory"])
 
 
 def test_missing_expert_bias(tiny_hy3_copy, lock):
@@ -346,3 +381,26 @@ def test_workflow_builds_tiny_model_then_checks_it(deps_upstreams, tmp_path: Pat
     proc = run_snakemake([*base, "--config", f"model={{'path': '{tiny_hy3_dir}'}}", "-n",
                           "-f", target], work)
     assert "tiny_model" not in proc.stdout and str(tiny_hy3_dir) in proc.stdout
+
+
+def test_nothing_to_check_is_never_a_pass(tiny_hy3_copy, lock):
+    """A directory with config.json only (no index, no shards): every check that had nothing
+    to read says `not run` or `fail`; only the config check can pass."""
+    ckpt = tiny_hy3_copy()
+    for p in [*ckpt.glob("*.safetensors"), ckpt / "model.safetensors.index.json"]:
+        p.unlink()
+    results, extra = run_checks(ckpt, lock)
+    passed = {n for n, r in results.items() if r.status == "pass"}
+    assert passed == {"config"}, {n: r.details for n, r in results.items()}
+    assert results["headers"].status == "not run" and "no *.safetensors" in \
+        results["headers"].details
+    assert results["format"].status == "not run"
+    assert {"index", "inventory", "expert_bias"} <= failing(results)
+    assert extra["inventory"]["tensors"] == 0
+    # An index that lists nothing, with the shards still there, is not a whole checkpoint.
+    ckpt = tiny_hy3_copy("empty-index")
+    path = ckpt / "model.safetensors.index.json"
+    path.write_text(json.dumps({"metadata": {"total_size": 0}, "weight_map": {}}))
+    results, _ = run_checks(ckpt, lock)
+    assert results["index"].status == "fail" and "weight_map' is empty" in results["index"].details
+    assert results["index_vs_shards"].status == "not run"

@@ -285,6 +285,18 @@ BAD_CASES = {
         lambda d: (d / "bad.jsonl").write_text(
             json.dumps(dapo_rows(1)[0]) + "\n{not json\n") and d / "bad.jsonl",
         ["line 2 (row 1)", "not valid JSON"]),
+    "data_source_not_text": (
+        lambda d: write_parquet(d / "bad.parquet", [
+            {**r, "data_source": 7} for r in dapo_rows(2)]),
+        ["row 0", "column data_source", "expected a string, got int64"]),
+    "extra_info_not_struct": (
+        lambda d: write_parquet(d / "bad.parquet", [
+            {**r, "extra_info": "idx"} for r in dapo_rows(2)]),
+        ["row 0", "column extra_info", "expected a struct"]),
+    "null_message_role": (
+        lambda d: write_parquet(d / "bad.parquet", [
+            *dapo_rows(3), {**dapo_rows(4)[3], "prompt": [{"content": "hi", "role": None}]}]),
+        ["row 3", "column prompt.role", "None is not one of"]),
     "null_ground_truth": (
         lambda d: write_parquet(d / "bad.parquet", [
             *dapo_rows(1), {**dapo_rows(2)[1], "reward_model": {"ground_truth": None,
@@ -325,6 +337,14 @@ def test_custom_conversion_errors(tmp_path, files, tiny_tokenizer_dir, capsys):
                       {"source": str(files["aime"])})
     err = capsys.readouterr().err
     assert rc == 1 and f"{mine}: column 'question' missing" in err
+    assert not out.exists() or list(out.iterdir()) == []
+    listy = tmp_path / "listy.parquet"
+    pq.write_table(pa.table({"q": ["a?", "b?"], "a": [[1, 2], [3]]}), listy)
+    rc, out = run_cli(tmp_path, tiny_tokenizer_dir,
+                      {"source": str(listy), "convert": {"question": "q", "answer": "a"}},
+                      {"source": str(files["aime"])})
+    err = capsys.readouterr().err
+    assert rc == 1 and f"{listy}: row 0, column a: expected text or numbers, got list" in err, err
     assert not out.exists() or list(out.iterdir()) == []
 
 

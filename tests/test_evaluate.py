@@ -5,7 +5,9 @@ on the tiny Hy3 on CPU, resume after an interruption (in-process and a real SIGK
 
 from __future__ import annotations
 
+import csv
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -372,6 +374,26 @@ def test_snakemake_evaluate_on_embedded_default(tmp_path, tiny_hy3_copy):
     assert m["graders"]["math_dapo"]["implementation"] == expected
     summary = json.loads((ev / "summary.json").read_text())
     assert summary["tags"] == ["base"]
+    # the report reads what this chain wrote: the page's numbers are metrics.json's
+    from hy3rl import config as cfgmod
+    from hy3rl import report
+
+    cfg = cfgmod.load(REPO_ROOT / "config/config.yaml", override)
+    cfg["report"]["dpi"] = 40
+    files = report.build(res, cfg, {})
+    html = files["index.html"].decode()
+    assert 'id="training-not-run"' in html and 'id="eval-settings"' in html
+    rows = csv.DictReader(io.StringIO(files["eval_headline.csv"].decode()))
+    head = {r["grader"].removesuffix(" (primary)"): r for r in rows}
+    assert set(head) == {"math_dapo", "math_verify"}
+    for g, row in head.items():
+        bg = m["by_grader"][g]
+        assert float(row["avg@n"]) == pytest.approx(bg["avg@n"], abs=1e-6)
+        assert float(row["pass@n"]) == pytest.approx(bg["pass@k"]["4"], abs=1e-6)
+        assert float(row["truncation_rate"]) == pytest.approx(m["truncation_rate"], abs=1e-6)
+    prov = files["provenance.csv"].decode()
+    assert f"evaluation base,model_path,{model}" in prov
+    assert '"max_tokens"": 32' in prov and f"grader math_dapo,{expected}" in prov
     # a second run has nothing to do
     proc = run_snakemake(["--configfile", str(REPO_ROOT / "config/config.yaml"), str(override),
                           "--cores", "2", "-n", "--", "evaluate"], work)

@@ -15,6 +15,7 @@ from hy3rl.metrics import (
     bootstrap_ci,
     compute_metrics,
     ks_for,
+    maj_at_k,
     majority_vote,
     pass_at_k,
     sampling_se,
@@ -69,6 +70,38 @@ def test_majority_vote_tie_rule_does_not_depend_on_sample_order():
     base = majority_vote(answers, correct)[0]
     for perm in itertools.permutations(range(5)):
         assert majority_vote([answers[i] for i in perm], [correct[i] for i in perm])[0] == base
+
+
+def _brute_maj(answers, correct, k):
+    subs = list(itertools.combinations(range(len(answers)), k))
+    return sum(majority_vote([answers[i] for i in s], [correct[i] for i in s])[0]
+               for s in subs) / len(subs)
+
+
+def test_maj_at_k_is_the_mean_over_all_k_subsets():
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        n = int(rng.integers(1, 9))
+        answers = [None if x == 3 else str(x) for x in rng.integers(0, 4, n)]
+        correct = [a == "1" for a in answers]
+        for k in range(1, n + 1):
+            assert maj_at_k(answers, correct, k, (0,)) == pytest.approx(
+                _brute_maj(answers, correct, k), abs=1e-12), (answers, k)
+    # maj@1 is the accuracy over all samples (not the first one's verdict)
+    assert maj_at_k(["7", "8", "8", "8"], [True, False, False, False], 1, (0,)) == 0.25
+    with pytest.raises(ValueError):
+        maj_at_k(["1"], [True], 2, (0,))
+
+
+def test_maj_at_k_sampled_subsets_are_seeded_and_close():
+    rng = np.random.default_rng(1)
+    answers = [str(x) for x in rng.integers(0, 3, 16)]
+    correct = [a == "0" for a in answers]
+    exact = _brute_maj(answers, correct, 8)  # C(16, 8) = 12870 subsets
+    a = maj_at_k(answers, correct, 8, (5, 0, 8), max_subsets=2000)
+    assert a == maj_at_k(answers, correct, 8, (5, 0, 8), max_subsets=2000)
+    assert a != maj_at_k(answers, correct, 8, (6, 0, 8), max_subsets=2000)
+    assert a == pytest.approx(exact, abs=0.03)
 
 
 def test_sampling_se_formula():
@@ -131,8 +164,12 @@ def test_compute_metrics_on_known_scores():
     assert md["pass@k"]["2"] == pytest.approx((pass_at_k(4, 2, 2) + 0 + pass_at_k(4, 3, 2)) / 3)
     # maj@4, math_dapo: p0 tie -> 0.5; p1 all "5." wrong -> 0; p2 "9" x3 right -> 1
     assert md["maj@k"]["4"] == pytest.approx(1.5 / 3)
-    # maj@1 = the first sample's verdict when it has an answer
-    assert md["maj@k"]["1"] == pytest.approx((1 + 0 + 1) / 3)
+    # maj@1: a single sample's verdict, averaged over all samples = pass@1 = avg@n
+    assert md["maj@k"]["1"] == pytest.approx(md["avg@n"])
+    # maj@2: mean over the 6 pairs of each problem. p0 (answers 1,2,1,2; "1" right): one
+    # pair "1","1" (1), one "2","2" (0), four ties (1/2 each) -> 3/6; p1: 0
+    p2_pairs = [1, 1, 1, 1, 1, 1]  # "9" x3 + no answer: every pair has a "9" majority
+    assert md["maj@k"]["2"] == pytest.approx((3 / 6 + 0 + sum(p2_pairs) / 6) / 3)
     assert md["grader_failures"] == {"timeout": 1, "error": 0}
     assert md["sampling_se"] == pytest.approx(sampling_se([0.5, 0, 0.75], 4))
     assert md["bootstrap_ci"]["seed"] == 7

@@ -105,6 +105,12 @@ def test_refuses_non_empty_output_and_bad_sizes(tmp_path: Path):
         tiny.build_tiny_model(tmp_path / "y", num_shards=1)
     assert not (tmp_path / "y").exists()
     assert not list(tmp_path.glob(".y.tmp-*"))
+    # A failure after files were written (the tokenizer cannot fill a 5000-token vocab):
+    # neither the output nor the temporary directory is left behind.
+    with pytest.raises(RuntimeError, match="tokenizer has .* tokens, model vocab is 5000"):
+        tiny.build_tiny_model(tmp_path / "z", vocab_size=5000)
+    assert not (tmp_path / "z").exists()
+    assert not list(tmp_path.glob(".z.tmp-*"))
 
 
 def test_cli(tmp_path: Path):

@@ -97,6 +97,161 @@ def test_train_stage_merged_file_is_used_and_compared(report_run_factory):
                f"different values: [{lines[5]['step']}]" in n for n in found.notes)
 
 
+def _real_training(results: Path) -> list[dict]:
+    """Attempt records, merged log and sentinel written by the train stage's own code
+    (hy3rl.train): attempt 1 crashes at step 27 after its step-20 checkpoint, attempt 2 is
+    killed without writing its record (closed later by finalise_stale), attempt 3 resumes
+    from step 30 and finishes at 40."""
+    from dataclasses import asdict
+
+    from fixtures.report import step_metrics, val_metrics
+    from hy3rl import train
+
+    tdir = results / "train" / "attempts"
+    tdir.mkdir(parents=True)
+    plan = [(0, 27, 20, "trainer failed (FAILED, exit 1)"), (20, 33, 30, None),
+            (30, 40, 40, "succeeded")]
+    for k, (first, last, ckpt, reason) in enumerate(plan, start=1):
+        rng = np.random.default_rng(k)
+        lines = [(first, val_metrics(first, rng))] + [
+            (s, step_metrics(s, k, rng, 10, 10)) for s in range(first + 1, last + 1)]
+        (tdir / f"attempt-{k}.metrics.jsonl").write_text(
+            "".join(json.dumps({"step": s, "data": d}) + "\n" for s, d in lines))
+        rec = asdict(train.AttemptRecord(
+            attempt=k, run="r", executor="slurm", slurm_job_id=str(900 + k), host="gpu-n1",
+            nodes=["gpu-n1", "gpu-n2"], num_nodes=2, gpus_per_node=8, cpus_per_node=96,
+            submission_id=f"r-{900 + k}-{k}", checkpoint_dir="/ckpt/r", start_step=first,
+            started_at=f"2026-11-2{k}T08:00:00+00:00", metrics_log=f"attempt-{k}.metrics.jsonl",
+            log_dir=f"attempt-{k}/"))
+        if reason is None:  # killed: the record stays `running` until the next attempt
+            train.write_json_atomic(tdir / f"attempt-{k}.json", rec)
+            assert train.finalise_stale(tdir, ckpt) == [k]
+        else:
+            rec = train.close_record(rec, tdir, ckpt, reason, 0 if k == 3 else 1)
+            rec["ended_at"] = f"2026-11-2{k}T10:00:00+00:00"  # 2 h of wall time
+            rec["wall_s"] = 7200.0
+            train.write_json_atomic(tdir / f"attempt-{k}.json", rec)
+    train.write_merged(tdir, results / "train" / "metrics.jsonl")
+    ckpt_dir = results.parent / "ckpt"
+    ckpt_dir.mkdir()
+    train.write_done(results / "train", {"run": {"name": "r"}}, ckpt_dir, 40, 40, tdir)
+    return [json.loads((tdir / f"attempt-{k}.json").read_text()) for k in (1, 2, 3)]
+
+
+def _real_eval(results: Path, tags: tuple[str, ...], n: int = 8) -> dict[str, dict]:
+    """metrics.json per tag and summary.json written by hy3rl.metrics from scores in the
+    graders' format (30 problems x n samples; some format failures, truncations, a
+    timeout, and two-way majority ties)."""
+    from hy3rl import metrics as mmod
+
+    rng = np.random.default_rng(5)
+    base_p = rng.uniform(0, 1, size=30)
+    scores: dict[str, list[dict]] = {}
+    for j, tag in enumerate(tags):
+        rows = []
+        for pid in range(30):
+            gt = str(100 + pid)
+            for k in range(n):
+                ok = bool(rng.random() < min(1.0, base_p[pid] + 0.1 * j))
+                fmt = not ok and rng.random() < 0.1  # right answer, "Answer: 123." format
+                pred = gt if ok else (f"{gt}." if fmt else str(k % 2))
+                status = "timeout" if (pid, k) == (3, 0) else "ok"
+                rows.append({
+                    "problem_id": str(pid), "sample_index": k, "ground_truth": gt,
+                    "finish_reason": "length" if rng.random() < 0.05 else "stop",
+                    "num_tokens": int(rng.integers(100, 900)),
+                    "math_dapo": {"status": status, "acc": ok and status == "ok",
+                                  "score": 1.0 if ok else -1.0, "pred": pred},
+                    "math_verify": {"status": "ok", "acc": ok or fmt, "pred": pred.rstrip(".")}})
+        scores[tag] = rows
+    boot = {"resamples": 500, "level": 0.95, "seed": 3}
+    out = {}
+    for tag in tags:
+        m = mmod.compute_metrics(scores[tag], tag, {"math_dapo": {"implementation": "x"}}, boot,
+                                 scores["base"] if tag != "base" else None)
+        mmod._write_json(results / "eval" / tag / "metrics.json", m)
+        out[tag] = m
+    mmod._write_json(results / "eval" / "summary.json", mmod.summarize(list(out.values())))
+    return out
+
+
+def test_report_reads_what_train_and_evaluate_really_write(tmp_path: Path):
+    """The contract with the upstream stages, through their own writers (hy3rl.train's
+    records, merge and sentinel; hy3rl.metrics' metrics.json): every number on the page
+    and in the CSVs is the one those files hold."""
+    results = tmp_path / "results" / "r"
+    records = _real_training(results)
+    ev = _real_eval(results, ("base", "step20", "final"))
+    write_cpu_stages(results, "r")
+    files = report.build(results, _config(), {})
+    html = files["index.html"].decode()
+
+    stages = {r["stage"]: r for r in _csv(files["stages.csv"])}
+    assert stages["train"]["status"] == "done"
+    assert "final step 40, 3 attempt(s), 10 step(s) lost in total" in stages["train"]["detail"]
+    att = _csv(files["attempts.csv"])
+    assert [(a["attempt"], a["start_step"], a["end_step"], a["last_logged_step"],
+             a["steps_lost"]) for a in att] == [
+        (str(r["attempt"]), str(r["start_step"]), str(r["end_step"]),
+         str(r["last_logged_step"]), str(r["steps_lost"])) for r in records]
+    assert [a["steps_lost"] for a in att] == ["7", "3", "0"]
+    assert att[1]["exit_reason"].startswith("killed (no record written")
+    assert att[1]["gpu_hours"] == ""  # unknown wall time: not guessed
+    assert float(att[0]["gpu_hours"]) == pytest.approx(2 * 2 * 8)
+    assert "attempt 2 (job 902) resumed at step 20" in html
+    assert "attempt 3 (job 903) resumed at step 30" in html
+    # the train stage's merged file is plotted, and it agrees with the report's own merge
+    assert "41 logged steps, from train/metrics.jsonl (merged by the train stage)" in html
+    assert not any("differs" in n for n in report.gather(results, _config()).notes)
+
+    head = {(r["tag"], r["grader"].removesuffix(" (primary)")): r
+            for r in _csv(files["eval_headline.csv"])}
+    assert len(head) == 6
+    for (tag, g), row in head.items():
+        m, bg = ev[tag], ev[tag]["by_grader"][g]
+        assert float(row["avg@n"]) == pytest.approx(bg["avg@n"], rel=1e-5)
+        assert float(row["sampling_se"]) == pytest.approx(bg["sampling_se"], rel=1e-5)
+        lo, hi = (float(x) for x in row["bootstrap_95"].strip("[]").split(","))
+        assert (lo, hi) == pytest.approx(
+            (bg["bootstrap_ci"]["low"], bg["bootstrap_ci"]["high"]), rel=1e-3)
+        assert [p.split("=")[0] for p in row["pass@k"].split("; ")] == [
+            "pass@1", "pass@2", "pass@4", "pass@8"]
+        for part in row["pass@k"].split("; ") + row["maj@k"].split("; "):
+            name, val = part.split("=")
+            kind, k = name.split("@")
+            assert float(val) == pytest.approx(bg[f"{kind}@k"][k], abs=6e-3)
+        assert float(row["pass@n"]) == pytest.approx(bg["pass@k"]["8"], rel=1e-5)
+        assert float(row["maj@n"]) == pytest.approx(bg["maj@k"]["8"], rel=1e-5)
+        assert float(row["format_failure_rate"]) == pytest.approx(m["format_failure_rate"],
+                                                                  rel=1e-5)
+        assert int(row["format_failures"]) == m["format_failures"] > 0
+        assert float(row["truncation_rate"]) == pytest.approx(m["truncation_rate"], rel=1e-5)
+        assert row["grader_failures"] == ('{"error": 0, "timeout": 1}' if g == "math_dapo"
+                                          else "0")
+    assert head[("final", "math_dapo")]["step"] == "40"  # from train/done.json
+    assert head[("step20", "math_dapo")]["step"] == "20" and head[("base", "math_dapo")][
+        "step"] == ""
+    at_k = html.split('id="eval-at-k"', 1)[1].split("</table>", 1)[0]
+    assert "<th>pass@8</th>" in at_k and "<th>maj@1</th>" in at_k
+    final_md = ev["final"]["by_grader"]["math_dapo"]
+    assert f"<td>{final_md['pass@k']['2']:.4g}</td>" in at_k
+    assert f"<td>{final_md['maj@k']['4']:.4g}</td>" in at_k
+    pp = _csv(files["eval_per_problem.csv"])
+    assert [r["problem"] for r in pp] == [str(i) for i in range(30)]
+    for r in pp:
+        for tag in ("base", "step20", "final"):
+            want = ev[tag]["per_problem"][int(r["problem"])]["math_dapo"]["acc"]
+            assert float(r[tag]) == pytest.approx(want, rel=1e-5)
+    paired = {r["grader"]: r for r in _csv(files["eval_paired.csv"])}
+    for g in ("math_dapo", "math_verify"):
+        vb = ev["final"]["vs_base"][g]
+        assert float(paired[g]["diff"]) == pytest.approx(vb["mean_diff"], rel=1e-5)
+        assert float(paired[g]["base_avg"]) == pytest.approx(
+            ev["base"]["by_grader"][g]["avg@n"], rel=1e-5)
+        ci = vb["paired_bootstrap_ci"]
+        assert paired[g]["paired_interval"] == f"[{ci['low']:.4g}, {ci['high']:.4g}]"
+
+
 def test_bad_log_line_names_file_and_line(tmp_path: Path, report_run_factory):
     results = report_run_factory()
     log = results / "train/attempts/attempt-2.metrics.jsonl"
@@ -275,6 +430,21 @@ def test_cpu_stages_and_base_eval_only(report_run_factory):
     assert "Not available: needs both" in files["index.html"].decode()
 
 
+def test_generation_not_run_is_shown_with_its_reason(report_run_factory):
+    """backend vllm on a machine without vLLM: evaluate writes samples.meta.json with status
+    `not run` and no metrics (docs/formats/eval.md); the page says so, not `missing`."""
+    results = report_run_factory(RunSpec(eval_tags=()), training=False)
+    meta = {"tag": "base", "status": "not run", "reason": "vllm is not installed here",
+            "backend": "vllm"}
+    (results / "eval/base").mkdir(parents=True)
+    (results / "eval/base/samples.meta.json").write_text(json.dumps(meta))
+    stages = {r["stage"]: r for r in _csv(report.build(results, _config(gpu=False), {})[
+        "stages.csv"])}
+    assert stages["evaluate"]["status"] == "not run"
+    assert stages["evaluate"]["detail"] == \
+        "eval/base/samples.meta.json: vllm is not installed here"
+
+
 def test_eval_tags_not_in_the_summary_are_ignored(report_run_factory):
     results = report_run_factory(RunSpec(eval_tags=("base", "step20")), training=False)
     (results / "eval/summary.json").write_text(json.dumps({"tags": ["base"], "rows": []}))
@@ -317,6 +487,8 @@ def test_snakemake_report_rule_and_snakemake_report(gpu: bool, tmp_path: Path):
     over = {"run": {"name": "wf"}, "report": {"dpi": 50}}
     if gpu:
         over["cluster"] = {"gpu": True, "nodes": 2, "gpus_per_node": 8}
+        # a secret in the config itself (it reaches the rule on its command line)
+        over["train"] = {"verl_overrides": {"+trainer.wandb_api_key": SECRET_SK}}
     configfile.write_text(json.dumps(over))
     results = workdir / "results" / "wf"
     inputs = _report_rule_inputs(workdir, configfile)
@@ -348,5 +520,5 @@ def test_snakemake_report_rule_and_snakemake_report(gpu: bool, tmp_path: Path):
     for name in report.OUTPUTS:
         assert any(n.endswith(f"/{name}") for n in names), f"{name} not in snakemake --report"
     for where, blob in [*blobs.items(), *((p.name, p.read_bytes()) for p in out.iterdir())]:
-        for secret in (SECRET_WANDB, SECRET_HF):
+        for secret in (SECRET_WANDB, SECRET_HF, SECRET_SK):
             assert secret.encode() not in blob, f"{secret} in {where}"

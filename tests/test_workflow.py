@@ -69,5 +69,12 @@ def test_paper_config_dry_run_with_slurm_profile(tmp_path: Path, tiny_hy3_dir: P
         tmp_path,
     )
     out = proc.stdout + proc.stderr
-    for rule in ["deps", "data", "check_checkpoint", "preflight", "train", "report"]:
+    for rule in ["deps", "data", "check_checkpoint", "check_bridge", "preflight", "train",
+                 "eval_generate", "eval_score", "eval_metrics", "evaluate", "report"]:
         assert f"rule {rule}:" in out or f"localrule {rule}:" in out, f"{rule} not in DAG"
+    assert "rule tiny_model:" not in out  # model.path points at an existing checkpoint
+    # Both checkpoint checks gate preflight (and so the 128-GPU job).
+    preflight_inputs = out.split("rule preflight:", 1)[1].split("\n", 2)[1]
+    assert preflight_inputs.strip().startswith("input:"), preflight_inputs
+    for report in ("checks/checkpoint.json", "checks/bridge.json"):
+        assert f"results/hy3-grpo-paper/{report}" in preflight_inputs, preflight_inputs

@@ -51,6 +51,7 @@ MAPPING_ARGS = {
     "GatedMLPMapping": ("megatron_param", "gate", "up"),
 }
 MAX_LOOP = 100_000
+REGISTRY_MARKER = "HY3RL_REGISTRY "  # prefix of dump-registry's output line
 
 
 class TableFormatError(ValueError):
@@ -394,18 +395,28 @@ def imported_registry_subprocess(src_dir: Path, config_json: Path,
     blocker = import_blocker()
     if blocker:
         return None, blocker
-    proc = subprocess.run(
-        [sys.executable, "-m", "hy3rl.bridge", "dump-registry", "--src", str(src_dir),
-         "--config", str(config_json)],
-        capture_output=True, text=True, timeout=timeout,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(
-            [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")])},
-    )
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "hy3rl.bridge", "dump-registry", "--src", str(src_dir),
+             "--config", str(config_json)],
+            capture_output=True, text=True, timeout=timeout,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")])},
+        )
+    except subprocess.TimeoutExpired:
+        return None, f"importing the pinned bridge took over {timeout} s"
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
         return None, f"the pinned bridge did not import: {last}"
-    rows = json.loads(proc.stdout)
-    return [BridgeMapping(r["kind"], r["megatron"], tuple(map(tuple, r["hf"]))) for r in rows], ""
+    # The bridge may print while importing: the table is the last line with our marker.
+    marked = [ln[len(REGISTRY_MARKER):] for ln in proc.stdout.splitlines()
+              if ln.startswith(REGISTRY_MARKER)]
+    try:
+        rows = json.loads(marked[-1])
+        return [BridgeMapping(r["kind"], r["megatron"], tuple(map(tuple, r["hf"])))
+                for r in rows], ""
+    except (IndexError, ValueError, KeyError, TypeError) as exc:
+        return None, f"dump-registry printed no readable mapping table ({exc!r})"
 
 
 def compare_tables(parsed: list[BridgeMapping], imported: list[BridgeMapping]) -> list[str]:
@@ -731,13 +742,42 @@ def summary_lines(results: list[CheckResult]) -> list[str]:
     return lines
 
 
+AGREEMENT = "mapping_table_agreement"
+
+
+def check_table_agreement(lock: Path | None, config_json: Path) -> CheckResult:
+    """The mapping table parsed from the pinned hy_v3_bridge.py (as check_checkpoint reads
+    it) must agree with the imported bridge's own mapping_registry() for this config."""
+    if lock is None:
+        return CheckResult(AGREEMENT, "not run", "not run: no --lock (pinned Megatron-Bridge)")
+    try:
+        entry = json.loads(Path(lock).read_text())["repos"]["megatron_bridge"]
+        clone, commit = Path(entry["path"]), entry.get("head") or entry["commit"]
+        parsed = read_mapping_table(read_pinned_source(clone, commit),
+                                    json.loads(config_json.read_text()),
+                                    filename=str(clone / BRIDGE_RELPATH))
+    except (OSError, ValueError, KeyError, TypeError) as exc:  # TableFormatError included
+        return CheckResult(AGREEMENT, "not run", f"not run: cannot read the parsed table: {exc}")
+    imported, why = imported_registry_subprocess(clone / "src", config_json)
+    if imported is None:
+        return CheckResult(AGREEMENT, "not run", f"not run: {why}")
+    problems = compare_tables(parsed, imported)
+    return CheckResult(AGREEMENT, "fail" if problems else "pass",
+                       f"{len(problems)} disagreements between the parsed table and the "
+                       "imported mapping_registry()" if problems else
+                       f"imported mapping_registry() agrees with the table parsed from "
+                       f"{BRIDGE_RELPATH}@{commit[:12]} ({len(imported)} mappings)", problems)
+
+
 def check_bridge(out: Path, tiny: dict[str, Any], cosine_min: float, real_path: str | None,
-                 real_layers: int, env: dict[str, Any] | None = None) -> dict[str, Any]:
+                 real_layers: int, env: dict[str, Any] | None = None,
+                 lock: Path | None = None) -> dict[str, Any]:
     env = env if env is not None else environment_report()
     labels = ["tiny"] + (["real_truncated"] if real_path and real_layers > 0 else [])
     blocker = gpu_blocker(env)
     if blocker:
-        results = not_run_results(labels, f"not run: {blocker}")
+        results = [CheckResult(AGREEMENT, "not run", f"not run: {blocker}"),
+                   *not_run_results(labels, f"not run: {blocker}")]
         return write_report(out, results, {"environment": env})
     from hy3rl.model import build_tiny_model
 
@@ -747,6 +787,7 @@ def check_bridge(out: Path, tiny: dict[str, Any], cosine_min: float, real_path: 
         seed = int(tiny.get("seed", 0))
         sizes = {k: v for k, v in tiny.items() if k != "seed"}
         tiny_dir = build_tiny_model(work / "tiny", seed=seed, **sizes)
+        results.append(check_table_agreement(lock, tiny_dir / "config.json"))
         results += check_one_model("tiny", tiny_dir, work, cosine_min)
         if "real_truncated" in labels:
             trunc = truncate_checkpoint(Path(real_path), work / "real", real_layers)
@@ -770,7 +811,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.cmd == "dump-registry":
         rows = registry_from_import(Path(args.src), Path(args.config))
-        print(json.dumps([{"kind": m.kind, "megatron": m.megatron, "hf": m.hf} for m in rows]))
+        print(REGISTRY_MARKER
+              + json.dumps([{"kind": m.kind, "megatron": m.megatron, "hf": m.hf} for m in rows]))
         return 0
     cfg = json.loads(args.config_json)
     if args.lock:
@@ -783,7 +825,8 @@ def main(argv: list[str] | None = None) -> int:
     real = model_path if model_path and model_path != TINY_DEFAULT_PATH else None
     doc = check_bridge(Path(args.out), cfg.get("model", {}).get("tiny", {}),
                        float(bridge_cfg.get("logits_cosine_min", 0.9999)), real,
-                       int(bridge_cfg.get("real_layers", 0)))
+                       int(bridge_cfg.get("real_layers", 0)),
+                       lock=Path(args.lock) if args.lock else None)
     results = [CheckResult(**c) for c in doc["checks"]]
     print(f"check_bridge: {doc['counts']} -> {args.out}")
     print("\n".join(summary_lines(results)))

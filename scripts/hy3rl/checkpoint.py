@@ -319,6 +319,8 @@ def check_index(st: State) -> CheckResult:
         index = json.loads(path.read_text())
         if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
             raise ValueError("no 'weight_map' object")
+        if not index["weight_map"]:
+            raise ValueError("'weight_map' is empty (no tensor indexed)")
         total = index.get("metadata", {}).get("total_size")
         if not isinstance(total, int):
             raise ValueError("no integer metadata.total_size")
@@ -345,6 +347,9 @@ def check_headers(st: State, threads: int) -> CheckResult:
         names |= {s for s in set(st.index["weight_map"].values())
                   if (st.model_dir / s).is_file()}
     files = sorted(names)
+    if not files:
+        return CheckResult("headers", "not run", f"not run: no *.safetensors shard file in "
+                           f"{st.model_dir}")
     with ThreadPoolExecutor(max(1, threads)) as pool:
         shards = list(pool.map(read_header, (st.model_dir / f for f in files)))
     st.shards = {s.file: s for s in shards}
@@ -361,6 +366,9 @@ def check_headers(st: State, threads: int) -> CheckResult:
 def check_index_vs_shards(st: State) -> CheckResult:
     if st.index is None:
         return CheckResult("index_vs_shards", "not run", "not run: no usable index (see index)")
+    if not st.shards:
+        return CheckResult("index_vs_shards", "not run", "not run: no shard file to compare "
+                           "with the index (see headers)")
     problems = []
     wm = st.index["weight_map"]
     for name, shard in wm.items():
@@ -392,7 +400,7 @@ def check_index_vs_shards(st: State) -> CheckResult:
 
 
 def check_total_size(st: State) -> CheckResult:
-    if st.index is None or any(s.error for s in st.shards.values()):
+    if st.index is None or not st.shards or any(s.error for s in st.shards.values()):
         return CheckResult("total_size", "not run",
                            "not run: needs the index and every shard header (see above)")
     declared = st.index["metadata"]["total_size"]
@@ -406,6 +414,9 @@ def check_total_size(st: State) -> CheckResult:
 
 
 def check_format(st: State) -> CheckResult:
+    if not st.tensors:
+        return CheckResult("format", "not run", "not run: no readable tensor names (see "
+                           "index and headers)")
     hits: dict[str, list[str]] = defaultdict(list)
     for name in st.tensors:
         for rx, what in OUTER_PATTERNS:

@@ -599,8 +599,17 @@ class Launcher:
         reader.join(timeout=10)
         self.job_done = True
         self.check_stop()
-        client = JobSubmissionClient(self.dashboard)
-        info = client.get_job_info(self.spec.submission_id)
+        try:
+            client = JobSubmissionClient(self.dashboard)
+            info = client.get_job_info(self.spec.submission_id)
+        except Exception as exc:
+            # The head's dashboard is gone: most likely a node's Ray died; let its step end.
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline:
+                self.check_stop()
+                self.stop_event.wait(0.5)
+            raise LaunchError(f"ray job status of {self.spec.submission_id} unavailable: "
+                              f"{exc}", "ray job status unavailable") from None
         status = str(getattr(info.status, "value", info.status))
         code = getattr(info, "driver_exit_code", None)
         self.phase("ray job %s: %s (submit exited %s, driver exit code %s) %s",

@@ -4,10 +4,11 @@ and for a checkpoint the per-problem differences against ``base`` with a paired 
 
 Definitions are in docs/formats/eval.md (the contract); in short, with n samples per
 problem, N problems and c_i correct samples of problem i:
-pass@k = mean_i [1 - C(n - c_i, k) / C(n, k)] (Chen et al. 2021); maj@k votes over the
-extracted answers of samples 0..k-1, a tie scoring the fraction of tied answers that are
-correct; sampling_se = sqrt(sum_i p_i (1 - p_i) / n) / N; bootstrap intervals resample
-problems with numpy ``default_rng(seed)``.
+pass@k = mean_i [1 - C(n - c_i, k) / C(n, k)] (Chen et al. 2021); maj@k is the expected
+majority-vote score of k samples drawn without replacement from the n (every subset when
+there are at most MAJ_SUBSETS, else MAJ_SUBSETS seeded random ones), a tie scoring the
+fraction of tied answers that are correct; sampling_se = sqrt(sum_i p_i (1 - p_i) / n) / N;
+bootstrap intervals resample problems with numpy ``default_rng(seed)``.
 
 CLI: ``python -m hy3rl.metrics compute --scores S --scores-meta M --tag T [--base-scores B]
 --out metrics.json`` and ``python -m hy3rl.metrics summarize --metrics A B ... --out summary.json``.
@@ -16,6 +17,7 @@ CLI: ``python -m hy3rl.metrics compute --scores S --scores-meta M --tag T [--bas
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import sys
@@ -28,6 +30,7 @@ from typing import Any
 import numpy as np
 
 GRADERS = ("math_dapo", "math_verify")
+MAJ_SUBSETS = 1000  # maj@k, k < n: exact over all C(n, k) subsets up to this many, else sampled
 NO_ANSWER = {"math_dapo": "[INVALID]", "math_verify": ""}
 
 
@@ -71,6 +74,42 @@ def majority_vote(answers: Sequence[str | None],
             first_verdict[a] = bool(ok)
     tied = [a for a in first_verdict if counts[a] == top]
     return sum(first_verdict[a] for a in tied) / len(tied), tied
+
+
+def maj_at_k(answers: Sequence[str | None], correct: Sequence[bool], k: int,
+             seed: Sequence[int], max_subsets: int = MAJ_SUBSETS) -> float:
+    """Expected majority-vote score (the rule of ``majority_vote``, ties included) of k of
+    the n samples drawn without replacement: the mean over every k-subset when C(n, k) <=
+    ``max_subsets``, else over ``max_subsets`` random k-subsets from numpy
+    ``default_rng(seed)`` (reproducible). Every sample is used (not just the first k), so
+    maj@1 equals the accuracy of the samples that have an answer, i.e. pass@1."""
+    n = len(answers)
+    if not 1 <= k <= n:
+        raise ValueError(f"maj@k needs 1 <= k <= n (n={n}, k={k})")
+    if k == n:
+        return majority_vote(answers, correct)[0]
+    # answer codes (-1: no answer) and each answer's verdict (that of its first sample)
+    code_of: dict[str, int] = {}
+    verdict: list[bool] = []
+    for a, ok in zip(answers, correct, strict=True):
+        if a is not None and a not in code_of:
+            code_of[a] = len(verdict)
+            verdict.append(bool(ok))
+    if not verdict:
+        return 0.0
+    codes = np.array([-1 if a is None else code_of[a] for a in answers])
+    if math.comb(n, k) <= max_subsets:
+        subsets = np.array(list(itertools.combinations(range(n), k)))
+    else:
+        rng = np.random.default_rng(list(seed))
+        subsets = rng.permuted(np.tile(np.arange(n), (max_subsets, 1)), axis=1)[:, :k]
+    picked = codes[subsets]  # (subsets, k)
+    counts = (picked[..., None] == np.arange(len(verdict))).sum(axis=1)  # (subsets, answers)
+    top = counts.max(axis=1, keepdims=True)
+    tied = (counts == top) & (top > 0)
+    right = (tied & np.array(verdict)).sum(axis=1)
+    scores = np.where(top[:, 0] > 0, right / np.maximum(tied.sum(axis=1), 1), 0.0)
+    return float(scores.mean())
 
 
 def sampling_se(p: Sequence[float], n: int) -> float:
@@ -145,9 +184,9 @@ def grader_metrics(problems: Sequence[ProblemScores], grader: str,
     res: dict[str, Any] = {
         "avg@n": float(np.mean(p_i)),
         "pass@k": {str(k): float(np.mean([pass_at_k(n, ci, k) for ci in c])) for k in ks_for(n)},
-        "maj@k": {str(k): float(np.mean([majority_vote(p.pred[grader][:k],
-                                                       p.acc[grader][:k])[0] for p in problems]))
-                  for k in ks_for(n)},
+        "maj@k": {str(k): float(np.mean([
+            maj_at_k(p.pred[grader], p.acc[grader], k, (int(boot["seed"]), i, k))
+            for i, p in enumerate(problems)])) for k in ks_for(n)},
         "sampling_se": sampling_se(p_i, n),
         "bootstrap_ci": bootstrap_ci(p_i, boot["resamples"], boot["level"], boot["seed"]),
         "grader_failures": {st: sum(s == st for p in problems for s in p.status[grader])

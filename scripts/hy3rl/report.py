@@ -41,6 +41,7 @@ import yaml  # noqa: E402
 from jinja2 import Environment, FileSystemLoader, StrictUndefined  # noqa: E402
 
 from hy3rl.config import config_hash  # noqa: E402
+from hy3rl.redact import Redactor, make_redactor  # noqa: E402
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 
@@ -73,128 +74,6 @@ DEFAULT_ENV_PREFIXES = ("SLURM_", "VERL_", "RAY_", "WANDB_", "HF_", "CUDA_", "NC
 
 class ReportInputError(ValueError):
     """An input file exists but cannot be read; the message names the file (and line)."""
-
-
-# --------------------------------------------------------------------------------------
-# Redaction: the one function every rendered string goes through.
-# --------------------------------------------------------------------------------------
-
-SECRET_KEY_RE = re.compile(r"(?i)(token|secret|password|passwd|api[_-]?key|credential)")
-# Names that match SECRET_KEY_RE but are counts/settings, not secrets (tokenizer paths,
-# token budgets such as ppo_max_token_len_per_gpu, TOKENIZERS_PARALLELISM).
-NOT_SECRET_KEY_RE = re.compile(
-    r"(?i)(tokeniz|tokens\b|token_?(len|length|count|num|ids?|budget|level|mean|sum)"
-    r"|(max|num|total|min)_?(new_)?tokens?)"
-)
-SAFE_HEX_KEY_RE = re.compile(r"(?i)(commit|sha|head|rev)")
-REDACTED = "[REDACTED]"
-_TOKEN_PATTERNS = (
-    re.compile(r"\bhf_[A-Za-z0-9]{16,}"),  # Hugging Face tokens
-    re.compile(r"\bsk-[A-Za-z0-9_\-]{16,}"),  # OpenAI-style keys
-    re.compile(r"\bwandb_v\d+_[A-Za-z0-9_]{16,}"),  # newer W&B keys
-)
-# KEY=value / "key": value in free text (logs, exit reasons, Hydra overrides, YAML).
-_KV = re.compile(
-    r"(?P<key>[A-Za-z0-9_.\-]*(?i:token|secret|password|passwd|api[_-]?key|credential)"
-    r"[A-Za-z0-9_]*)(?P<sep>['\"]?\s*[=:]\s*['\"]?)(?P<val>[^\s'\",}<&]{4,})"
-)
-_HEX40 = re.compile(r"(?<![0-9A-Fa-f])[0-9a-fA-F]{40}(?![0-9A-Fa-f])")
-
-
-def _is_plain_number(value: Any) -> bool:
-    return isinstance(value, bool | int | float) or value is None
-
-
-def is_secret_key(key: str) -> bool:
-    """A config key or environment variable name whose (string) value is a secret."""
-    return bool(SECRET_KEY_RE.search(key)) and not NOT_SECRET_KEY_RE.search(key)
-
-
-def _plausible_secret(value: str) -> bool:
-    v = value.strip()
-    return len(v) >= 6 and not re.fullmatch(r"[\d.]+|(?i:true|false|none|null|yes|no)", v)
-
-
-class Redactor:
-    """Replaces secrets by ``[REDACTED]`` in strings and (recursively) in JSON-like data.
-
-    ``secrets``: exact values to remove wherever they appear (from the environment and the
-    config, under secret-looking names). ``allowed_hex``: 40-hex strings known to be git
-    SHAs (any other 40-hex string looks like a W&B key and is removed).
-    """
-
-    def __init__(self, secrets: Iterable[str] = (), allowed_hex: Iterable[str] = ()):
-        self.secrets = sorted({s for s in secrets if s and len(s) >= 4}, key=len, reverse=True)
-        self.allowed_hex = {h.lower() for h in allowed_hex}
-
-    def text(self, value: Any) -> Any:
-        if not isinstance(value, str):
-            return value
-        out = value
-        for secret in self.secrets:
-            out = out.replace(secret, REDACTED)
-        for pat in _TOKEN_PATTERNS:
-            out = pat.sub(REDACTED, out)
-        out = _KV.sub(self._kv, out)
-        return _HEX40.sub(
-            lambda m: m.group(0) if m.group(0).lower() in self.allowed_hex else REDACTED, out
-        )
-
-    @staticmethod
-    def _kv(m: re.Match[str]) -> str:
-        key, val = m.group("key"), m.group("val")
-        if not is_secret_key(key.rsplit(".", 1)[-1]) or not _plausible_secret(val) or (
-            val.startswith(REDACTED)
-        ):
-            return m.group(0)
-        return m.group("key") + m.group("sep") + REDACTED
-
-    def __call__(self, obj: Any, key: str = "") -> Any:
-        if isinstance(obj, Mapping):
-            return {self.text(str(k)): self(v, str(k)) for k, v in obj.items()}
-        if isinstance(obj, list | tuple):
-            return [self(v, key) for v in obj]
-        if key and is_secret_key(key) and not _is_plain_number(obj):
-            return REDACTED
-        return self.text(obj)
-
-    def check_bytes(self, name: str, blob: bytes) -> None:
-        """Raise if an exact secret value is in ``blob`` (the last gate before writing)."""
-        for secret in self.secrets:
-            if secret.encode() in blob:
-                raise RuntimeError(f"report: a secret value would be written to {name}; refusing")
-
-
-def _collect(obj: Any, key: str, secrets: set[str], hexes: set[str]) -> None:
-    if isinstance(obj, Mapping):
-        for k, v in obj.items():
-            _collect(v, str(k), secrets, hexes)
-    elif isinstance(obj, list | tuple):
-        for v in obj:
-            _collect(v, key, secrets, hexes)
-    elif isinstance(obj, str):
-        if key and is_secret_key(key):
-            if _plausible_secret(obj):
-                secrets.add(obj)
-        elif key and SAFE_HEX_KEY_RE.search(key) and _HEX40.fullmatch(obj.strip()):
-            hexes.add(obj.strip())
-
-
-def make_redactor(
-    env: Mapping[str, str], sources: Iterable[Any], extra_env_names: Iterable[str] = ()
-) -> Redactor:
-    """Secrets: env values under secret-looking names (or named in ``extra_env_names``) and
-    secret-keyed strings in ``sources``; allowed 40-hex: values of commit/sha keys."""
-    secrets: set[str] = set()
-    hexes: set[str] = set()
-    extra = set(extra_env_names)
-    for name, value in env.items():
-        if (is_secret_key(name) or name in extra) and _plausible_secret(value):
-            secrets.add(value)
-    for src in sources:
-        _collect(src, "", secrets, hexes)
-    hexes -= secrets
-    return Redactor(secrets, hexes)
 
 
 # --------------------------------------------------------------------------------------
@@ -460,6 +339,7 @@ class EvalRecord:
     mean_response_tokens: float | None = None
     vs_base: list[dict[str, Any]] = field(default_factory=list)
     raw: dict[str, Any] = field(default_factory=dict)
+    samples_meta: dict[str, Any] = field(default_factory=dict)  # <tag>/samples.meta.json
 
 
 def _interval(v: Any) -> list[float] | None:
@@ -683,12 +563,24 @@ def gather(results: Path, config: Mapping[str, Any]) -> Found:
                 notes.append(f"{p.relative_to(results)} ignored: tag not in eval/summary.json "
                              "(left over from an earlier configuration)")
                 continue
-            evals.append(read_eval(p, p.parent.name))
+            e = read_eval(p, p.parent.name)
+            meta = read_json(p.parent / "samples.meta.json")
+            e.samples_meta = meta if isinstance(meta, dict) else {}
+            if e.tag == "final" and e.step is None and isinstance(done, dict):
+                e.step = _int_or_none(done.get("final_step"))
+            evals.append(e)
     if evals:
         stages.append(Stage("evaluate", "done", "tags: " + ", ".join(e.tag for e in evals),
                             f"{PATHS['eval']}/<tag>/metrics.json"))
     else:
         status, detail = _not_there(f"{PATHS['eval']}/<tag>/metrics.json", config, False)
+        # generation recorded `not run` (e.g. backend vllm without vLLM): say so and why
+        for p in sorted(eval_dir.glob("*/samples.meta.json")) if eval_dir.is_dir() else []:
+            meta = read_json(p)
+            if isinstance(meta, dict) and meta.get("status") == "not run":
+                status = "not run"
+                detail = f"{p.relative_to(results)}: {meta.get('reason') or 'no reason given'}"
+                break
         stages.append(Stage("evaluate", status, detail, f"{PATHS['eval']}/<tag>/metrics.json"))
     return Found(results, config, stages, docs, attempts, logs, metrics, source, notes, evals)
 
@@ -973,6 +865,8 @@ def fig_eval_checkpoints(found: Found, redact: Redactor, dpi: int, reason: str) 
                 if g and g.sampling_ci and np.isfinite(v):
                     ax.vlines(x, *g.sampling_ci, color=line.get_color(), lw=5, alpha=0.45)
         ax.set_xticks(xs, [redact.text(e.tag) for e in evs])
+        lo, hi = ax.get_ylim()
+        ax.set_ylim(max(lo, -0.02), min(hi, 1.02))
         ax.set_xlabel("checkpoint")
         ax.set_ylabel("accuracy (avg@n)")
         ax.legend(fontsize=8, loc="best")
@@ -1085,6 +979,55 @@ def _short(v: Any) -> str:
 
 
 PAIRED_HEADER = ["grader", "base_avg", "final_avg", "diff", "paired_interval", "source"]
+SETTINGS_HEADER = ["tag", "step", "model", "backend", "preset", "temperature", "top_p", "n",
+                   "max_tokens", "seed", "math_dapo", "math_verify"]
+
+
+def _grader_impl(raw: Mapping[str, Any], name: str) -> str:
+    """One line naming the grader implementation recorded in metrics.json ``graders``."""
+    g = (raw.get("graders") or {}).get(name)
+    if not isinstance(g, Mapping):
+        return ""
+    parts = [str(g.get("implementation") or "?")]
+    for key in ("version", "commit"):
+        if g.get(key):
+            parts.append(f"{key} {g[key]}")
+    if g.get("reason"):
+        parts.append(f"({g['reason']})")
+    return " ".join(parts)
+
+
+def settings_rows(found: Found) -> list[dict[str, Any]]:
+    """Per tag: the model and sampling settings the samples were generated with
+    (<tag>/samples.meta.json) and the grader implementations (metrics.json ``graders``)."""
+    rows = []
+    for e in found.evals:
+        meta = e.samples_meta
+        smp = meta.get("sampling") if isinstance(meta.get("sampling"), Mapping) else {}
+        rows.append({
+            "tag": e.tag, "step": e.step, "model": meta.get("model_path"),
+            "backend": meta.get("backend"), "preset": meta.get("preset"),
+            "temperature": smp.get("temperature"), "top_p": smp.get("top_p"),
+            "n": smp.get("n_samples", e.n), "max_tokens": smp.get("max_tokens"),
+            "seed": smp.get("seed"),
+            "math_dapo": _grader_impl(e.raw, "math_dapo"),
+            "math_verify": _grader_impl(e.raw, "math_verify"),
+        })
+    return rows
+
+
+def at_k_table(found: Found) -> tuple[list[str], list[dict[str, Any]]]:
+    """pass@k and maj@k for every k, one row a (tag, grader): (header, rows)."""
+    ks = sorted({int(k) for e in found.evals for g in e.graders
+                 for k in (*g.pass_at, *g.maj_at) if k.isdigit()})
+    header = ["tag", "grader", *[f"pass@{k}" for k in ks], *[f"maj@{k}" for k in ks]]
+    rows = []
+    for e in found.evals:
+        for g in e.graders:
+            rows.append({"tag": e.tag, "grader": g.grader,
+                         **{f"pass@{k}": v for k, v in g.pass_at.items()},
+                         **{f"maj@{k}": v for k, v in g.maj_at.items()}})
+    return header, rows
 
 
 def paired_rows(found: Found) -> list[dict[str, Any]]:
@@ -1171,10 +1114,10 @@ def data_rows(summary: Any) -> list[dict[str, Any]]:
 
 
 def provenance_rows(found: Found, env: Mapping[str, str], packages: Iterable[str],
-                    prefixes: Iterable[str]) -> list[dict[str, Any]]:
+                    prefixes: Iterable[str], cfg_hash: str | None = None) -> list[dict[str, Any]]:
     rows = deps_rows(found.docs.get("lock"), found.config)
     rows.append({"section": "config", "name": "config_hash (sha256)",
-                 "value": config_hash(found.config)})
+                 "value": cfg_hash or config_hash(found.config)})
     rows += data_rows(found.docs.get("data_summary"))
     for name in ("checkpoint_check", "bridge_check"):
         d = found.docs.get(name)
@@ -1188,6 +1131,18 @@ def provenance_rows(found: Found, env: Mapping[str, str], packages: Iterable[str
     if isinstance(plan, dict) and isinstance(plan.get("launch"), Mapping):
         rows.append({"section": "preflight", "name": "launch.sh sha256",
                      "value": plan["launch"].get("sha256")})
+    for e in found.evals:
+        meta, sec = e.samples_meta, f"evaluation {e.tag}"
+        for key in ("model_path", "backend", "preset", "sampling", "backend_settings",
+                    "val_sha256", "chat_template_sha256", "versions"):
+            if meta.get(key) is not None:
+                v = meta[key]
+                rows.append({"section": sec, "name": key, "value": json.dumps(
+                    v, sort_keys=True) if isinstance(v, dict | list) else v})
+        for g in ("math_dapo", "math_verify"):
+            if _grader_impl(e.raw, g):
+                rows.append({"section": sec, "name": f"grader {g}",
+                             "value": _grader_impl(e.raw, g)})
     for a in found.attempts:
         rows.append({"section": "slurm", "name": f"attempt {a.attempt}",
                      "value": f"job {a.slurm_job_id}; nodes {','.join(a.nodes) or a.num_nodes}"})
@@ -1252,9 +1207,13 @@ def gpu_hours_summary(found: Found) -> dict[str, Any]:
     }
 
 
-def build(results: Path, config: Mapping[str, Any], env: Mapping[str, str]) -> dict[str, bytes]:
-    """Render every output in memory: {file name: bytes}. Nothing is written here."""
+def build(results: Path, config: Mapping[str, Any], env: Mapping[str, str],
+          cfg_hash: str | None = None) -> dict[str, bytes]:
+    """Render every output in memory: {file name: bytes}. Nothing is written here.
+    ``cfg_hash``: the hash of the full config when ``config`` was redacted before it got
+    here (the Snakemake rule); default: the hash of ``config``."""
     found = gather(results, config)
+    cfg_hash = cfg_hash or config_hash(found.config)
     opts = ReportOptions.from_config(config)
     redact = make_redactor(env, [found.config, *found.docs.values(),
                                  *[a.raw for a in found.attempts]], opts.redact_env)
@@ -1283,7 +1242,8 @@ def build(results: Path, config: Mapping[str, Any], env: Mapping[str, str]) -> d
                                  for j, t in enumerate(tags)}} for i, p in enumerate(problems)]
     paired = paired_rows(found)
     paired_header = PAIRED_HEADER
-    prov = provenance_rows(found, env, opts.packages, opts.env_prefixes)
+    at_k_header, at_k_rows = at_k_table(found)
+    prov = provenance_rows(found, env, opts.packages, opts.env_prefixes, cfg_hash)
     files["stages.csv"] = _csv(["stage", "status", "detail", "path"], stage_rows, redact)
     files["attempts.csv"] = _csv(att_header, att_rows, redact)
     files["claims.csv"] = _csv(["claim", "published", "this_run", "verdict"], claim_rows, redact)
@@ -1322,9 +1282,13 @@ def build(results: Path, config: Mapping[str, Any], env: Mapping[str, str]) -> d
         pp_count=len(problems),
         paired=paired,
         paired_header=paired_header,
+        settings=settings_rows(found),
+        settings_header=SETTINGS_HEADER,
+        at_k_header=at_k_header,
+        at_k=at_k_rows,
         prov=prov,
         config_yaml=cfg_yaml,
-        config_hash=config_hash(found.config),
+        config_hash=cfg_hash,
         docs={k: redact(v) for k, v in found.docs.items() if v is not None},
         attempts_raw=[redact(a.raw) for a in found.attempts],
         img={k: base64.b64encode(v).decode() for k, v in figs.items()},
@@ -1352,6 +1316,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out-dir", type=Path, help="default: <results>/report")
     ap.add_argument("--config-json", help="the resolved config as JSON")
     ap.add_argument("--config", type=Path, nargs="*", help="config files (instead of JSON)")
+    ap.add_argument("--config-hash", help="hash of the full config, when --config-json is a "
+                    "redacted copy (the Snakemake rule); default: the hash of the config given")
     args = ap.parse_args(argv)
     if args.config_json:
         config = json.loads(args.config_json)
@@ -1362,7 +1328,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         ap.error("one of --config-json or --config is required")
     try:
-        files = build(args.results, config, dict(os.environ))
+        files = build(args.results, config, dict(os.environ), args.config_hash)
     except ReportInputError as exc:
         print(f"report: {exc}", file=sys.stderr)
         return 1

@@ -598,9 +598,15 @@ def run_attempt(args: argparse.Namespace, config: dict[str, Any]) -> int:
     attempts_dir = results / "attempts"
     attempts_dir.mkdir(parents=True, exist_ok=True)
     plan_path = Path(args.plan).resolve()
-    plan = json.loads(plan_path.read_text())
+    try:
+        plan = json.loads(plan_path.read_text())
+    except (OSError, ValueError) as exc:
+        raise TrainError(f"{plan_path}: cannot read the preflight plan: {exc}") from None
     if plan.get("ok") is False:
         raise TrainError(f"{plan_path}: preflight reported errors: {plan.get('errors')}")
+    if plan.get("launched") is False:
+        raise TrainError(f"{plan_path}: preflight did not plan a launch: "
+                         f"{plan.get('not_launched_reason')}")
     total = total_steps_from_plan(plan, plan_path)
     ckpt = checkpoint_dir(config)
     if args.checkpoint_dir and os.path.abspath(args.checkpoint_dir) != str(ckpt):
