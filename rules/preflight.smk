@@ -6,6 +6,12 @@
 STAGE_TARGETS.append(lambda: [f"{RESULTS}/preflight/plan.json"])
 
 
+# CPU seconds on the submit host (no queue wait before the big job); its `disk` rule sees the
+# checkpoint root as the submit host does (waive `disk` where that is not the cluster's view).
+localrules:
+    preflight,
+
+
 rule preflight:
     input:
         lock=f"{RESULTS}/deps/lock.json",
@@ -28,7 +34,10 @@ rule preflight:
     params:
         cfg=section_json("run", "cluster", "model", "data", "train", "preflight"),
         out_dir=lambda w, output: os.path.dirname(output.plan),
+        # checkpoints retention keeps for evaluation (rule train --keep-steps): disk rule
+        keep_steps=json.dumps(sorted(config["eval"].get("steps", []))),
     shell:
         "python -m hy3rl.preflight --config-json {params.cfg:q} --lock {input.lock}"
         " --data-summary {input.summary} --train-files {input.train} --val-files {input.val}"
-        " --checkpoint-check {input.checkpoint_check} --out-dir {params.out_dir} > {log} 2>&1"
+        " --checkpoint-check {input.checkpoint_check} --keep-steps {params.keep_steps:q}"
+        " --out-dir {params.out_dir} > {log} 2>&1"

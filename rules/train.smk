@@ -16,29 +16,36 @@ STAGE_TARGETS.append(lambda: [f"{RESULTS}/train/done.json"] if gpu_enabled() els
 TRAIN_KEEP_STEPS = json.dumps(sorted(config["eval"].get("steps", [])))
 
 
-def train_checkpoint_dir():
-    """<train.checkpoint_root>/<run.name>, absolute (hy3rl.train.checkpoint_dir)."""
-    from hy3rl.train import checkpoint_dir
+if gpu_enabled() and train_segment_ends():
 
-    return str(checkpoint_dir(config))
-
-
-def train_inputs(wildcards):
-    """The train job's inputs; first refuses (before anything is submitted) when a live
-    trainer holds the checkpoint directory's lock, e.g. after a killed controller."""
-    from pathlib import Path
-
-    from hy3rl.train import LockHeld, check_lock_free
-
-    try:
-        check_lock_free(Path(train_checkpoint_dir()))
-    except LockHeld as exc:
-        raise WorkflowError(str(exc))
-    return {
-        "plan": ancient(f"{RESULTS}/preflight/plan.json"),
-        "launch": ancient(f"{RESULTS}/preflight/launch.sh"),
-        "runtime_env": ancient(f"{RESULTS}/deps/runtime_env.yaml"),
-    }
+    rule train_segment:
+        input:
+            unpack(train_segment_inputs),
+        output:
+            f"{RESULTS}/train/segments/step{{end}}.json",
+        log:
+            f"{LOGS}/train_segment_step{{end}}.log",
+        wildcard_constraints:
+            end=r"\d+",
+        conda:
+            "../envs/workflow.yaml"
+        threads: 1
+        resources:
+            **gpu_job_resources(
+                config["cluster"]["nodes"],
+                config["cluster"]["gpus_per_node"],
+                config["cluster"]["train_time_min"],
+            ),
+        params:
+            cfg=section_json("run", "cluster", "train"),
+            checkpoint_dir=train_checkpoint_dir(),
+            results=lambda wc, output: os.path.dirname(os.path.dirname(output[0])),
+        shell:
+            "python -m hy3rl.train --config-json {params.cfg:q} --plan {input.plan}"
+            " --launch {input.launch} --runtime-env {input.runtime_env}"
+            " --results-dir {params.results} --checkpoint-dir {params.checkpoint_dir:q}"
+            " --until {wildcards.end} --sentinel {output}"
+            f" --keep-steps '{TRAIN_KEEP_STEPS}' > {{log}} 2>&1"
 
 
 if gpu_enabled():
@@ -63,7 +70,7 @@ if gpu_enabled():
         params:
             cfg=section_json("run", "cluster", "train"),
             checkpoint_dir=train_checkpoint_dir(),
-            results=f"{RESULTS}/train",
+            results=lambda wc, output: os.path.dirname(output.done),
         shell:
             "python -m hy3rl.train --config-json {params.cfg:q} --plan {input.plan}"
             " --launch {input.launch} --runtime-env {input.runtime_env}"

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -116,7 +117,22 @@ def test_paper_plan_matches_published_values(verl, tmp_path):
     assert plan.resolved["trainer.nnodes"] == {"value": "16", "source": "paper default"}
     assert plan.resolved["data.train_files"]["source"] == "config"
     assert plan.resolved["trainer.default_local_dir"]["source"] == "correction"
+    src = {k: v["source"] for k, v in plan.effective_sources.items()}
+    assert set(src) == set(plan.effective)
+    assert src["data.train_batch_size"] == "paper default"
+    assert src["data.train_files"] == "config"
+    assert src["trainer.total_training_steps"] == "correction"
+    assert src["reward.reward_kwargs"] == "correction"  # +reward.reward_kwargs.* corrections
+    assert plan.effective_sources["actor_rollout_ref.actor.optim.lr_decay_style"] == {
+        "source": "paper default", "origin": "verl config default (not overridden)"}
     assert plan.estimate["gpu_hours"] > 0 and "GPU-hours" in plan.estimate["formula"]
+    # the KL-0 reference pass, priced: 2 x active params x tokens per step, at the train MFU
+    i = plan.estimate["inputs"]
+    ref_h = 2 * 21e9 * i["tokens_per_step"] / (148e12 * 0.2) * 200 / 3600
+    assert i["active_params"] == 21e9 and i["tokens_per_step"] == 128 * 16 * (512 + 4096)
+    assert plan.estimate["costs"]["reference_gpu_hours"] == round(ref_h, 1)
+    assert rule(plan, "ref_kl_zero").messages[0].endswith(
+        f"; cost ~{round(ref_h, 1):g} GPU-hours over 200 steps (estimate)")
     on_disk = json.loads((tmp_path / "out/plan.json").read_text())
     assert on_disk["effective"]["data.train_batch_size"] == 128
     assert on_disk["overrides"][0]["source"] in ("paper default", "config")
@@ -134,9 +150,29 @@ def test_paper_plan_against_real_pinned_verl(tmp_path):
     _check_published(plan)
     assert plan.ok, plan.errors
     assert plan.reward["scripted_manager"] == "naive" and plan.reward["scripted_kwargs"] is None
+    assert plan.reward["legacy_migration_callers"] == [
+        "verl/experimental/fully_async_policy/fully_async_main.py"]
+    # the pinned schedule is constant (segments allowed); an unknown key names itself
+    cfg = paper_cfg(tmp_path)
+    cfg["train"]["segment_steps"] = 50
+    cfg["train"]["verl_overrides"] = {"trainer.totl_training_steps": 3}
+    bad = pf.make_plan(cfg, lock, tmp_path / "bad")
+    assert rule(bad, "compose").status == "error"
+    assert "trainer.totl_training_steps" in rule(bad, "compose").messages[0]
+    cfg["train"]["verl_overrides"] = {}
+    seg = pf.make_plan(cfg, lock, tmp_path / "seg")
+    assert rule(seg, "segment_schedule").status == "pass" and seg.ok, seg.errors
 
 
 # --------------------------------------------------------------------------- resolution
+
+
+def test_segment_steps_with_constant_schedule_passes(verl, tmp_path):
+    cfg = paper_cfg(tmp_path)
+    cfg["train"]["segment_steps"] = 50  # lr = min_lr = 1e-6, no warmup: constant
+    plan = plan_for(cfg, verl, tmp_path)
+    assert rule(plan, "segment_schedule").status == "pass" and plan.ok, plan.errors
+    assert plan.estimate["inputs"]["starts"] == 4  # 200 steps / 50: four jobs, four starts
 
 
 def test_reward_mode_scripted_keeps_upstream_behaviour(verl, tmp_path):
@@ -334,6 +370,73 @@ ERROR_CASES = {
 }
 
 
+# The other failure mode of rules with several (the waiver is tested once per rule above).
+MORE_ERROR_CASES = {
+    "gpus/zero": (lambda c: c["cluster"].update(gpus_per_node=0) or c,
+                  "cluster.gpu is true but cluster.nodes x cluster.gpus_per_node = 16 x 0 = 0"),
+    "actor_layout/expert": (lambda c: _set(c, env={"ACTOR_EP": 3}),
+                            "actor EP x ETP x PP = 3 x 1 x 16 = 48 does not divide the 128 GPUs"),
+    "rollout_tp/divides": (lambda c: _set(c, env={"ROLLOUT_TP": 24}),
+                           "rollout TP = 24 does not divide the 128 GPUs (ROLLOUT_TP)"),
+    "max_model_len/batched_tokens": (lambda c: _set(c, env={
+        "ROLLOUT_MAX_NUM_BATCHED_TOKENS": 9000}, over={
+        "actor_rollout_ref.rollout.enable_chunked_prefill": False}),
+        "rollout.max_num_batched_tokens = 9000 < 10240 with chunked prefill off"),
+    "log_prob_token_budget/rollout": (lambda c: _set(c, env={
+        "ROLLOUT_LOG_PROB_MAX_TOKEN_LEN_PER_GPU": 1000}),
+        "rollout.log_prob_max_token_len_per_gpu x CP = 1000 x 8 = 8000 < 2048 + 8192 = 10240"),
+    "batch_divisible/mini": (lambda c: _set(c, env={"TRAIN_BATCH_SIZE": 96}),
+                             "data.train_batch_size = 96 is not a positive multiple of "
+                             "actor.ppo_mini_batch_size = 128"),
+    "save_test_freq/test": (lambda c: _set(c, env={"TEST_FREQ": 300}),
+                            "trainer.test_freq = 300 > total_training_steps = 200"),
+    "save_test_freq/no_save": (lambda c: _set(c, env={"SAVE_FREQ": -1}),
+                               "trainer.save_freq = -1: no checkpoint would be saved"),
+    "checkpoint_root/empty": (lambda c: _set(c, checkpoint_root=""),
+                              "train.checkpoint_root is empty"),
+    "segment_schedule/decay": (lambda c: _set(c, segment_steps=50, over={
+        "actor_rollout_ref.actor.optim.lr_decay_style": "cosine",
+        "actor_rollout_ref.actor.optim.min_lr": 0.0}),
+        "lr_decay_style = cosine, lr = 1e-06, min_lr = 0"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MORE_ERROR_CASES))
+def test_rule_other_failure_modes(verl, tmp_path, case):
+    mutate, message = MORE_ERROR_CASES[case]
+    name = case.split("/")[0]
+    plan = plan_for(mutate(paper_cfg(tmp_path)), verl, tmp_path)
+    res = rule(plan, name)
+    assert res.status == "error", (res, plan.errors)
+    assert any(message in m for m in res.messages), res.messages
+    assert not plan.ok
+
+
+def test_waivers(verl, tmp_path):
+    # a waived warning shows as waived, with its message under `waived`
+    cfg = paper_cfg(tmp_path)
+    cfg["preflight"]["waive"] = ["disk", "val_on_resume"]
+    plan = plan_for(cfg, verl, tmp_path)
+    assert rule(plan, "val_on_resume").status == "waived"
+    assert any(w.startswith("val_on_resume: ") for w in plan.waived)
+    assert not any(w.startswith("val_on_resume: ") for w in plan.warnings)
+    assert rule(plan, "ref_kl_zero").status == "warning"
+    # compose cannot be waived; an unknown name is refused before anything runs
+    for bad, msg in ((["compose"], "rule 'compose' cannot be waived"),
+                     (["disk", "dsik"], "unknown rule 'dsik'")):
+        cfg["preflight"]["waive"] = bad
+        with pytest.raises(pf.PreflightError, match=msg):
+            plan_for(cfg, verl, tmp_path, name="bad")
+        assert not (tmp_path / "bad").exists()
+    # the config schema lists exactly the waivable rules, so a typo fails at load time
+    schema = cfgmod._load_yaml(REPO / "config/schema/preflight.schema.yaml")
+    assert schema["properties"]["waive"]["items"]["enum"] == [
+        n for n in pf.RULES if n not in pf.NOT_WAIVABLE]
+    with pytest.raises(cfgmod.ConfigError, match="dsik"):
+        cfgmod.validate({**cfgmod.load(REPO / "config/config.yaml"),
+                         "preflight": {"waive": ["dsik"]}})
+
+
 @pytest.mark.parametrize("name", sorted(ERROR_CASES))
 def test_each_rule_fails_with_its_numbers(verl, tmp_path, name):
     mutate, message = ERROR_CASES[name]
@@ -356,12 +459,28 @@ def test_disk_rule_uses_free_space(verl, tmp_path):
     cfg["preflight"]["model_bytes"] = 10**15  # 1 PB of weights: never fits
     cfg["cluster"]["gpu_memory_gb"] = 10**6  # keep the rollout rule quiet
     cfg["train"]["checkpoint_keep"] = 2
-    plan = plan_for(cfg, verl, tmp_path)
+    # eval.steps of the paper: 20 and 100 are kept beyond the newest 2 (180, 200)
+    plan = plan_for(cfg, verl, tmp_path, keep_steps=[20, 100, 180])
     res = rule(plan, "disk")
     assert res.status == "error"
-    assert "(keep 2 + 1 being written) x 7000.000 TB" in res.messages[0]
-    assert plan.checkpoint["bytes_needed"] == 3 * 7 * 10**15
+    assert ("(keep 2 + 2 kept for eval.steps [20, 100] + 1 being written) x 7000.000 TB"
+            in res.messages[0]), res.messages
+    assert plan.checkpoint["bytes_needed"] == 5 * 7 * 10**15
+    assert plan.checkpoint["kept_for_eval"] == [20, 100]
     assert 0 < plan.checkpoint["free_bytes"] < plan.checkpoint["bytes_needed"]
+    # a size that fits passes, and the plan records what it measured
+    cfg["preflight"]["model_bytes"] = 10**6
+    small = plan_for(cfg, verl, tmp_path, name="small")
+    assert rule(small, "disk").status == "pass"
+    assert small.checkpoint["bytes_per_checkpoint"] == 7 * 10**6
+
+
+def test_kept_for_eval():
+    assert pf.kept_for_eval([20, 100, 180], 20, 200, 2) == [20, 100]
+    assert pf.kept_for_eval([25, 210], 20, 210, 1) == []  # 25 never saved; 210 the newest
+    assert pf.kept_for_eval([200], 20, 210, 1) == [200]
+    assert pf.kept_for_eval([5], -1, 10, 2) == []
+    assert pf.kept_for_eval([50, 60], 20, 200, 2, segment=50) == [50, 60]  # 50 ends a segment
 
 
 def test_verl_pin_and_checkpoint_checks(verl, tmp_path):
@@ -420,6 +539,9 @@ def test_prompts_over_max_from_data_summary(verl, tmp_path):
                                    "source": "config"}
     assert plan.effective["actor_rollout_ref.rollout.val_kwargs.n"] == 32
     assert "30 x 32 generations" in rule(plan, "val_on_resume").messages[0]
+    val_h = 2 * 21e9 * 30 * 32 * (180.5 + 4096) / (148e12 * 0.05) / 3600
+    assert rule(plan, "val_on_resume").messages[0].endswith(
+        f"; cost ~{round(val_h, 1):g} GPU-hours per start (estimate)")
     assert plan.estimate["inputs"]["mean_prompt_tokens"] == 180.5
 
 
@@ -473,3 +595,59 @@ def test_paper_config_undoes_every_tiny_knob():
     tiny = yaml.safe_load((REPO / "config/config.yaml").read_text())["train"]["env"]
     paper = yaml.safe_load((REPO / "config/paper.yaml").read_text())["train"]["env"]
     assert sorted(set(tiny) - set(paper)) == []
+
+
+# --------------------------------------------------------------------------- through SLURM
+
+
+@pytest.mark.slurm
+def test_preflight_errors_stop_the_workflow_on_the_slurm_cluster(
+        verl, slurm_profile_args, tmp_path):
+    """`snakemake --profile profiles/slurm` (+ the test override) on the real test cluster:
+    rule preflight (a localrule: CPU seconds on the submit host) fails, its errors (each with
+    its numbers) reach the user through Snakemake's failed-job report, and after the fix the
+    rerun makes a good plan.
+    The upstream outputs preflight reads are written here; only preflight may run."""
+    from fixtures.common import run_snakemake
+
+    work = tmp_path / "work"
+    res = work / "results" / "tiny-default"
+    write_lock(res / "deps" / "lock.json", verl.path, verl.commit)
+    (res / "data").mkdir(parents=True)
+    (res / "data" / "summary.json").write_text(json.dumps({"splits": {}}))
+    for name in ("train.parquet", "val.parquet"):
+        (res / "data" / name).write_bytes(b"")
+    (res / "checks").mkdir()
+    for name in ("checkpoint.json", "bridge.json"):
+        (res / "checks" / name).write_text(json.dumps({"checks": []}))
+    site = tmp_path / "site.yaml"
+    train = {"checkpoint_root": str(tmp_path / "ckpt"),
+             "env": {"ROLLOUT_MAX_MODEL_LEN": 100, "SAVE_FREQ": 50, "ACTOR_PP": 3}}
+    site.write_text(json.dumps({"train": train}))
+    args = ["results/tiny-default/preflight/plan.json", *slurm_profile_args, str(site),
+            "--allowed-rules", "preflight"]
+
+    bad = run_snakemake(args, work, check=False, timeout=600)
+    out = bad.stdout + bad.stderr
+    assert bad.returncode != 0, out[-3000:]
+    assert re.search(r"localrule preflight:", out), out[-3000:]  # on the submit host
+    assert "rule_preflight" not in out  # no sbatch job
+    assert "Error in rule preflight" in out, out[-3000:]
+    for msg in ("actor_layout: actor TP x PP x CP = 1 x 3 x 1 = 3 does not divide the 4 GPUs",
+                "max_model_len: rollout.max_model_len = 100 < max_prompt_length + "
+                "max_response_length",
+                "save_test_freq: trainer.save_freq = 50 > total_training_steps = 2",
+                "preflight: 6 error(s)"):
+        assert msg in out, f"{msg!r} not in Snakemake's output:\n{out[-4000:]}"
+    assert not (res / "preflight" / "launch.sh").exists()
+
+    train["env"] = {}
+    site.write_text(json.dumps({"train": train}))
+    good = run_snakemake(args, work, check=False, timeout=600)
+    out = good.stdout + good.stderr
+    assert good.returncode == 0, out[-4000:]
+    plan = json.loads((res / "preflight" / "plan.json").read_text())
+    assert plan["ok"] and plan["launched"], plan["errors"]
+    assert plan["effective"]["trainer.nnodes"] == 2
+    assert plan["effective"]["trainer.n_gpus_per_node"] == 2
+    assert "WARNING ref_kl_zero:" in (res / "logs" / "preflight.log").read_text()

@@ -394,6 +394,23 @@ def test_redactor_rules():
         "api_key": "[REDACTED]", "total_num_tokens": 5, "tokenizer": "resources/t"}
 
 
+def test_config_for_the_rule_is_redacted_and_still_renders(report_run_factory):
+    """The rule hands the report a redacted config (rule params reach `snakemake --report`)
+    with the full config's hash: the redacted values are not taken for secrets (which would
+    refuse every file), SHAs survive, and the page shows the given hash."""
+    from hy3rl.redact import redact_config
+
+    cfg = _config()
+    cfg["train"]["verl_overrides"] = {"+trainer.wandb_api_key": SECRET_SK}
+    red = redact_config(cfg)
+    assert red["train"]["verl_overrides"] == {"+trainer.wandb_api_key": "[REDACTED]"}
+    assert red["deps"] == cfg["deps"]  # pinned SHAs kept
+    assert SECRET_SK not in json.dumps(red)
+    files = report.build(report_run_factory(), red, {}, cfg_hash=cfgmod.config_hash(cfg))
+    assert cfgmod.config_hash(cfg) in files["index.html"].decode()
+    assert cfgmod.config_hash(cfg) in files["provenance.csv"].decode()
+
+
 # ---- partial runs ----
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -314,3 +315,22 @@ def test_scope_kill_stops_only_its_processes() -> None:
         for p in (mine, other):
             p.kill()
             p.wait()
+
+
+def test_segment_steps_chain_in_the_dag(tmp_path: Path) -> None:
+    from fixtures.common import run_snakemake
+
+    override = tmp_path / "seg.yaml"
+    override.write_text(json.dumps({"cluster": {"gpu": True, "nodes": 2, "gpus_per_node": 2},
+                                    "train": {"checkpoint_root": str(tmp_path / "ckpt"),
+                                              "segment_steps": 2,
+                                              "total_training_steps": 6}}))
+    root = Path(__file__).resolve().parents[1]
+    proc = run_snakemake(["-n", "-p", "--configfile", str(root / "config" / "config.yaml"),
+                          str(override), "--", "results/tiny-default/train/done.json"],
+                         tmp_path)
+    out = proc.stdout
+    assert re.search(r"^train_segment\s+2$", out, re.M), out[-3000:]
+    assert "--until 2 --sentinel results/tiny-default/train/segments/step2.json" in out
+    assert "--until 4 --sentinel results/tiny-default/train/segments/step4.json" in out
+    assert "results/tiny-default/train/segments/step4.json" in out.split("rule train:")[1]

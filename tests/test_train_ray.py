@@ -118,3 +118,29 @@ def test_sigterm_stops_job_and_ray(train_setup) -> None:
     assert "ray job stop t-local-1" in log
     assert not (setup.ckpt / train.LOCK_NAME).exists()
     assert not leftover("t-local-1"), "Ray processes left after SIGTERM"
+
+
+def test_segments_chain_to_done(train_setup) -> None:
+    """train.segment_steps: a job stops at its segment's end (verl saves at its last step),
+    the next job resumes there."""
+    setup = train_setup(total=4, save_freq=3)
+    seg = setup.results / "train" / "segments" / "step2.json"
+    env = {**os.environ, **setup.env(), "PATH": VENV_BIN + os.pathsep + os.environ["PATH"]}
+    env.pop("SLURM_JOB_ID", None)
+    first = subprocess.run([sys.executable, "-m", "hy3rl.train", *setup.train_args(),
+                            "--until", "2", "--sentinel", str(seg)], cwd=setup.root, env=env,
+                           capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stdout[-3000:]
+    assert json.loads(seg.read_text())["final_step"] == 2
+    assert train.read_tracker(setup.ckpt) == 2 and train.check_complete(
+        setup.ckpt / "global_step_2", 2)[0]
+    assert not (setup.results / "train" / "done.json").exists()
+    assert "trainer.total_training_steps=2" in (
+        setup.results / "train" / "attempts" / "attempt-1" / "launcher.log").read_text()
+
+    second = run_train(setup)
+    assert second.returncode == 0, second.stdout[-3000:]
+    done = json.loads((setup.results / "train" / "done.json").read_text())
+    assert done["final_step"] == 4 and attempt(setup, 2)["start_step"] == 2
+    assert [m["step"] for m in map(json.loads, (setup.results / "train" / "metrics.jsonl")
+                                   .read_text().splitlines())] == [0, 1, 2, 3, 4]

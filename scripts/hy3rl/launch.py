@@ -84,6 +84,7 @@ class LaunchSpec:
     log_dir: Path
     env_vars: dict[str, str] = field(default_factory=dict)
     passthrough_env: list[str] = field(default_factory=list)
+    launch_args: list[str] = field(default_factory=list)  # appended: bash launch.sh <args>
     nodes: int = 1
     gpus_per_node: int = 0
     cpus_per_node: int = 1
@@ -331,10 +332,15 @@ def node_main(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     child = subprocess.Popen(full, start_new_session=True)
     stopping = threading.Event()
+    grace = [float(args.grace)]
 
     def on_signal(signum, _frame):
         if not stopping.is_set():
             stopping.set()
+            if signum == signal.SIGTERM:
+                # From SLURM itself (time limit, scancel): SIGKILL follows after KillWait
+                # (5 s on the test cluster), so stop fast. SIGUSR1 is the launcher's polite stop.
+                grace[0] = min(grace[0], 2.0)
             log.info("%s: stopping Ray on this node", signal.Signals(signum).name)
             with contextlib.suppress(ProcessLookupError):
                 child.terminate()
@@ -348,11 +354,11 @@ def node_main(args: argparse.Namespace) -> int:
         except subprocess.TimeoutExpired:
             if stopping.is_set():
                 try:
-                    code = child.wait(timeout=args.grace)
+                    code = child.wait(timeout=grace[0])
                 except subprocess.TimeoutExpired:
                     child.kill()
                     code = child.wait()
-    n = kill_scope(args.scope, 2)
+    n = kill_scope(args.scope, min(2.0, grace[0]))
     log.info("ray start exited %s; %d process(es) of the scope stopped", code, n)
     shutil.rmtree(temp, ignore_errors=True)
     return 0 if stopping.is_set() else (code or 1)
@@ -575,7 +581,7 @@ class Launcher:
 
         cmd = [RAY, "job", "submit", "--address", self.dashboard,
                "--submission-id", self.spec.submission_id, "--runtime-env", str(runtime_env),
-               "--", "bash", str(self.spec.launch_script)]
+               "--", "bash", str(self.spec.launch_script), *self.spec.launch_args]
         self.phase("submitting: %s", shlex.join(cmd))
         driver_log = self.spec.log_dir / "driver.log"
         self.submit = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -756,7 +762,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"stopped {kill_scope(args.scope, 5)} process(es)")
         return 0
     spec = LaunchSpec(args.submission_id, args.launch_script.resolve(), args.runtime_env,
-                      args.log_dir, dict(e.split("=", 1) for e in args.env), [],
+                      args.log_dir, dict(e.split("=", 1) for e in args.env), [], [],
                       args.nodes, args.gpus_per_node, args.cpus_per_node)
     return launch(spec).exit_code
 

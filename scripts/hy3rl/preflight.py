@@ -168,6 +168,7 @@ class Plan:
     overrides: list[Override]
     resolved: dict[str, dict[str, str]]
     effective: dict[str, Any]
+    effective_sources: dict[str, dict[str, str]]
     reward: dict[str, Any]
     checkpoint: dict[str, Any]
     loggers: dict[str, Any]
@@ -699,6 +700,35 @@ def effective_values(composed) -> dict[str, Any]:
     return {key: select(composed, key) for key in EFFECTIVE_KEYS}
 
 
+def effective_sources(eff: Mapping[str, Any], overrides: list[Override]
+                      ) -> dict[str, dict[str, str]]:
+    """The source of each effective value: that of the last override setting the key, a key
+    below it or above it (Hydra: later overrides win); a key no override touches keeps verl's
+    config default, which the published run used as well (``paper default``)."""
+    out: dict[str, dict[str, str]] = {}
+    for key in eff:
+        hit = None
+        for o in overrides:
+            if o.key == key or o.key.startswith(key + ".") or key.startswith(o.key + "."):
+                hit = o
+        out[key] = ({"source": hit.source, "origin": hit.origin} if hit else
+                    {"source": PAPER_DEFAULT, "origin": "verl config default (not overridden)"})
+    return out
+
+
+def check_waivers(cfg: Mapping[str, Any]) -> list[str]:
+    """``preflight.waive``, each name a rule that can be waived (else PreflightError)."""
+    waive = list(cfg.get("preflight", {}).get("waive") or [])
+    for name in waive:
+        if name in NOT_WAIVABLE:
+            raise PreflightError(f"preflight.waive: rule {name!r} cannot be waived (an override "
+                                 f"that does not compose would fail in verl too)")
+        if name not in RULES:
+            raise PreflightError(f"preflight.waive: unknown rule {name!r} (rules: "
+                                 f"{', '.join(n for n in RULES if n not in NOT_WAIVABLE)})")
+    return waive
+
+
 def required_rollout_tp(weight_bytes: int, gpu_memory_gb: float, mem_util: float) -> int:
     """Smallest power-of-two TP whose per-GPU share of the weights fits in
     ``gpu_memory_gb * 1e9 * mem_util`` (weights only; the KV cache needs more)."""
@@ -760,6 +790,19 @@ def checkpoint_bytes(weights: int, save_contents: list[str]) -> int:
     return total
 
 
+def kept_for_eval(eval_steps: list[int], save_freq: int, total: int, keep: int,
+                  segment: int = 0) -> list[int]:
+    """Checkpoints retention keeps for evaluation beyond the newest ``keep``: the eval steps
+    that are saved (multiples of save_freq, each segment's end, the last step) but not among
+    the newest."""
+    if save_freq <= 0 or total <= 0:
+        return []
+    ends = set(range(segment, total + 1, segment)) if segment > 0 else set()
+    saved = sorted(set(range(save_freq, total + 1, save_freq)) | ends | {total})
+    newest = set(saved[-keep:])
+    return sorted({int(s) for s in eval_steps} & set(saved) - newest)
+
+
 def free_bytes(path: Path) -> tuple[int, Path]:
     probe = path
     while not probe.exists() and probe != probe.parent:
@@ -769,7 +812,8 @@ def free_bytes(path: Path) -> tuple[int, Path]:
 
 def check_rules(cfg: Mapping[str, Any], res: Resolution, eff: Mapping[str, Any],
                 facts: Mapping[str, Any], ckpt_check: Mapping[str, Any] | None,
-                weights: int | None, weights_from: str) -> tuple[list[RuleResult], dict]:
+                weights: int | None, weights_from: str, keep_steps: list[int] | None = None
+                ) -> tuple[list[RuleResult], dict]:
     """Every rule on the composed values; returns the results and the checkpoint facts."""
     r = _Rules()
     cluster, train = cfg.get("cluster", {}), cfg.get("train", {})
@@ -939,21 +983,25 @@ def check_rules(cfg: Mapping[str, Any], res: Resolution, eff: Mapping[str, Any],
                 "does not write latest_checkpointed_iteration.txt and resume breaks")
     save_contents = eff.get("actor_rollout_ref.actor.checkpoint.save_contents") or []
     keep = max(1, _int(train.get("checkpoint_keep"), 1))
-    ck = {"dir": str(ckpt_dir), "keep": keep, "save_contents": save_contents,
-          "weights_bytes": weights, "weights_from": weights_from}
+    extra = kept_for_eval(keep_steps or [], save, total, keep,
+                          _int(train.get("segment_steps")))
+    ck = {"dir": str(ckpt_dir), "keep": keep, "kept_for_eval": extra,
+          "save_contents": save_contents, "weights_bytes": weights,
+          "weights_from": weights_from}
     if weights is None:
         r.not_run("disk", f"not run: model bytes {weights_from}")
     else:
         per = checkpoint_bytes(weights, list(save_contents))
-        need = (keep + 1) * per
+        need = (keep + len(extra) + 1) * per
         free, probe = free_bytes(ckpt_dir)
         ck.update(bytes_per_checkpoint=per, bytes_needed=need, free_bytes=free,
                   free_on=str(probe))
         if need > free:
-            r.error("disk", f"checkpoints need (keep {keep} + 1 being written) x "
+            r.error("disk", f"checkpoints need (keep {keep} + {len(extra)} kept for "
+                    f"eval.steps {extra} + 1 being written) x "
                     f"{per / 1e12:.3f} TB (weights {weights / 1e12:.3f} TB + optimizer "
                     f"6 x weights) = {need / 1e12:.3f} TB but {probe} has {free / 1e12:.3f} TB "
-                    f"free (train.checkpoint_keep, train.checkpoint_root)")
+                    f"free (train.checkpoint_keep, eval.steps, train.checkpoint_root)")
 
     seg = _int(train.get("segment_steps"))
     if seg > 0:
@@ -991,18 +1039,15 @@ def check_rules(cfg: Mapping[str, Any], res: Resolution, eff: Mapping[str, Any],
     elif over is None:
         r.not_run("prompts_over_max", "not run: no count in data/summary.json")
 
-    # Defaults and waivers.
+    # Defaults and waivers (names checked by check_waivers before anything ran).
     waive = set(cfg.get("preflight", {}).get("waive") or [])
-    for name in sorted(waive - set(RULES)):
-        raise PreflightError(f"preflight.waive: unknown rule {name!r} (rules: "
-                             f"{', '.join(RULES)})")
     out = []
     for name in RULES:
         if name == "compose":
             out.append(RuleResult("compose", "pass", []))
             continue
         res_ = r.results.get(name, RuleResult(name, "pass", []))
-        if res_.status == "error" and name in waive:
+        if res_.status in ("error", "warning") and name in waive:
             res_.status = "waived"
         out.append(res_)
     return out, ck
@@ -1052,18 +1097,38 @@ def estimate_gpu_hours(cfg: Mapping[str, Any], eff: Mapping[str, Any], facts: Ma
     val_n = _int(eff.get("actor_rollout_ref.rollout.val_kwargs.n"), 1)
     val_s = 2 * active * val_rows * val_n * (prompt_mean + f * resp) / (gpus * peak * rollout_mfu)
     test = _int(eff.get("trainer.test_freq"))
-    starts = max(1, _int(est_cfg.get("starts"), starts_hint))
+    seg = _int(cfg.get("train", {}).get("segment_steps"))
+    segments = -(-steps // seg) if seg > 0 and steps > 0 else 1  # each segment is a start
+    starts = max(1, _int(est_cfg.get("starts"), starts_hint), segments)
     vals = (steps // test if test > 0 else 0) + (
         starts if _truthy(eff.get("trainer.val_before_train")) else 0)
     hours = gpus * (steps * step_s + vals * val_s) / 3600
+    ref_s = ref * active * tokens / (gpus * peak * train_mfu)  # the reference forward pass
     return {
         "gpu_hours": round(hours, 1), "wall_hours": round(hours / gpus, 2), "formula": formula,
+        "costs": {"reference_gpu_hours": round(gpus * steps * ref_s / 3600, 1),
+                  "validation_gpu_hours_each": round(gpus * val_s / 3600, 1)},
         "inputs": {"gpus": gpus, "peak_tflops": tflops, "active_params": active,
                    "tokens_per_step": tokens, "mean_prompt_tokens": prompt_mean,
                    "mean_response_fraction": f, "train_mfu": train_mfu,
                    "rollout_mfu": rollout_mfu, "steps": steps, "step_s": round(step_s, 1),
                    "validations": vals, "validation_s": round(val_s, 1), "starts": starts},
     }
+
+
+def add_costs(rules: list[RuleResult], estimate: Mapping[str, Any]) -> None:
+    """Append the estimate's GPU-hours to the warnings whose cost is compute."""
+    costs = estimate.get("costs") or {}
+    steps = (estimate.get("inputs") or {}).get("steps")
+    for res in rules:
+        if res.status not in ("warning", "waived") or not res.messages:
+            continue
+        if res.name == "ref_kl_zero" and costs.get("reference_gpu_hours"):
+            res.messages[0] += (f"; cost ~{costs['reference_gpu_hours']:g} GPU-hours over "
+                                f"{steps} steps (estimate)")
+        if res.name == "val_on_resume" and costs.get("validation_gpu_hours_each"):
+            res.messages[0] += (f"; cost ~{costs['validation_gpu_hours_each']:g} GPU-hours per "
+                                f"start (estimate)")
 
 
 # --------------------------------------------------------------------------- outputs
@@ -1114,8 +1179,10 @@ def write_atomic(path: Path, text: str, mode: int | None = None) -> None:
 
 def make_plan(cfg: Mapping[str, Any], lock_path: Path, out_dir: Path,
               summary_path: Path | None = None, ckpt_check_path: Path | None = None,
-              train_files: Path | None = None, val_files: Path | None = None) -> Plan:
+              train_files: Path | None = None, val_files: Path | None = None,
+              keep_steps: list[int] | None = None) -> Plan:
     """Resolve, compose, check; write plan.json and launch.sh into ``out_dir``."""
+    check_waivers(cfg)
     lock = read_json(lock_path, "deps lock")
     if lock is None:
         raise PreflightError(f"{lock_path}: missing (run rule deps)")
@@ -1148,8 +1215,10 @@ def make_plan(cfg: Mapping[str, Any], lock_path: Path, out_dir: Path,
         estimate: dict[str, Any] = {"gpu_hours": None, "reason": "not composed"}
     else:
         eff = effective_values(res.composed)
-        rules, ck = check_rules(cfg, res, eff, facts, ckpt_check, weights, weights_from)
+        rules, ck = check_rules(cfg, res, eff, facts, ckpt_check, weights, weights_from,
+                                keep_steps)
         estimate = estimate_gpu_hours(cfg, eff, facts, weights)
+        add_costs(rules, estimate)
     if head != commit:
         idx = list(RULES).index("verl_pin")
         rules[idx] = RuleResult("verl_pin", "waived" if "verl_pin" in (
@@ -1172,7 +1241,8 @@ def make_plan(cfg: Mapping[str, Any], lock_path: Path, out_dir: Path,
               "entrypoint": res.module, "config_dir": str(res.config_dir),
               "config_name": res.config_name},
         knobs=res.knobs, script_exports=res.exports, overrides=res.overrides,
-        resolved=resolved, effective=eff, reward=res.reward, checkpoint=ck,
+        resolved=resolved, effective=eff,
+        effective_sources=effective_sources(eff, res.overrides), reward=res.reward, checkpoint=ck,
         loggers={"list": res.loggers, "env": {lg: LOGGER_ENV.get(lg, []) for lg in res.loggers}},
         rules=rules, errors=errors, warnings=warnings, waived=waived, estimate=estimate,
         launch={"path": str(launch_path.absolute()),
@@ -1200,6 +1270,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--checkpoint-check", type=Path, help="results/<run>/checks/checkpoint.json")
     ap.add_argument("--train-files", type=Path, help="default: data/train.parquet next to summary")
     ap.add_argument("--val-files", type=Path, help="default: data/val.parquet next to summary")
+    ap.add_argument("--keep-steps", default="[]",
+                    help="JSON list of steps retention keeps for evaluation (eval.steps)")
     ap.add_argument("--out-dir", required=True, type=Path, help="results/<run>/preflight")
     args = ap.parse_args(argv)
     try:
@@ -1208,8 +1280,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"--config-json: not valid JSON: {exc}", file=sys.stderr)
         return 2
     try:
+        keep_steps = [int(s) for s in json.loads(args.keep_steps)]
+    except (json.JSONDecodeError, TypeError, ValueError) as exc:
+        print(f"--keep-steps: not a JSON list of steps: {exc}", file=sys.stderr)
+        return 2
+    try:
         plan = make_plan(cfg, args.lock, args.out_dir, args.data_summary, args.checkpoint_check,
-                         args.train_files, args.val_files)
+                         args.train_files, args.val_files, keep_steps)
     except PreflightError as exc:
         print(f"preflight: {exc}", file=sys.stderr)
         return 1

@@ -616,6 +616,7 @@ def run_attempt(args: argparse.Namespace, config: dict[str, Any]) -> int:
     if planned and os.path.abspath(planned) != str(ckpt):
         raise TrainError(f"{plan_path}: checkpoint.dir {planned} differs from "
                          f"train.checkpoint_root/run.name = {ckpt}; rerun preflight")
+    target = total if args.until is None else min(int(args.until), total)
     tcfg = config.get("train", {})
     ccfg = config["cluster"]
     keep = int(tcfg.get("checkpoint_keep", 2))
@@ -629,11 +630,11 @@ def run_attempt(args: argparse.Namespace, config: dict[str, Any]) -> int:
         finalise_stale(attempts_dir, newest_complete(scan(ckpt)).step
                        if newest_complete(scan(ckpt)) else None)
         start, resume_actions = prepare_resume(ckpt, k)
-        if start >= total:
-            log.info("training already reached step %d (total %d): nothing to launch", start,
-                     total)
+        if start >= target:
+            log.info("training already reached step %d (this job's last step %d, total %d): "
+                     "nothing to launch", start, target, total)
             write_merged(attempts_dir, results / "metrics.jsonl")
-            write_done(results, config, ckpt, start, total, attempts_dir)
+            write_done(results, config, ckpt, start, total, attempts_dir, args.sentinel)
             return 0
         run = config["run"]["name"]
         sub_id = f"{run}-{me.job_id or 'local'}-{k}"
@@ -646,13 +647,14 @@ def run_attempt(args: argparse.Namespace, config: dict[str, Any]) -> int:
             metrics_log=f"attempt-{k}.metrics.jsonl", log_dir=f"attempt-{k}")
         rec = dataclasses.asdict(attempt)
         write_json_atomic(attempts_dir / f"attempt-{k}.json", rec)
-        log.info("attempt %d: submission %s, checkpoint dir %s, start step %d of %d",
-                 k, sub_id, ckpt, start, total)
+        log.info("attempt %d: submission %s, checkpoint dir %s, start step %d, until step "
+                 "%d of %d", k, sub_id, ckpt, start, target, total)
 
         spec = launch.LaunchSpec(
             submission_id=sub_id, launch_script=Path(args.launch).resolve(),
             runtime_env=Path(args.runtime_env).resolve(),
             log_dir=attempts_dir / f"attempt-{k}",
+            launch_args=[] if target == total else [f"trainer.total_training_steps={target}"],
             env_vars={"VERL_FILE_LOGGER_PATH": str(attempts_dir / rec["metrics_log"])},
             passthrough_env=sorted(set(logger_env_names(plan))
                                    | set(tcfg.get("ray_env_passthrough", []))),
@@ -679,10 +681,10 @@ def run_attempt(args: argparse.Namespace, config: dict[str, Any]) -> int:
                  end, rec["steps_lost"], n, sorted(pruner.removed + removed))
         if result.exit_code != 0:
             return result.exit_code or 1
-        if end is None or end < total:
+        if end is None or end < target:
             raise TrainError(f"the trainer exited 0 but the newest complete checkpoint is "
-                             f"{end}, not the last step {total}")
-        write_done(results, config, ckpt, end, total, attempts_dir)
+                             f"{end}, not step {target}")
+        write_done(results, config, ckpt, end, total, attempts_dir, args.sentinel)
         return 0
     except BaseException as exc:
         if rec and rec.get("exit_reason") == "running":
@@ -713,7 +715,8 @@ def _record_nodes(attempts_dir: Path, k: int, rec: dict[str, Any], nodes: list[s
 
 
 def write_done(results: Path, config: Mapping[str, Any], ckpt: Path, final: int, total: int,
-               attempts_dir: Path) -> Path:
+               attempts_dir: Path, path: str | Path | None = None) -> Path:
+    """The sentinel, written last: done.json, or a segment's ``segments/step<N>.json``."""
     attempts = [load_attempt(attempts_dir, k) for k in attempt_numbers(attempts_dir)]
     step_dir = ckpt / f"global_step_{final}"
     done = {
@@ -733,7 +736,7 @@ def write_done(results: Path, config: Mapping[str, Any], ckpt: Path, final: int,
         "metrics": str(results / "metrics.jsonl"),
         "written_at": now_iso(),
     }
-    path = results / "done.json"
+    path = Path(path) if path else results / "done.json"
     write_json_atomic(path, done)
     log.info("done: final step %d, %s", final, path)
     return path
@@ -749,6 +752,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--results-dir", required=True, help="results/<run>/train")
     ap.add_argument("--checkpoint-dir", help="the checkpoint directory (checked against the "
                     "config; default: <train.checkpoint_root>/<run.name>)")
+    ap.add_argument("--until", type=int, default=None,
+                    help="train.segment_steps: stop at this step (a segment's end) instead of "
+                    "trainer.total_training_steps; the launch gets trainer.total_training_steps"
+                    "=<until> appended (verl saves at its last step)")
+    ap.add_argument("--sentinel", default=None,
+                    help="with --until: the segment's sentinel to write (default done.json)")
     ap.add_argument("--keep-steps", default="[]",
                     help="JSON list of steps retention keeps (eval.steps)")
     args = ap.parse_args(argv)
