@@ -558,6 +558,9 @@ def test_cli_lists_all_errors_and_unknown_waiver(verl, tmp_path, capsys):
                     "--out-dir", str(tmp_path / "out2")]) == 1
     assert "preflight.waive: unknown rule 'dsik'" in capsys.readouterr().err
     assert not (tmp_path / "out2/plan.json").exists()
+    assert pf.main(["--config-json", json.dumps(cfg), "--lock", str(verl.lock), "--keep-steps",
+                    "[20,", "--out-dir", str(tmp_path / "out3")]) == 2
+    assert "--keep-steps: not a JSON list of steps" in capsys.readouterr().err
 
 
 def test_rendered_launch_drives_the_train_stage_double(fake_verl_repo, tmp_path):

@@ -52,6 +52,16 @@ def test_default_pipeline_runs_end_to_end_offline(tmp_path: Path):
     checks = json.loads((res / "checks/checkpoint.json").read_text())
     statuses = {c["name"]: c["status"] for c in checks["checks"]}
     assert "fail" not in statuses.values(), statuses
+    # The GPU-free default: preflight plans but does not launch, base is evaluated for real,
+    # and the report says training did not run.
+    plan = json.loads((res / "preflight/plan.json").read_text())
+    assert plan, "empty plan"
+    metrics = json.loads((res / "eval/base/metrics.json").read_text())
+    assert metrics["tag"] == "base"
+    samples = (res / "eval/base/samples.jsonl").read_text().splitlines()
+    assert len(samples) >= 30
+    page = (res / "report/index.html").read_text()
+    assert 'id="training-not-run"' in page
     # Nothing left to do: a second invocation is a no-op.
     again = run_snakemake([*args, "-n"], work)
     assert "Nothing to be done" in again.stdout + again.stderr
