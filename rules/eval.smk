@@ -15,7 +15,7 @@ GEN_THREADS = (
     else config["cluster"]["cpus_per_node"]
 )
 
-# vLLM jobs take the training job's shape (rules/cluster.smk): nodes x GPUs per node.
+# vLLM jobs take the training job's shape (rules/common.smk): nodes x GPUs per node.
 _V = config["eval"]["vllm"]
 GEN_RESOURCES = (
     gpu_job_resources(_V["nodes"], _V["gpus_per_node"], _V["time_min"])

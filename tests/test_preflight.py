@@ -59,6 +59,23 @@ PUBLISHED = {
     "trainer.save_freq": 20,                                  # SAVE_FREQ=20
     "trainer.test_freq": 10,                                  # TEST_FREQ=10
     "actor_rollout_ref.actor.strategy": "megatron",           # model_engine=megatron
+    # the pinned script's other defaults (upstream-facts: "env knobs with defaults ...")
+    "algorithm.kl_ctrl.kl_coef": 0.0,                         # KL-free
+    "algorithm.norm_adv_by_std_in_grpo": False,
+    "actor_rollout_ref.actor.optim.min_lr": 1e-6,             # MIN_LR=1e-6: constant LR
+    "actor_rollout_ref.actor.use_kl_loss": True,              # USE_KL_LOSS=True (coef 0)
+    "actor_rollout_ref.actor.entropy_coeff": 0,               # ENTROPY_COEFF=0
+    "actor_rollout_ref.actor.loss_agg_mode": "seq-mean-token-mean",
+    "actor_rollout_ref.actor.use_dynamic_bsz": True,
+    "actor_rollout_ref.actor.megatron.param_offload": True,   # ALL_OFFLOAD=True
+    "actor_rollout_ref.actor.megatron.optimizer_offload": True,
+    "actor_rollout_ref.rollout.gpu_memory_utilization": 0.65,  # ROLLOUT_GPU_MEM_UTIL=0.65
+    "actor_rollout_ref.rollout.val_kwargs.temperature": 1.0,  # VAL_TEMPERATURE=1.0
+    "actor_rollout_ref.rollout.val_kwargs.top_p": 1.0,        # VAL_TOP_P=1.0
+    "trainer.val_before_train": True,
+    # ours, not the script's: bounded (curves end near step 190), resumable
+    "trainer.total_training_steps": 200,
+    "trainer.resume_mode": "auto",
 }
 
 
@@ -394,6 +411,9 @@ MORE_ERROR_CASES = {
                                "trainer.save_freq = -1: no checkpoint would be saved"),
     "checkpoint_root/empty": (lambda c: _set(c, checkpoint_root=""),
                               "train.checkpoint_root is empty"),
+    "compose/not_a_number": (lambda c: _set(c, env={"ACTOR_PP": "sixteen"}),
+                             "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size = "
+                             "'sixteen' is not a number"),
     "segment_schedule/decay": (lambda c: _set(c, segment_steps=50, over={
         "actor_rollout_ref.actor.optim.lr_decay_style": "cosine",
         "actor_rollout_ref.actor.optim.min_lr": 0.0}),

@@ -176,7 +176,7 @@ def test_relaunch_refused_while_job_lives_then_resumes(slurm_train) -> None:
     metrics = st.train_dir / "attempts" / "attempt-1.metrics.jsonl"
     try:
         wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3,
-                 240, "the trainer to reach step 2")
+                 600, "the trainer to reach step 2")
     finally:
         ctl.send_signal(signal.SIGKILL)  # the controller dies; its SLURM job lives on
         ctl.wait()

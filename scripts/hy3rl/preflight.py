@@ -50,7 +50,8 @@ CORRECTION = "correction"
 RULES: dict[str, str] = {
     "verl_pin": "the verl clone is at the commit recorded in deps/lock.json",
     "knobs": "every train.env knob is read by the launch script and not owned by another key",
-    "compose": "the overrides compose with the pinned verl's Hydra config (no unknown key)",
+    "compose": "the overrides compose with the pinned verl's Hydra config (no unknown key), "
+               "and the numeric values the rules read are numbers",
     "checkpoint_checks": "checks/checkpoint.json has no failed check",
     "gpus": "GPUs = nodes x GPUs per node, the same in the config and in verl's trainer keys",
     "actor_layout": "actor TP x PP x CP and EP x ETP x PP divide the GPUs",
@@ -696,6 +697,18 @@ EFFECTIVE_KEYS = (
 )
 
 
+NUMERIC_KEYS = tuple(k for k in EFFECTIVE_KEYS if k.rsplit(".", 1)[1] in {
+    "nnodes", "n_gpus_per_node", "total_training_steps", "save_freq", "test_freq",
+    "train_batch_size", "max_prompt_length", "max_response_length", "lr", "min_lr",
+    "lr_warmup_steps", "lr_warmup_steps_ratio", "ppo_mini_batch_size",
+    "ppo_micro_batch_size_per_gpu", "ppo_max_token_len_per_gpu", "kl_loss_coef",
+    "clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "entropy_coeff",
+    "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+    "expert_model_parallel_size", "expert_tensor_parallel_size",
+    "log_prob_max_token_len_per_gpu", "n", "gpu_memory_utilization", "max_model_len",
+    "max_num_batched_tokens", "temperature", "top_p", "kl_coef"})
+
+
 def effective_values(composed) -> dict[str, Any]:
     return {key: select(composed, key) for key in EFFECTIVE_KEYS}
 
@@ -819,6 +832,17 @@ def check_rules(cfg: Mapping[str, Any], res: Resolution, eff: Mapping[str, Any],
     cluster, train = cfg.get("cluster", {}), cfg.get("train", {})
     gpu = bool(cluster.get("gpu"))
     no_gpu = "not run: no GPU allocation (cluster.gpu is false)"
+
+    # Hydra does not type-check values (`ACTOR_PP=abc` composes); verl would reject them only
+    # after the allocation. The numeric keys the rules read must be numbers (or null).
+    for key in NUMERIC_KEYS:
+        value = eff.get(key)
+        if isinstance(value, str):
+            try:
+                float(value)
+            except ValueError:
+                r.error("compose", f"{key} = {value!r} is not a number (verl's config expects "
+                        f"one and would fail on it after the allocation)")
 
     for problem in res.knob_errors:
         r.error("knobs", problem)
@@ -1043,8 +1067,8 @@ def check_rules(cfg: Mapping[str, Any], res: Resolution, eff: Mapping[str, Any],
     waive = set(cfg.get("preflight", {}).get("waive") or [])
     out = []
     for name in RULES:
-        if name == "compose":
-            out.append(RuleResult("compose", "pass", []))
+        if name == "compose":  # never waived
+            out.append(r.results.get("compose", RuleResult("compose", "pass", [])))
             continue
         res_ = r.results.get(name, RuleResult(name, "pass", []))
         if res_.status in ("error", "warning") and name in waive:
