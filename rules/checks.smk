@@ -45,8 +45,8 @@ if gpu_enabled():
         params:
             cfg=section_json("model", "checks"),
             python=config["checks"]["bridge"]["python"],
-            scripts=f"{workflow.basedir}/scripts",
         shell:
-            "PYTHONPATH={params.scripts:q}${{PYTHONPATH:+:$PYTHONPATH}}"
+            # The workflow's own package; not a param, so a moved checkout reruns nothing.
+            f"PYTHONPATH={workflow.basedir}/scripts${{{{PYTHONPATH:+:$PYTHONPATH}}}}"
             " {params.python} -m hy3rl.bridge check --config-json {params.cfg:q}"
             " --lock {input.lock} --out {output} > {log} 2>&1"
