@@ -334,3 +334,53 @@ def test_segment_steps_chain_in_the_dag(tmp_path: Path) -> None:
     assert "--until 2 --sentinel results/tiny-default/train/segments/step2.json" in out
     assert "--until 4 --sentinel results/tiny-default/train/segments/step4.json" in out
     assert "results/tiny-default/train/segments/step4.json" in out.split("rule train:")[1]
+
+
+def _launcher(tmp_path: Path, runtime: dict, job_id: str | None):
+    spec = launch.LaunchSpec("s1", tmp_path / "launch.sh", tmp_path / "re.yaml", tmp_path,
+                             nodes=2, gpus_per_node=8, cpus_per_node=4, runtime=runtime)
+    lr = launch.Launcher(spec)
+    lr.job_id = job_id
+    ports = launch.port_plan(7, [launch.Node("n1", "n1"), launch.Node("n2", "n2")], lr.ray)
+    return lr, ports
+
+
+def test_node_cmd_slurm_with_runtime_prefix(tmp_path: Path) -> None:
+    prefix = "apptainer exec --nv --bind '/sh ared' docker://verlai/verl:vllm023.dev1"
+    lr, ports = _launcher(tmp_path, {"prefix": prefix}, "77")
+    cmd = lr.node_cmd(launch.Node("n2", "n2"), "worker", ports["n2"], "10.0.0.1:20000")
+    assert cmd[:8] == ["srun", "--overlap", "--jobid=77", "--nodes=1", "--ntasks=1",
+                       "--nodelist=n2", "--kill-on-bad-exit=1", "--export=ALL"]
+    assert cmd[8:18] == ["apptainer", "exec", "--nv", "--bind", "/sh ared",
+                         "docker://verlai/verl:vllm023.dev1", "env",
+                         f"PYTHONPATH={launch.SCRIPTS_DIR}", "python3", "-m"]
+    assert (launch.SCRIPTS_DIR / "hy3rl" / "launch.py").is_file()
+    assert cmd[18:20] == ["hy3rl.launch", "node"]
+    assert cmd[cmd.index("--ray-cli") + 1] == "ray"
+    assert cmd[cmd.index("--head-address") + 1] == "10.0.0.1:20000"
+    assert sys.executable not in cmd
+
+
+def test_node_cmd_local_default_and_python(tmp_path: Path) -> None:
+    lr, ports = _launcher(tmp_path, {}, None)
+    cmd = lr.node_cmd(launch.Node("n1", "n1"), "head", ports["n1"], None)
+    assert cmd[:4] == [sys.executable, "-m", "hy3rl.launch", "node"]
+    assert "--ray-cli" not in cmd and "srun" not in cmd
+    assert cmd[cmd.index("--publish") + 1] == str(tmp_path / "head.json")
+
+    lr, ports = _launcher(tmp_path, {"prefix": "conda run -n verl",
+                                             "python": "/opt/py/bin/python"}, None)
+    cmd = lr.node_cmd(launch.Node("n1", "n1"), "head", ports["n1"], None)
+    assert cmd[:7] == ["conda", "run", "-n", "verl", "env",
+                       f"PYTHONPATH={launch.SCRIPTS_DIR}", "/opt/py/bin/python"]
+    assert "--ray-cli" in cmd
+
+
+def test_resolve_runtime_defaults_and_errors() -> None:
+    assert launch.resolve_runtime(None) == {"prefix": "", "python": sys.executable}
+    assert launch.resolve_runtime({"prefix": " wrap "}) == {"prefix": "wrap",
+                                                             "python": "python3"}
+    with pytest.raises(launch.LaunchError, match="train.runtime.prefix"):
+        launch.resolve_runtime({"prefix": "apptainer exec 'unclosed"})
+    with pytest.raises(launch.LaunchError, match="unknown key"):
+        launch.resolve_runtime({"image": "x"})

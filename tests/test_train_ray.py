@@ -144,3 +144,32 @@ def test_segments_chain_to_done(train_setup) -> None:
     assert done["final_step"] == 4 and attempt(setup, 2)["start_step"] == 2
     assert [m["step"] for m in map(json.loads, (setup.results / "train" / "metrics.jsonl")
                                    .read_text().splitlines())] == [0, 1, 2, 3, 4]
+
+
+def test_runtime_prefix_wraps_node_and_uses_its_ray(train_setup) -> None:
+    """train.runtime.prefix: each node process runs under the prefix (a real wrapper that
+    marks the environment and puts its own `ray` first on PATH); Ray starts from there."""
+    setup = train_setup(total=1, save_freq=1)
+    rt = setup.root / "runtime"
+    (rt / "bin").mkdir(parents=True)
+    shim_log = rt / "ray-shim.log"
+    shim = rt / "bin" / "ray"
+    shim.write_text(f'#!/bin/bash\necho "ray-shim: $*" >> {shim_log}\n'
+                    f'exec {VENV_BIN}/ray "$@"\n')
+    wrap = rt / "wrap.sh"
+    wrap.write_text(f'#!/bin/bash\nexport HY3RL_TEST_RUNTIME=wrapped\n'
+                    f'export PATH={rt / "bin"}:$PATH\n'
+                    'echo "wrap.sh: runtime marker $HY3RL_TEST_RUNTIME"\nexec "$@"\n')
+    for f in (shim, wrap):
+        f.chmod(0o755)
+    setup.config["train"]["runtime"] = {"prefix": str(wrap), "python": sys.executable}
+    res = run_train(setup)
+    assert res.returncode == 0, res.stdout[-3000:]
+    a1 = attempt(setup, 1)
+    assert a1["runtime"] == {"prefix": str(wrap), "python": sys.executable}
+    logs = setup.results / "train" / "attempts" / "attempt-1"
+    node_log = "".join(p.read_text() for p in logs.glob("node-*.log"))
+    assert "wrap.sh: runtime marker wrapped" in node_log
+    assert f"ray CLI {shim}" in node_log
+    assert "ray-shim: start --block" in shim_log.read_text()
+    assert not leftover("t-local-1")

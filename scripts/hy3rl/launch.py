@@ -23,6 +23,14 @@
 Logs (``spec.log_dir``): ``launcher.log`` (timestamped phases), ``driver.log``,
 ``node-<name>.log``, ``ray.json`` (nodes, head, ports), ``runtime_env.yaml`` (0600; secrets
 redacted in every log).
+
+Runtime (``spec.runtime``, from ``train.runtime``): every node process runs as
+``[srun ...] <prefix> env PYTHONPATH=<this workflow's scripts/> <python> -m hy3rl.launch node
+...`` where ``prefix`` is e.g. ``apptainer exec --nv --bind /shared docker://<image>`` or
+``conda run -n verl``; with a prefix the node's ``ray`` is the one on the runtime's PATH, so
+Ray (and verl, in the Ray job) come from the runtime. The node mode needs only the standard
+library, ``psutil`` and ``ray`` there. The driver side (``ray job submit``) stays on this
+interpreter's Ray and reaches the head's dashboard over HTTP.
 """
 
 from __future__ import annotations
@@ -46,12 +54,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 log = logging.getLogger("hy3rl.launch")
 
 SCOPE_VAR = "HY3RL_RAY_SCOPE"
-# The Ray CLI of this interpreter's environment (the runtime's), else the one on PATH.
+# The Ray CLI of this interpreter's environment, else the one on PATH (the driver side, and
+# the node side without a train.runtime prefix; with one the node uses --ray-cli on PATH).
 RAY = str(Path(sys.executable).with_name("ray")) \
     if Path(sys.executable).with_name("ray").exists() else "ray"
 SECRET_RE = re.compile(r"(KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL)", re.I)
@@ -66,6 +73,25 @@ RAY_DEFAULTS: dict[str, Any] = {
     "temp_root": "/tmp",
     "node_setup": "",
 }
+RUNTIME_DEFAULTS: dict[str, str] = {"prefix": "", "python": ""}
+SCRIPTS_DIR = Path(__file__).resolve().parents[1]  # holds the hy3rl package
+
+
+def resolve_runtime(runtime: dict[str, Any] | None) -> dict[str, str]:
+    """``train.runtime`` with its defaults filled in: ``python`` is ``python3`` (the
+    runtime's, on its PATH) when a prefix is set, else this interpreter."""
+    rt = {**RUNTIME_DEFAULTS, **{k: str(v or "") for k, v in (runtime or {}).items()}}
+    unknown = sorted(set(rt) - set(RUNTIME_DEFAULTS))
+    if unknown:
+        raise LaunchError(f"train.runtime: unknown key(s) {', '.join(unknown)}")
+    rt["prefix"] = rt["prefix"].strip()
+    try:
+        shlex.split(rt["prefix"])
+    except ValueError as exc:
+        raise LaunchError(f"train.runtime.prefix {rt['prefix']!r}: {exc}") from None
+    if not rt["python"]:
+        rt["python"] = "python3" if rt["prefix"] else sys.executable
+    return rt
 
 
 class LaunchError(RuntimeError):
@@ -89,6 +115,7 @@ class LaunchSpec:
     gpus_per_node: int = 0
     cpus_per_node: int = 1
     ray: dict[str, Any] = field(default_factory=dict)
+    runtime: dict[str, Any] = field(default_factory=dict)  # train.runtime: prefix, python
 
 
 @dataclass
@@ -295,7 +322,15 @@ def node_main(args: argparse.Namespace) -> int:
     temp.mkdir(parents=True, exist_ok=True)
     os.environ[SCOPE_VAR] = args.scope
     os.environ["HY3RL_NODE"] = args.name
-    cmd = [RAY, "start", "--block", "--disable-usage-stats", f"--temp-dir={temp}",
+    ray_cli = RAY
+    if args.ray_cli:
+        ray_cli = shutil.which(args.ray_cli) or ""
+        if not ray_cli:
+            log.error("%r not found on this runtime's PATH (%s): train.runtime must provide "
+                      "Ray", args.ray_cli, os.environ.get("PATH", ""))
+            return 3
+    log.info("runtime: python %s, ray CLI %s", sys.executable, ray_cli)
+    cmd = [ray_cli, "start", "--block", "--disable-usage-stats", f"--temp-dir={temp}",
            f"--num-cpus={args.num_cpus}", f"--num-gpus={args.num_gpus}",
            f"--node-manager-port={ports.node_manager}",
            f"--object-manager-port={ports.object_manager}",
@@ -446,7 +481,15 @@ class Launcher:
     def node_cmd(self, node: Node, role: str, ports: Ports, head_address: str | None) -> list[str]:
         scope = f"{self.job_id or 'local'}-{node.name}-{self.spec.submission_id}"
         temp = Path(self.ray["temp_root"]) / f"hy3rl-ray-{self.job_id or os.getpid()}-{node.name}"
-        inner = [sys.executable, "-m", "hy3rl.launch", "node", "--name", node.name,
+        rt = resolve_runtime(self.spec.runtime)
+        if rt["prefix"]:
+            # Inside the runtime: its python and (through --ray-cli) the ray on its PATH;
+            # PYTHONPATH carries only this workflow's package, nothing of the host venv.
+            entry = [*shlex.split(rt["prefix"]), "env", f"PYTHONPATH={SCRIPTS_DIR}",
+                     rt["python"]]
+        else:
+            entry = [rt["python"]]
+        inner = [*entry, "-m", "hy3rl.launch", "node", "--name", node.name,
                  "--role", role, "--temp-dir", str(temp), "--scope", scope,
                  "--ports", json.dumps(asdict(ports)),
                  "--num-cpus", str(self.spec.cpus_per_node),
@@ -457,6 +500,8 @@ class Launcher:
             inner += ["--publish", str(self.spec.log_dir / "head.json")]
         else:
             inner += ["--head-address", str(head_address)]
+        if rt["prefix"]:
+            inner += ["--ray-cli", "ray"]
         if not self.job_id:
             return inner
         return ["srun", "--overlap", f"--jobid={self.job_id}", "--nodes=1", "--ntasks=1",
@@ -553,6 +598,8 @@ class Launcher:
             f"Node logs in {self.spec.log_dir}", f"nodes not registered: {' '.join(missing)}")
 
     def merged_runtime_env(self) -> Path:
+        import yaml
+
         try:
             base = yaml.safe_load(self.spec.runtime_env.read_text()) or {}
         except (OSError, yaml.YAMLError) as exc:
@@ -673,6 +720,8 @@ class Launcher:
         code, reason, status = 1, "launcher error", None
         try:
             self.discover()
+            rt = resolve_runtime(self.spec.runtime)
+            self.phase("runtime: prefix %r, python %s", rt["prefix"], rt["python"])
             if on_nodes:
                 on_nodes([n.name for n in self.nodes])
             key = int(self.job_id) if self.job_id and self.job_id.isdigit() else os.getpid()
@@ -744,6 +793,9 @@ def main(argv: list[str] | None = None) -> int:
     nd.add_argument("--setup", default="")
     nd.add_argument("--publish")
     nd.add_argument("--head-address")
+    nd.add_argument("--ray-cli", default="",
+                    help="Ray CLI name resolved on this (runtime's) PATH; default: the one "
+                         "next to this interpreter, else PATH")
     cl = sub.add_parser("cleanup", help="kill every process of a scope on this node")
     cl.add_argument("--scope", required=True)
     js = sub.add_parser("job", help="run a command as a Ray job on the job's nodes")

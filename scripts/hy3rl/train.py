@@ -499,6 +499,7 @@ class AttemptRecord:
     wall_s: float | None = None
     metrics_log: str = ""
     log_dir: str = ""
+    runtime: dict[str, str] = field(default_factory=dict)  # train.runtime, defaults filled
 
 
 def attempt_numbers(attempts_dir: Path) -> list[int]:
@@ -637,6 +638,10 @@ def run_attempt(args: argparse.Namespace, config: dict[str, Any]) -> int:
             write_done(results, config, ckpt, start, total, attempts_dir, args.sentinel)
             return 0
         run = config["run"]["name"]
+        try:
+            runtime = launch.resolve_runtime(tcfg.get("runtime"))
+        except launch.LaunchError as exc:
+            raise TrainError(str(exc)) from None
         sub_id = f"{run}-{me.job_id or 'local'}-{k}"
         attempt = AttemptRecord(
             attempt=k, run=run, executor=me.executor, slurm_job_id=me.job_id, host=me.host,
@@ -644,7 +649,8 @@ def run_attempt(args: argparse.Namespace, config: dict[str, Any]) -> int:
             cpus_per_node=int(ccfg["cpus_per_node"]), submission_id=sub_id,
             checkpoint_dir=str(ckpt), start_step=start,
             resume_actions=lock_actions + resume_actions,
-            metrics_log=f"attempt-{k}.metrics.jsonl", log_dir=f"attempt-{k}")
+            metrics_log=f"attempt-{k}.metrics.jsonl", log_dir=f"attempt-{k}",
+            runtime=runtime)
         rec = dataclasses.asdict(attempt)
         write_json_atomic(attempts_dir / f"attempt-{k}.json", rec)
         log.info("attempt %d: submission %s, checkpoint dir %s, start step %d, until step "
@@ -660,6 +666,7 @@ def run_attempt(args: argparse.Namespace, config: dict[str, Any]) -> int:
                                    | set(tcfg.get("ray_env_passthrough", []))),
             nodes=int(ccfg["nodes"]), gpus_per_node=int(ccfg["gpus_per_node"]),
             cpus_per_node=int(ccfg["cpus_per_node"]), ray=dict(tcfg.get("ray", {})),
+            runtime=runtime,
         )
         pruner = Pruner(ckpt, keep, protected, float(tcfg.get("prune_interval_s", 60)))
         pruner.start()
