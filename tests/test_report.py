@@ -169,9 +169,10 @@ def _real_eval(results: Path, tags: tuple[str, ...], n: int = 8) -> dict[str, di
     for tag in tags:
         m = mmod.compute_metrics(scores[tag], tag, {"math_dapo": {"implementation": "x"}}, boot,
                                  scores["base"] if tag != "base" else None)
-        mmod._write_json(results / "eval" / tag / "metrics.json", m)
+        mmod.write_json_atomic(results / "eval" / tag / "metrics.json", m, indent=1)
         out[tag] = m
-    mmod._write_json(results / "eval" / "summary.json", mmod.summarize(list(out.values())))
+    mmod.write_json_atomic(results / "eval" / "summary.json",
+                           mmod.summarize(list(out.values())), indent=1)
     return out
 
 

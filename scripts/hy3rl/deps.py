@@ -40,6 +40,8 @@ from typing import Any
 
 import yaml
 
+from hy3rl.atomic import write_json_atomic, write_text_atomic
+
 log = logging.getLogger("hy3rl.deps")
 
 SCHEMA_VERSION = 1
@@ -436,22 +438,6 @@ def _now() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Write via a temporary file in the same directory, then os.replace."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-
-
 def run(section: Mapping[str, Any], lock_path: Path, runtime_env_path: Path) -> Lock:
     """Bring every clone to its pin, then write lock.json and runtime_env.yaml."""
     deps_dir, pins = parse_pins(resolve_section(section))
@@ -484,8 +470,8 @@ def run(section: Mapping[str, Any], lock_path: Path, runtime_env_path: Path) -> 
         )
         header = ("# Ray runtime env for `ray job submit --runtime-env` (written by hy3rl.deps;\n"
                   f"# base: {source or 'none'}). Format: docs/formats/deps.md\n")
-        write_atomic(runtime_env_path, header + yaml.safe_dump(env, sort_keys=False))
-        write_atomic(lock_path, json.dumps(asdict(lock), indent=2) + "\n")
+        write_text_atomic(runtime_env_path, header + yaml.safe_dump(env, sort_keys=False))
+        write_json_atomic(lock_path, asdict(lock))
     return lock
 
 

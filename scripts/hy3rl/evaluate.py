@@ -35,6 +35,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from hy3rl.atomic import write_json_atomic
+
 PRESETS: dict[str, dict[str, Any]] = {
     # The published run's validation: val_kwargs temperature 1.0, top_p 1.0, 30 x 32 samples,
     # response length 8192 (verl@220e903 run_hy_v3_megatron.sh MAX_RESPONSE_LENGTH).
@@ -529,13 +531,6 @@ def _now() -> str:
     return datetime.now(UTC).isoformat(timespec="seconds")
 
 
-def _write_json(path: Path, obj: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1) + "\n")
-    os.replace(tmp, path)
-
-
 def resolve_model(tag: str, model: str | None, train_done: Path | None) -> str:
     """The model directory of a tag: given directly, or for ``final`` from the train sentinel
     (``hf_model``, else ``checkpoint_dir`` + ``final_step``; docs/formats/train.md)."""
@@ -706,7 +701,7 @@ def main(argv: list[str] | None = None) -> int:
         if not ok:
             meta.update(status="not run", reason=why, backend_settings={"engine": engine},
                         finished=_now())
-            _write_json(args.meta, meta)
+            write_json_atomic(args.meta, meta, indent=1)
             print(f"not run: {why}", file=sys.stderr)
             return NOT_RUN_EXIT
         if int(vcfg.get("nodes", 1)) > 1 and os.environ.get(IN_RAY_VAR) != "1":
@@ -730,7 +725,7 @@ def main(argv: list[str] | None = None) -> int:
     meta.update(status="complete", num_samples=len(records), resumed_samples=reused,
                 truncated=sum(r.finish_reason == "length" for r in records), finished=_now(),
                 seconds=round(time.monotonic() - t0, 2))
-    _write_json(args.meta, meta)
+    write_json_atomic(args.meta, meta, indent=1)
     print(f"{args.tag}: {len(records)} samples ({reused} reused) -> {args.out}", file=sys.stderr)
     return 0
 

@@ -27,7 +27,6 @@ import importlib.util
 import json
 import logging
 import multiprocessing as mp
-import os
 import re
 import signal
 import sys
@@ -37,6 +36,8 @@ from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import wait as mp_wait
 from pathlib import Path
 from typing import Any
+
+from hy3rl.atomic import write_json_atomic, write_jsonl_atomic
 
 GRADERS = ("math_dapo", "math_verify")
 MATH_DAPO_RELPATH = "verl/utils/reward_score/math_dapo.py"
@@ -451,24 +452,6 @@ def score_samples(samples: Iterable[dict[str, Any]], ground_truths: dict[str, st
     return out
 
 
-def write_json_atomic(path: Path, obj: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1, sort_keys=False) + "\n")
-    os.replace(tmp, path)
-
-
-def write_jsonl_atomic(path: Path, rows: Iterable[dict[str, Any]]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as fh:
-        for row in rows:
-            fh.write(json.dumps(row, ensure_ascii=False) + "\n")
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-
-
 def main(argv: list[str] | None = None) -> int:
     from hy3rl.evaluate import load_problems  # light: pyarrow only
 
@@ -518,7 +501,7 @@ def main(argv: list[str] | None = None) -> int:
                          for st in ("timeout", "error")} for g in GRADERS},
         "seconds": round(time.monotonic() - t0, 3),
     }
-    write_json_atomic(args.meta, meta)
+    write_json_atomic(args.meta, meta, indent=1)
     print(f"scored {len(scores)} samples in {meta['seconds']} s", file=sys.stderr)
     return 0
 

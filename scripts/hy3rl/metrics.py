@@ -29,6 +29,8 @@ from typing import Any
 
 import numpy as np
 
+from hy3rl.atomic import write_json_atomic
+
 GRADERS = ("math_dapo", "math_verify")
 MAJ_SUBSETS = 1000  # maj@k, k < n: exact over all C(n, k) subsets up to this many, else sampled
 NO_ANSWER = {"math_dapo": "[INVALID]", "math_verify": ""}
@@ -276,15 +278,6 @@ def summarize(metrics: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return {"tags": [m["tag"] for m in metrics], "rows": rows}
 
 
-def _write_json(path: Path, obj: Any) -> None:
-    import os
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1) + "\n")
-    os.replace(tmp, path)
-
-
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     from hy3rl.graders import read_jsonl
 
@@ -307,7 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         if args.cmd == "summarize":
-            _write_json(args.out, summarize([json.loads(p.read_text()) for p in args.metrics]))
+            rows = [json.loads(p.read_text()) for p in args.metrics]
+            write_json_atomic(args.out, summarize(rows), indent=1)
             return 0
         boot = {"resamples": 10000, "level": 0.95, "seed": 0,
                 **json.loads(args.config_json).get("eval", {}).get("bootstrap", {})}
@@ -318,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     except (MetricsError, ValueError, OSError, KeyError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    _write_json(args.out, metrics)
+    write_json_atomic(args.out, metrics, indent=1)
     bg = metrics["by_grader"]
     print(f"{args.tag}: math_dapo avg@{metrics['n']} {bg['math_dapo']['avg@n']:.4f}, "
           f"math_verify {bg['math_verify']['avg@n']:.4f}", file=sys.stderr)

@@ -22,7 +22,6 @@ import argparse
 import hashlib
 import json
 import math
-import os
 import re
 import shlex
 import shutil
@@ -36,6 +35,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from hy3rl.atomic import write_json_atomic, write_text_atomic
 
 SCHEMA_VERSION = 1
 DEFAULT_SCRIPT = "examples/grpo_trainer/run_hy_v3_megatron.sh"
@@ -1187,20 +1188,6 @@ def render_launch(res: Resolution, run: str, commit: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_atomic(path: Path, text: str, mode: int | None = None) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-        if mode is not None:
-            os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def make_plan(cfg: Mapping[str, Any], lock_path: Path, out_dir: Path,
               summary_path: Path | None = None, ckpt_check_path: Path | None = None,
               train_files: Path | None = None, val_files: Path | None = None,
@@ -1276,9 +1263,9 @@ def make_plan(cfg: Mapping[str, Any], lock_path: Path, out_dir: Path,
     out_dir.mkdir(parents=True, exist_ok=True)
     if res.reward_fn_copy:
         src, dest = res.reward_fn_copy
-        write_atomic(dest, src.read_text())
-    write_atomic(launch_path, script_text, mode=0o755)
-    write_atomic(out_dir / "plan.json", json.dumps(asdict(plan), indent=2, default=str) + "\n")
+        write_text_atomic(dest, src.read_text())
+    write_text_atomic(launch_path, script_text, mode=0o755)
+    write_json_atomic(out_dir / "plan.json", asdict(plan), default=str)
     return plan
 
 
