@@ -1,29 +1,25 @@
 # Hy3 GRPO reproduction: deps -> data -> model -> check_checkpoint -> preflight -> train
 # -> evaluate -> report. Run: snakemake --profile profiles/slurm   (README.md)
-import sys
-
+# The stage code is the installed package `hy3rl` (./install.sh); nothing here edits
+# sys.path, PATH or PYTHONPATH, and nothing queries the cluster while the DAG is built.
 from snakemake.exceptions import WorkflowError
 from snakemake.utils import min_version
 
-min_version("9.27")
+from hy3rl.config import ConfigError
+from hy3rl.settings import Config
 
-sys.path.insert(0, f"{workflow.basedir}/scripts")
-from hy3rl.config import ConfigError, validate  # noqa: E402
+min_version("9.27")
 
 
 configfile: "config/config.yaml"
 
 
-envvars:
-    "PATH",
-
-
 try:
-    _resolved = validate(config)
+    CFG = Config.from_dict(config)
 except ConfigError as exc:
     raise WorkflowError(str(exc))
 config.clear()
-config.update(_resolved)
+config.update(CFG.raw)
 
 
 report: "report/workflow.rst"

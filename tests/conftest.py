@@ -1,4 +1,5 @@
-"""Shared pytest setup. Stage-specific fixtures live in tests/fixtures/<stage>.py and are
+"""Shared pytest setup; the package `hy3rl` is imported as ./install.sh installed it.
+Stage-specific fixtures live in tests/fixtures/<stage>.py and are
 loaded here as plugins, so each stage's fixtures stay in its own file."""
 
 from __future__ import annotations
@@ -7,7 +8,6 @@ import sys
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT / "scripts"))
 sys.path.insert(0, str(REPO_ROOT / "tests"))
 
 pytest_plugins = sorted(

@@ -1,0 +1,219 @@
+"""Every path of a run, defined once (docs/formats/README.md lists them for users).
+
+The rules (through ``rules/common.smk``), the stage code, the ``hy3rl`` CLI and the report
+all take their paths from a :class:`Layout`; no module spells an output name itself.
+Paths under ``results/<run>/`` are relative strings, as Snakemake matches them; the
+checkpoint directory is absolute (it lives on shared storage and is never an output).
+Methods taking a tag, step or attempt also accept a ``"{wildcard}"`` string, so rules use
+them as patterns (``layout.eval_samples("{tag}")``). Standard library only.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# Evaluation tags: the base model, a training step's checkpoint, the final one.
+TAG_PATTERN = r"base|final|step\d+"
+
+# The report's files, in the order of rules/report.smk: (name, report category).
+REPORT_FILES: tuple[tuple[str, str], ...] = (
+    ("index.html", "1. Report"),
+    ("config.resolved.yaml", "5. Provenance"),
+    ("fig_training_published.png", "2. Training"),
+    ("fig_training_extra.png", "2. Training"),
+    ("fig_step_time.png", "2. Training"),
+    ("fig_eval_checkpoints.png", "4. Evaluation"),
+    ("fig_eval_heatmap.png", "4. Evaluation"),
+    ("stages.csv", "1. Report"),
+    ("attempts.csv", "2. Training"),
+    ("claims.csv", "3. Claims"),
+    ("eval_headline.csv", "4. Evaluation"),
+    ("eval_per_problem.csv", "4. Evaluation"),
+    ("eval_paired.csv", "4. Evaluation"),
+    ("provenance.csv", "5. Provenance"),
+)
+REPORT_FIGURES = tuple(n for n, _ in REPORT_FILES if n.endswith(".png"))
+REPORT_TABLES = tuple(n for n, _ in REPORT_FILES if n.endswith(".csv"))
+
+ATTEMPT_RE = re.compile(r"^attempt-(\d+)\.json$")
+ATTEMPT_METRICS_RE = re.compile(r"^attempt-(\d+)\.metrics\.jsonl$")
+
+
+def report_key(name: str) -> str:
+    """The rule output name of a report file: ``fig_step_time.png`` -> ``fig_step_time``,
+    ``index.html`` -> ``html``, ``config.resolved.yaml`` -> ``config``."""
+    return {"index.html": "html", "config.resolved.yaml": "config"}.get(name, name.split(".")[0])
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The paths of one run: ``<results_root>/<run>/...`` plus the checkpoint directory."""
+
+    results_root: str
+    run: str
+    checkpoint_root: str = ""
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> Layout:
+        """From a :class:`hy3rl.settings.Config` or the validated config mapping."""
+        if isinstance(cfg, dict):
+            return cls(cfg["run"]["results_root"], cfg["run"]["name"],
+                       cfg["train"]["checkpoint_root"])
+        return cls(cfg.run.results_root, cfg.run.name, cfg.train.checkpoint_root)
+
+    @classmethod
+    def of_results(cls, results: str | Path, checkpoint_root: str = "") -> Layout:
+        """The layout whose run directory is ``results`` (``<results_root>/<run>``)."""
+        p = Path(results)
+        return cls(str(p.parent), p.name, checkpoint_root)
+
+    # ---- the run directory and logs
+    @property
+    def results(self) -> str:
+        return f"{self.results_root}/{self.run}"
+
+    def _p(self, rel: str) -> str:
+        return f"{self.results}/{rel}"
+
+    def log(self, name: str) -> str:
+        """``logs/<name>.log`` (name may contain a sub-directory: ``eval/base.score``)."""
+        return self._p(f"logs/{name}.log")
+
+    # ---- deps
+    @property
+    def deps_lock(self) -> str:
+        return self._p("deps/lock.json")
+
+    @property
+    def deps_runtime_env(self) -> str:
+        return self._p("deps/runtime_env.yaml")
+
+    # ---- data
+    @property
+    def data_train(self) -> str:
+        return self._p("data/train.parquet")
+
+    @property
+    def data_val(self) -> str:
+        return self._p("data/val.parquet")
+
+    @property
+    def data_summary(self) -> str:
+        return self._p("data/summary.json")
+
+    # ---- checks and cluster
+    @property
+    def checks_checkpoint(self) -> str:
+        return self._p("checks/checkpoint.json")
+
+    @property
+    def checks_bridge(self) -> str:
+        return self._p("checks/bridge.json")
+
+    @property
+    def cluster_probe(self) -> str:
+        return self._p("cluster/probe.json")
+
+    # ---- preflight
+    @property
+    def preflight_dir(self) -> str:
+        return self._p("preflight")
+
+    @property
+    def preflight_plan(self) -> str:
+        return self._p("preflight/plan.json")
+
+    @property
+    def preflight_launch(self) -> str:
+        return self._p("preflight/launch.sh")
+
+    # ---- train
+    @property
+    def train_dir(self) -> str:
+        return self._p("train")
+
+    @property
+    def train_done(self) -> str:
+        return self._p("train/done.json")
+
+    @property
+    def train_metrics(self) -> str:
+        return self._p("train/metrics.jsonl")
+
+    @property
+    def train_attempts(self) -> str:
+        return self._p("train/attempts")
+
+    def attempt_record(self, k: int | str) -> str:
+        return f"{self.train_attempts}/attempt-{k}.json"
+
+    def attempt_metrics(self, k: int | str) -> str:
+        return f"{self.train_attempts}/attempt-{k}.metrics.jsonl"
+
+    def attempt_logs(self, k: int | str) -> str:
+        """The folder of an attempt's launcher, driver and per-node logs."""
+        return f"{self.train_attempts}/attempt-{k}"
+
+    def segment_sentinel(self, end: int | str) -> str:
+        return self._p(f"train/segments/step{end}.json")
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        """``<train.checkpoint_root>/<run>``, absolute; an empty root means
+        ``<results_root>/<run>/checkpoints`` under the current directory. The one place
+        this is computed: preflight renders it as verl's ``trainer.default_local_dir``,
+        train locks and resumes from it, evaluation reads checkpoints from it."""
+        root = self.checkpoint_root
+        path = Path(root) / self.run if root else Path(self.results) / "checkpoints"
+        return Path(os.path.abspath(path))
+
+    def checkpoint_hf_model(self, step: int) -> Path:
+        """The HF weights verl saves with a checkpoint (docs/formats/train.md)."""
+        return self.checkpoint_dir / f"global_step_{step}" / "actor" / "model" / "huggingface"
+
+    # ---- eval
+    @property
+    def eval_dir(self) -> str:
+        return self._p("eval")
+
+    def eval_samples(self, tag: str) -> str:
+        return self._p(f"eval/{tag}/samples.jsonl")
+
+    def eval_samples_meta(self, tag: str) -> str:
+        return self._p(f"eval/{tag}/samples.meta.json")
+
+    def eval_scores(self, tag: str) -> str:
+        return self._p(f"eval/{tag}/scores.jsonl")
+
+    def eval_scores_meta(self, tag: str) -> str:
+        return self._p(f"eval/{tag}/scores.meta.json")
+
+    def eval_metrics(self, tag: str) -> str:
+        return self._p(f"eval/{tag}/metrics.json")
+
+    @property
+    def eval_summary(self) -> str:
+        return self._p("eval/summary.json")
+
+    # ---- report
+    @property
+    def report_dir(self) -> str:
+        return self._p("report")
+
+    def report_file(self, name: str) -> str:
+        if name not in dict(REPORT_FILES):
+            raise KeyError(f"{name!r} is not a report file ({', '.join(dict(REPORT_FILES))})")
+        return f"{self.report_dir}/{name}"
+
+    @property
+    def report_html(self) -> str:
+        return self.report_file("index.html")
+
+
+# The embedded default's model: rule tiny_model builds it here (outside results/, shared by
+# runs); any other model.path is an existing checkpoint used as given.
+TINY_MODEL_DIR = "resources/tiny-hy3"

@@ -1,0 +1,364 @@
+"""Typed configuration sections, built from the validated config.
+
+The schema (``config/schema/``) is the single source of defaults: these dataclasses declare
+names and types only, never a default. ``Config.from_dict`` validates (filling the schema's
+defaults in), then builds one frozen dataclass per section, so stage code reads
+``cfg.train.checkpoint_keep`` instead of ``config["train"].get("checkpoint_keep", 2)``.
+``tests/test_config.py`` checks that every schema key has exactly one field here and back.
+
+Free-form mappings (``train.env``, ``train.verl_overrides``) stay plain ``dict``s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hy3rl.config import ConfigError, config_hash, load, validate
+
+
+@dataclass(frozen=True)
+class Run:
+    name: str
+    results_root: str
+
+
+@dataclass(frozen=True)
+class Repo:
+    url: str
+    commit: str
+
+
+@dataclass(frozen=True)
+class Repos:
+    verl: Repo
+    megatron_bridge: Repo
+    transfer_queue: Repo
+
+    def items(self) -> list[tuple[str, Repo]]:
+        """(name, repo) in the schema's order: verl, megatron_bridge, transfer_queue."""
+        return [(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)]
+
+
+@dataclass(frozen=True)
+class Deps:
+    dir: str
+    repos: Repos
+
+
+@dataclass(frozen=True)
+class Convert:
+    question: str
+    answer: str
+    id: str | None
+    data_source: str
+    ability: str
+    style: str
+    template: str
+
+
+@dataclass(frozen=True)
+class DataSource:
+    source: str
+    revision: str | None
+    dedup: bool
+    limit: int | None
+    seed: int
+    convert: Convert | None
+
+
+@dataclass(frozen=True)
+class ValSource(DataSource):
+    n: int | None
+
+
+@dataclass(frozen=True)
+class Data:
+    max_prompt_length: int
+    train: DataSource
+    val: ValSource
+
+
+@dataclass(frozen=True)
+class TinyModel:
+    seed: int
+    num_hidden_layers: int
+    hidden_size: int
+    num_experts: int
+    num_experts_per_tok: int
+    vocab_size: int
+    num_shards: int
+
+
+@dataclass(frozen=True)
+class Model:
+    path: str
+    tiny: TinyModel
+
+
+@dataclass(frozen=True)
+class CheckpointCheck:
+    sha256: bool
+    manifest: str
+    threads: int
+    runtime_min: int
+
+
+@dataclass(frozen=True)
+class BridgeCheck:
+    real_layers: int
+    logits_cosine_min: float
+    python: str
+    container: str
+    cpus: int
+    mem_mb: int
+    runtime_min: int
+
+
+@dataclass(frozen=True)
+class Checks:
+    checkpoint: CheckpointCheck
+    bridge: BridgeCheck
+
+
+@dataclass(frozen=True)
+class Cluster:
+    gpu: bool
+    nodes: int
+    gpus_per_node: int
+    gpu_type: str
+    gpu_memory_gb: float
+    cpus_per_node: int
+    mem_mb_per_node: int
+    constraint: str
+    train_time_min: int
+
+
+@dataclass(frozen=True)
+class Estimate:
+    active_params_b: float
+    gpu_tflops: float
+    train_mfu: float
+    rollout_mfu: float
+    mean_response_fraction: float
+    starts: int
+
+
+@dataclass(frozen=True)
+class Preflight:
+    waive: list[str]
+    model_bytes: int
+    estimate: Estimate
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    adv_estimator: str
+    loss_mode: str
+
+
+@dataclass(frozen=True)
+class RewardFunction:
+    path: str
+    name: str
+
+
+@dataclass(frozen=True)
+class Runtime:
+    prefix: str
+    python: str
+
+
+@dataclass(frozen=True)
+class Ray:
+    port_base: int
+    port_span: int
+    worker_ports: int
+    head_timeout_s: float
+    register_timeout_s: float
+    worker_start_retries: int
+    stop_grace_s: float
+    temp_root: str
+    node_setup: str
+
+
+@dataclass(frozen=True)
+class Train:
+    reward_mode: str
+    total_training_steps: int
+    env: dict[str, Any]
+    loggers: list[str]
+    algorithm: Algorithm
+    reward_function: RewardFunction
+    launch_script: str
+    verl_overrides: dict[str, Any]
+    checkpoint_root: str
+    checkpoint_keep: int
+    segment_steps: int
+    prune_interval_s: float
+    ray_env_passthrough: list[str]
+    runtime: Runtime
+    ray: Ray
+
+
+@dataclass(frozen=True)
+class TransformersBackend:
+    device: str
+    dtype: str
+
+
+@dataclass(frozen=True)
+class VllmBackend:
+    tensor_parallel_size: int
+    data_parallel_size: int
+    nodes: int
+    gpus_per_node: int
+    gpu_memory_utilization: float
+    max_model_len: int | None
+    enforce_eager: bool
+    time_min: int
+
+
+@dataclass(frozen=True)
+class Graders:
+    timeout_s: float
+    workers: int
+
+
+@dataclass(frozen=True)
+class Bootstrap:
+    resamples: int
+    level: float
+    seed: int
+
+
+@dataclass(frozen=True)
+class Eval:
+    backend: str
+    preset: str
+    temperature: float | None
+    top_p: float | None
+    n_samples: int | None
+    max_tokens: int | None
+    num_problems: int | None
+    seed: int
+    steps: list[int]
+    final: bool
+    batch_size: int
+    transformers: TransformersBackend
+    vllm: VllmBackend
+    graders: Graders
+    bootstrap: Bootstrap
+
+
+@dataclass(frozen=True)
+class Report:
+    reference_curves: bool
+    drift_threshold: float
+    env_prefixes: list[str]
+    packages: list[str]
+    redact_env: list[str]
+    dpi: int
+
+
+@dataclass(frozen=True)
+class Config:
+    """The whole validated configuration, one typed section an attribute. ``raw`` is the
+    validated dict itself (defaults filled in), for hashing, the report's resolved YAML and
+    the verl launch, which need the mapping form."""
+
+    run: Run
+    deps: Deps
+    data: Data
+    model: Model
+    checks: Checks
+    cluster: Cluster
+    preflight: Preflight
+    train: Train
+    eval: Eval
+    report: Report
+    raw: dict[str, Any] = dataclasses.field(repr=False, compare=False, hash=False)
+
+    @classmethod
+    def from_dict(cls, config: Mapping[str, Any]) -> Config:
+        """Validate ``config`` (defaults filled in from the schema) and type it."""
+        raw = validate(config)
+        hints = typing.get_type_hints(cls)
+        sections = {f.name: build(hints[f.name], raw[f.name], f.name)
+                    for f in dataclasses.fields(cls) if f.name != "raw"}
+        return cls(**sections, raw=raw)
+
+    @classmethod
+    def load(cls, *paths: str | Path) -> Config:
+        """Load and merge config files in order (as Snakemake merges --configfile)."""
+        return cls.from_dict(load(*paths))
+
+    @property
+    def hash(self) -> str:
+        """sha256 of the canonical JSON of the validated config."""
+        return config_hash(self.raw)
+
+    @property
+    def eval_keep_steps(self) -> list[int]:
+        """Checkpoint steps evaluation needs (``eval.steps``, sorted): retention never
+        prunes them and preflight's disk rule counts them."""
+        return sorted(self.eval.steps)
+
+
+def build(tp: Any, value: Any, path: str) -> Any:
+    """``value`` (validated JSON-like data) as type ``tp``; nested dataclasses recursively.
+    A key the dataclass lacks (or a field the data lacks) is a ConfigError naming the key:
+    it means the schema and this module disagree."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        return build(args[0], value, path)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{path}: expected a mapping, got {type(value).__name__}")
+        hints = typing.get_type_hints(tp)
+        names = [f.name for f in dataclasses.fields(tp)]
+        extra = sorted(set(value) - set(names))
+        # The validator fills no null defaults: an absent optional key is None.
+        missing = sorted(n for n in set(names) - set(value) if not _optional(hints[n]))
+        if extra or missing:
+            raise ConfigError(
+                f"{path}: config keys {extra} have no typed field, fields {missing} no value "
+                "(hy3rl.settings and config/schema disagree)")
+        return tp(**{n: build(hints[n], value.get(n), f"{path}.{n}") for n in names})
+    if origin is list:
+        return list(value)
+    if origin is dict:
+        return dict(value)
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    return value
+
+
+def _optional(tp: Any) -> bool:
+    return typing.get_origin(tp) in (typing.Union, types.UnionType) \
+        and type(None) in typing.get_args(tp)
+
+
+def schema_paths(tp: Any = Config, prefix: str = "") -> set[str]:
+    """Every dotted key these dataclasses declare (for the schema agreement test)."""
+    out: set[str] = set()
+    hints = typing.get_type_hints(tp)
+    for f in dataclasses.fields(tp):
+        if f.name == "raw":
+            continue
+        key = f"{prefix}{f.name}"
+        out.add(key)
+        sub = hints[f.name]
+        if typing.get_origin(sub) in (typing.Union, types.UnionType):
+            sub = next(a for a in typing.get_args(sub) if a is not type(None))
+        if dataclasses.is_dataclass(sub):
+            out |= schema_paths(sub, key + ".")
+    return out

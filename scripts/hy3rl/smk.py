@@ -1,0 +1,98 @@
+"""The one adapter between a Snakemake ``script:`` and a stage's ``run(...)``.
+
+Every adapter under ``scripts/adapters/`` is three lines::
+
+    with rule_job(snakemake) as cfg:
+        deps.run(cfg.deps, lock=snakemake.output.lock, ...)
+
+``rule_job`` sends the job's stdout and stderr (its subprocesses' too) to the rule's log,
+prints the rerun triggers the rule ran with (its ``params``), builds the typed config from
+``snakemake.config``, and turns a :class:`~hy3rl.errors.StageError` into its message and
+exit status 1 (any other exception keeps its traceback).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import traceback
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from hy3rl.config import ConfigError
+from hy3rl.errors import StageError
+from hy3rl.redact import is_secret_key
+from hy3rl.settings import Config
+
+
+def _redirect(log_path: str) -> None:
+    Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
+    sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
+
+
+def setup_logging() -> None:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, force=True,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+@contextmanager
+def rule_job(snakemake: Any) -> Iterator[Config]:
+    """Run a stage inside a Snakemake ``script:`` job (see the module doc)."""
+    if snakemake.log:
+        _redirect(str(snakemake.log[0]))
+    setup_logging()
+    triggers = sorted(str(v) for k, v in snakemake.params.items())
+    print(f"rule {snakemake.rule}: {len(triggers)} rerun trigger(s)", flush=True)
+    for t in triggers:
+        print(f"  {t}", flush=True)
+    try:
+        yield Config.from_dict(snakemake.config)
+    except (StageError, ConfigError) as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    except SystemExit:
+        raise
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        sys.exit(1)
+
+
+def _leaves(value: Any, key: str) -> Iterator[tuple[str, Any]]:
+    if isinstance(value, Mapping) and value:
+        for k in sorted(value):
+            yield from _leaves(value[k], f"{key}.{k}")
+    else:
+        yield key, value
+
+
+def triggers(config: Mapping[str, Any], *keys: str) -> dict[str, str]:
+    """Rule ``params`` that re-run the rule when, and only when, one of the config values at
+    ``keys`` (dotted; a mapping counts by each of its leaves) changes. Each param is the
+    string ``key=<JSON value>``, so Snakemake's rerun reason names the key. A secret-looking
+    key stores no value (its change still shows, by a short hash)."""
+    import hashlib
+
+    out: dict[str, str] = {}
+    for key in keys:
+        value: Any = config
+        for part in key.split("."):
+            value = value[part]
+        for leaf, v in _leaves(value, key):
+            text = json.dumps(v, sort_keys=True)
+            if any(is_secret_key(p) for p in leaf.split(".")):
+                text = "sha256:" + hashlib.sha256(text.encode()).hexdigest()[:12]
+            name = "t_" + "".join(c if c.isalnum() else "_" for c in leaf)
+            out[name] = f"{leaf}={text}"
+    return out

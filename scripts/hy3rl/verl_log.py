@@ -1,0 +1,86 @@
+"""verl's ``file`` logger output: the one reader and the one merge of attempt logs
+(docs/formats/train.md). The train stage writes ``train/metrics.jsonl`` with it; the report
+reads the attempt logs with it. Standard library only."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from hy3rl.errors import StageError
+from hy3rl.layout import ATTEMPT_METRICS_RE
+
+log = logging.getLogger(__name__)
+
+
+class VerlLogError(StageError):
+    """A metrics log line that is not verl's ``{"step": N, "data": {...}}``."""
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """verl file-logger lines ``{"step": N, "data": {...}}``. A partial last line (the
+    trainer died mid-write) is skipped; any other bad line is an error naming file and
+    line. A missing file reads as no lines."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    lines = path.read_bytes().split(b"\n")
+    while lines and not lines[-1].strip():
+        lines.pop()
+    out = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            if not isinstance(rec, dict) or not isinstance(rec.get("step"), int) \
+                    or isinstance(rec.get("step"), bool):
+                raise ValueError('expected {"step": N, "data": {...}} with an integer step')
+            if not isinstance(rec.get("data", {}), dict):
+                raise ValueError("'data' is not an object")
+        except ValueError as exc:
+            if i == len(lines):  # last line cut off by a crash mid-write
+                log.warning("%s:%d: partial last line skipped", path, i)
+                continue
+            raise VerlLogError(f"{path}:{i}: not a verl metrics line ({exc})") from None
+        out.append(rec)
+    return out
+
+
+def _validation_only(rec: dict[str, Any]) -> bool:
+    data = rec.get("data")
+    return isinstance(data, dict) and bool(data) and all(str(k).startswith("val-") for k in data)
+
+
+def merge_metrics(logs: Iterable[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Merge attempt logs given in attempt order: a step logged twice keeps the later
+    attempt's line. Exception: a validation-only line (every key ``val-*``: verl validates
+    at the resumed step before training, ``val_before_train``) adds its keys to the step's
+    existing line instead of replacing the training metrics logged there."""
+    by_step: dict[int, dict[str, Any]] = {}
+    for lines in logs:
+        for rec in lines:
+            old = by_step.get(rec["step"])
+            if old is not None and _validation_only(rec) and not _validation_only(old):
+                rec = {**old, "data": {**old.get("data", {}), **rec["data"]}}
+            by_step[rec["step"]] = rec
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def attempt_logs(attempts_dir: Path) -> list[Path]:
+    """The attempts' metrics logs (``attempt-<k>.metrics.jsonl``) in attempt order."""
+    attempts_dir = Path(attempts_dir)
+    if not attempts_dir.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in attempts_dir.iterdir()
+             if (m := ATTEMPT_METRICS_RE.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def merged_attempts(attempts_dir: Path) -> list[dict[str, Any]]:
+    """Every attempt's log under ``attempts_dir``, merged."""
+    return merge_metrics(read_metrics(p) for p in attempt_logs(attempts_dir))
