@@ -79,3 +79,118 @@ def test_snakemake_stops_before_any_job_naming_the_key(tmp_path: Path):
     assert "data.train" in out and "dedupe" in out, out
     assert not (work / "results").exists() and not (work / "resources").exists()
     assert "deps" not in {p.name for p in work.iterdir()}
+
+
+def _schema_keys() -> set[str]:
+    """Every dotted key the schema declares (properties, recursively, $refs resolved)."""
+    root = yaml.safe_load((REPO / "config/schema/config.schema.yaml").read_text())
+    out: set[str] = set()
+
+    def walk(node, prefix, doc):
+        if "$ref" in node:
+            ref = node["$ref"]
+            if ref.startswith("#"):
+                node = {**doc["$defs"][ref.split("/")[-1]], **node}
+            else:
+                doc = yaml.safe_load((REPO / "config/schema" / ref).read_text())
+                node = {**doc, **node}
+        for name, sub in (node.get("properties") or {}).items():
+            key = f"{prefix}{name}"
+            out.add(key)
+            walk(sub, key + ".", doc)
+
+    walk(root, "", root)
+    return out
+
+
+def test_typed_config_declares_exactly_the_schema_keys():
+    """hy3rl.settings holds names and types only; the schema holds the defaults. The two
+    must agree key for key, so that no default is ever written a second time in code."""
+    from hy3rl.settings import schema_paths
+
+    schema, typed = _schema_keys(), schema_paths()
+    assert schema - typed == set(), f"schema keys without a typed field: {schema - typed}"
+    assert typed - schema == set(), f"typed fields not in the schema: {typed - schema}"
+
+
+def test_typed_config_carries_the_schema_defaults():
+    from hy3rl.settings import Config
+
+    cfg = Config.load(REPO / "config/config.yaml")
+    assert cfg.train.ray.port_base == 20000 and cfg.eval.bootstrap.resamples == 10000
+    assert cfg.data.val.n is None and cfg.data.train.convert is None
+    assert isinstance(cfg.cluster.gpu_memory_gb, float)
+    assert cfg.hash == cfgmod.config_hash(cfg.raw)
+    import dataclasses
+
+    with pytest.raises(dataclasses.FrozenInstanceError):  # code cannot change the config
+        cfg.train.checkpoint_keep = 3  # type: ignore[misc]
+
+
+def test_placeholders_are_refused_by_key(tmp_path: Path):
+    paper = cfgmod.load(REPO / "config/config.yaml", REPO / "config/paper.yaml")
+    with pytest.raises(cfgmod.ConfigError) as err:
+        cfgmod.refuse_placeholders(paper, {"slurm_partition": "CHANGE_ME_partition",
+                                           "slurm_account": "acct"})
+    msg = str(err.value)
+    for key in ("model.path", "train.checkpoint_root", "train.runtime.prefix",
+                "slurm_partition"):
+        assert key in msg, msg
+    assert "slurm_account" not in msg
+    site = cfgmod.deep_merge(paper, {"model": {"path": "/m"}, "train": {
+        "checkpoint_root": "/c", "runtime": {"prefix": ""}}})
+    cfgmod.refuse_placeholders(site, {"slurm_partition": "gpu"})  # nothing left: passes
+
+
+def test_paper_dry_run_stops_on_placeholders_before_the_dag(tmp_path: Path):
+    """Today's profile and paper config as shipped: the run stops at parse time naming each
+    placeholder, instead of a MissingInputException on /CHANGE_ME/... paths."""
+    from fixtures.common import run_snakemake
+
+    proc = run_snakemake(["-n", "--profile", str(REPO / "profiles/slurm"), "--configfile",
+                          str(REPO / "config/config.yaml"), str(REPO / "config/paper.yaml")],
+                         tmp_path, check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "CHANGE_ME" in out and "model.path" in out and "slurm_partition" in out, out
+    assert "MissingInputException" not in out, out
+
+
+def test_triggers_name_each_key_and_hide_secrets():
+    from hy3rl.smk import triggers
+
+    cfg = {"train": {"env": {"SAVE_FREQ": 5}, "total_training_steps": 8,
+                     "verl_overrides": {"+trainer.api_key": "s3cr3t-value"}}}
+    t = triggers(cfg, "train.env", "train.total_training_steps", "train.verl_overrides")
+    assert set(t.values()) >= {"train.env.SAVE_FREQ=5", "train.total_training_steps=8"}
+    secret = [v for v in t.values() if v.startswith("train.verl_overrides")]
+    assert secret and "s3cr3t" not in secret[0] and "sha256:" in secret[0]
+    assert all(k.isidentifier() for k in t)
+
+
+def test_layout_is_the_one_checkpoint_dir(tmp_path: Path):
+    from hy3rl.layout import Layout
+    from hy3rl.settings import Config
+
+    cfg = Config.load(REPO / "config/config.yaml")
+    lay = Layout.from_config(cfg)
+    assert lay.checkpoint_dir == Path.cwd() / "results" / "tiny-default" / "checkpoints"
+    assert Layout("r", "x", str(tmp_path)).checkpoint_dir == tmp_path / "x"
+    assert lay.eval_samples("{tag}") == "results/tiny-default/eval/{tag}/samples.jsonl"
+    assert Layout.of_results(lay.results) == Layout("results", "tiny-default")
+
+
+def test_hy3rl_cli_prints_the_resolved_config_and_names_bad_keys(tmp_path: Path):
+    import subprocess
+    import sys
+
+    ok = subprocess.run([sys.executable, "-m", "hy3rl.cli", "config", "--configfile",
+                         str(REPO / "config/config.yaml")], capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    assert yaml.safe_load(ok.stdout)["run"]["name"] == "tiny-default"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: {totl_training_steps: 3}\n")
+    err = subprocess.run([sys.executable, "-m", "hy3rl.cli", "config", "--configfile",
+                          str(REPO / "config/config.yaml"), "--configfile", str(bad)],
+                         capture_output=True, text=True)
+    assert err.returncode == 2 and "train.totl_training_steps" in err.stderr, err.stderr

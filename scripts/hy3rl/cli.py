@@ -2,6 +2,7 @@
 
     hy3rl preflight --configfile config/config.yaml [--configfile site.yaml]
     hy3rl config --configfile config/paper.yaml      # print the resolved config
+    hy3rl profile install                            # ~/.config/snakemake/slurm -> profiles/slurm
 
 Each subcommand loads and validates the config files (merged in order, as Snakemake merges
 ``--configfile``), takes every input and output path from :class:`hy3rl.layout.Layout`, and
@@ -45,6 +46,11 @@ STAGES: dict[str, tuple[Stage, str]] = {
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["profile"]:
+        from hy3rl import profile
+
+        return profile.main(argv[1:])
     ap = argparse.ArgumentParser(prog="hy3rl", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="stage", required=True)
     for name, (_, help_text) in STAGES.items():

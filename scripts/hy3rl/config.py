@@ -8,11 +8,9 @@ with the dotted key path at fault, e.g. ``deps.repos.verl.commit: '220e903' does
 
 from __future__ import annotations
 
-import argparse
 import copy
 import hashlib
 import json
-import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -106,6 +104,39 @@ def validate(config: Mapping[str, Any], schema_dir: Path = SCHEMA_DIR) -> dict[s
     return data
 
 
+PLACEHOLDER = "CHANGE_ME"
+
+
+def placeholders(value: Any, path: str = "") -> list[str]:
+    """Dotted key paths whose string value still holds a ``CHANGE_ME`` site placeholder."""
+    if isinstance(value, Mapping):
+        return [p for k, v in value.items() for p in placeholders(v, f"{path}.{k}" if path
+                                                                else str(k))]
+    if isinstance(value, list):
+        return [p for i, v in enumerate(value) for p in placeholders(v, f"{path}[{i}]")]
+    return [path] if isinstance(value, str) and PLACEHOLDER in value else []
+
+
+def refuse_placeholders(config: Mapping[str, Any], resources: Mapping[str, Any] | None = None,
+                        ) -> None:
+    """Stop before the DAG is built while a site value is still a placeholder: in the
+    effective config, or in the profile's ``default-resources`` (partition, account)."""
+    found = [f"config {p}: {_get(config, p)!r}" for p in placeholders(config)]
+    found += [f"profile default-resources {k}: {v!r}" for k, v in (resources or {}).items()
+              if isinstance(v, str) and PLACEHOLDER in v]
+    if found:
+        raise ConfigError(
+            "site values still hold the CHANGE_ME placeholder; set them (a site config file "
+            "after the others, or your own profile) before running:\n  " + "\n  ".join(found))
+
+
+def _get(config: Mapping[str, Any], path: str) -> Any:
+    value: Any = config
+    for part in path.replace("[", ".").replace("]", "").split("."):
+        value = value[int(part)] if isinstance(value, list) else value[part]
+    return value
+
+
 def deep_merge(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
     """Merge like Snakemake merges several --configfile: mappings recursively, others replace."""
     out = copy.deepcopy(base)
@@ -132,22 +163,3 @@ def config_hash(config: Mapping[str, Any]) -> str:
     """sha256 of the canonical JSON of a (validated) config."""
     blob = json.dumps(config, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="hy3rl.config", description="Validate config files and print the resolved config."
-    )
-    ap.add_argument("configfiles", nargs="+", type=Path)
-    args = ap.parse_args(argv)
-    try:
-        cfg = load(*args.configfiles)
-    except ConfigError as exc:
-        print(exc, file=sys.stderr)
-        return 1
-    yaml.safe_dump(cfg, sys.stdout, sort_keys=False)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
