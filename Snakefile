@@ -11,21 +11,12 @@ from hy3rl.settings import Config
 min_version("9.27")
 
 
-def default_resource_values(workflow):
-    """The profile's default-resources as name -> value (e.g. slurm_partition)."""
-    res = workflow.resource_settings.default_resources
-    if res is None:
-        return {}
-    items = res.items() if hasattr(res, "items") else getattr(res, "_data", {}).items()
-    return {k: getattr(v, "raw", v) for k, v in items}
-
-
 configfile: "config/config.yaml"
 
 
 try:
     CFG = Config.from_dict(config)
-    refuse_placeholders(CFG.raw, default_resource_values(workflow))
+    refuse_placeholders(CFG.raw, workflow.resource_settings.default_resources)
 except ConfigError as exc:
     raise WorkflowError(str(exc))
 config.clear()

@@ -28,11 +28,13 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
-sys.path.insert(0, str(REPO / "tests"))
+import yaml
+from hy3rl import checkpoint as ck
+from hy3rl.bridge_source import BridgeSource, bridge_source_from_lock
+from hy3rl.layout import Layout
 
-from hy3rl import checkpoint as ck  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))  # the test fixtures' bridge-shaped file
 
 HY3_CONFIG = {  # Hy3 (upstream-facts: architecture of tencent/Hy3)
     "architectures": ["HYV3ForCausalLM"], "model_type": "hy_v3",
@@ -92,15 +94,15 @@ def _numel(shape) -> int:
     return n
 
 
-def bridge_source(args, tmp: Path) -> tuple[ck.BridgeSource | None, str]:
+def bridge_source(args, tmp: Path) -> tuple[BridgeSource | None, str]:
     if args.lock:
-        return ck.bridge_source_from_lock(Path(args.lock))
+        return bridge_source_from_lock(Path(args.lock))
     from fixtures.checkpoint import BRIDGE_PATH, FAKE_BRIDGE
     from fixtures.common import make_git_repo
 
     clone = tmp / "megatron_bridge"
     head = make_git_repo(clone, {BRIDGE_PATH: FAKE_BRIDGE})
-    return ck.BridgeSource(clone, head), ""
+    return BridgeSource(clone, head), ""
 
 
 def naive_slices(model: Path) -> int:
@@ -164,16 +166,24 @@ def main(argv: list[str] | None = None) -> int:
             for r in results:
                 if r.status == "fail":
                     print(f"  FAIL {r.name}: {r.details} {r.problems[:3]}")
-        lock = tmp_path / "lock.json"
+        # The console script on the run's layout: results/<run>/deps/lock.json -> checks/.
+        layout = Layout(str(tmp_path / "results"), "bench")
+        lock = Path(layout.deps_lock)
+        lock.parent.mkdir(parents=True)
         if source is not None:
             lock.write_text(json.dumps({"repos": {"megatron_bridge": {
                 "path": str(source.clone), "head": source.commit}}}))
+        cfg = tmp_path / "bench.yaml"
+        cfg.write_text(yaml.safe_dump({
+            "run": {"name": layout.run, "results_root": layout.results_root},
+            "model": {"path": str(model)},
+            "checks": {"checkpoint": {"sha256": False, "threads": os.cpu_count() or 2}}}))
         t0 = time.perf_counter()
         proc = subprocess.run(
-            [sys.executable, "-m", "hy3rl.checkpoint", "--model-path", str(model), "--out",
-             str(tmp_path / "checkpoint.json"), "--lock", str(lock), "--threads",
-             str(os.cpu_count() or 2)], capture_output=True, text=True, cwd=REPO / "scripts")
-        print(f"CLI python -m hy3rl.checkpoint (process start, imports, import attempt, "
+            [sys.executable, "-m", "hy3rl.cli", "check_checkpoint", "--configfile",
+             str(REPO / "config" / "config.yaml"), "--configfile", str(cfg)],
+            capture_output=True, text=True, cwd=tmp_path)
+        print(f"CLI hy3rl check_checkpoint (process start, imports, import attempt, "
               f"report): {time.perf_counter() - t0:.2f} s, exit {proc.returncode}")
         t0 = time.perf_counter()
         n = naive_slices(model)

@@ -1,9 +1,9 @@
 """Benchmark of stage `data` (not a test): a 1.79M-row DAPO-Math-17k-shaped parquet
-(17,917 prompts x 100, realistic prompt lengths) through the real CLI.
+(17,917 prompts x 100, realistic prompt lengths) through the real CLI (`hy3rl data`).
 
     .venv/bin/python benchmarks/bench_data.py [--tokenizer MODEL_DIR] [--keep DIR]
 
-Prints the wall time, CPU time and peak resident memory of the `python -m hy3rl.data` process
+Prints the wall time, CPU time and peak resident memory of the `hy3rl data` process
 for the published setting (file as-is, 1,791,700 rows written) and with dedup.
 Target on 2 cores: under 60 s and 4 GiB each.
 """
@@ -23,12 +23,14 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+import yaml
+from hy3rl.data import DAPO_PREFIX, DAPO_SUFFIX
+from hy3rl.layout import Layout
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / "scripts"), str(REPO / "tests")]
+sys.path.insert(0, str(REPO / "tests"))  # the test fixtures' data builders (not a package)
 
 from fixtures.data import aime_rows, build_tiny_tokenizer, write_parquet  # noqa: E402
-from hy3rl.data import DAPO_PREFIX, DAPO_SUFFIX  # noqa: E402
 
 UNIQUE = 17_917
 REPEATS = 100
@@ -72,26 +74,28 @@ def build_train(path: Path, seed: int = 0) -> dict[str, float]:
 
 
 def run_stage(tmp: Path, tokenizer: Path, train: Path, val: Path, dedup: bool) -> dict:
-    out = tmp / ("dedup" if dedup else "asis")
-    cfg = {"data": {"train": {"source": str(train), "dedup": dedup},
-                    "val": {"source": str(val), "dedup": True}}}
-    env = {**os.environ, "PYTHONPATH": str(REPO / "scripts")}
-    out.mkdir(parents=True, exist_ok=True)
-    log = out.parent / f"{out.name}.log"
+    name = "dedup" if dedup else "asis"
+    layout = Layout(str(tmp / "results"), name)
+    cfg = tmp / f"{name}.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "run": {"name": name, "results_root": layout.results_root},
+        "model": {"path": str(tokenizer)},
+        "data": {"train": {"source": str(train), "dedup": dedup},
+                 "val": {"source": str(val), "dedup": True}},
+    }))
+    log = tmp / f"{name}.log"
     start = time.perf_counter()
     with open(log, "w") as fh:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "hy3rl.data", "--config-json", json.dumps(cfg),
-             "--tokenizer", str(tokenizer), "--train-out", str(out / "train.parquet"),
-             "--val-out", str(out / "val.parquet"), "--summary", str(out / "summary.json")],
-            stdout=fh, stderr=subprocess.STDOUT, env=env,
+            [sys.executable, "-m", "hy3rl.cli", "data", "--configfile", str(cfg)],
+            stdout=fh, stderr=subprocess.STDOUT, cwd=tmp,
         )
         _, status, usage = os.wait4(proc.pid, 0)  # this child's own peak RSS
         proc.returncode = os.waitstatus_to_exitcode(status)
     wall = time.perf_counter() - start
     if proc.returncode != 0:
-        raise SystemExit(f"hy3rl.data failed:\n{log.read_text()}")
-    summary = json.loads((out / "summary.json").read_text())
+        raise SystemExit(f"hy3rl data failed:\n{log.read_text()}")
+    summary = json.loads(Path(layout.data_summary).read_text())
     return {"wall_s": wall, "peak_rss_gib": usage.ru_maxrss / 2**20,
             "cpu_s": usage.ru_utime + usage.ru_stime,
             "train": summary["splits"]["train"]}

@@ -4,8 +4,8 @@ Responses are synthetic but shaped like a reasoning model's AIME output under an
 budget: 1k-8k tokens (~4 characters a token) of prose mixed with inline and display LaTeX,
 intermediate \\boxed{} values, and a final line in the formats seen in practice
 (`Answer: N`, `Answer: N.`, `Answer: **N**`, zero-padded, boxed only, two answers, none:
-truncated). The graders run exactly as `python -m hy3rl.graders` runs them: a pool of
-`--workers` processes with the per-task timeout. Target: under 30 s on 2 cores.
+truncated). The graders run exactly as rule eval_score (`hy3rl.graders.run`) runs them: a
+pool of `--workers` processes with the per-task timeout. Target: under 30 s on 2 cores.
 
 Run: .venv/bin/python benchmarks/bench_graders.py [--workers 2] [--problems 30] [--samples 64]
 """
@@ -17,11 +17,8 @@ import random
 import sys
 import time
 from collections import Counter
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-
-from hy3rl.graders import GRADERS, DapoImpl, GraderPool, resolve_math_dapo  # noqa: E402
+from hy3rl.graders import GRADERS, DapoImpl, GraderPool, resolve_math_dapo
 
 SENTENCES = [
     "Let $x$ be the number of ways to choose the vertices, so that $x = \\binom{{{a}}}{{3}}$.",

@@ -27,8 +27,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
-sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(REPO / "tests"))  # the test fixtures (hy3rl itself is installed)
 
 import psutil  # noqa: E402
 import yaml  # noqa: E402
@@ -50,7 +49,7 @@ def make_setup(root: Path, total: int, step_s: float) -> TrainSetup:
 
 def snakemake_cmd(setup: TrainSetup, executor: str) -> list[str]:
     override = setup.root / "override.yaml"
-    doc = {"train": {**setup.config["train"], "checkpoint_root": str(setup.ckpt_root)}}
+    doc = {"train": setup.config["train"]}
     if executor == "local":
         doc["cluster"] = setup.config["cluster"]
     override.write_text(yaml.safe_dump(doc))

@@ -1,6 +1,10 @@
-# Stage `checks`: rule check_checkpoint (CPU, safetensors headers + Megatron-Bridge HYV3
-# mapping coverage on names) runs before preflight; rule check_bridge (HF -> Megatron -> HF
-# on one GPU node) only when cluster.gpu is true. Outputs: docs/formats/checkpoint.md.
+# Stage `checks`: rule check_checkpoint (CPU: the files against the model manifest, sizes
+# always and hashes with checks.checkpoint.sha256; safetensors headers + Megatron-Bridge
+# HYV3 mapping coverage on names; hy3rl.checkpoint) runs before preflight; rule check_bridge
+# (HF -> Megatron -> HF on one GPU node; hy3rl.bridge) only when cluster.gpu is true. Its
+# adapter runs on the job's host and starts the check in the training runtime
+# (train.runtime), so the GPU image or environment is declared once. Outputs:
+# docs/formats/checkpoint.md.
 
 
 STAGE_TARGETS.append(checks_targets)
@@ -8,45 +12,49 @@ STAGE_TARGETS.append(checks_targets)
 
 rule check_checkpoint:
     input:
-        model=checkpoint_dir(),
-        lock=f"{RESULTS}/deps/lock.json",
+        manifest=model_manifest(),
+        lock=LAYOUT.deps_lock,
     output:
-        f"{RESULTS}/checks/checkpoint.json",
+        report=LAYOUT.checks_checkpoint,
     log:
-        f"{LOGS}/check_checkpoint.log",
-    conda:
-        "../envs/workflow.yaml"
-    threads: config["checks"]["checkpoint"]["threads"]
+        LAYOUT.log("check_checkpoint"),
+    threads: CFG.checks.checkpoint.threads
     resources:
         mem_mb=4000,
-        runtime=config["checks"]["checkpoint"]["runtime_min"],
+        runtime=CFG.checks.checkpoint.runtime_min,
     params:
-        cfg=section_json("checks"),
-    shell:
-        "python -m hy3rl.checkpoint --model-path {input.model:q} --lock {input.lock}"
-        " --config-json {params.cfg:q} --threads {threads} --out {output} > {log} 2>&1"
+        **triggers(
+            "checks.checkpoint.sha256",
+            "model.source",
+            "model.revision",
+            "model.dir",
+        ),
+    script:
+        "../scripts/adapters/check_checkpoint.py"
 
 
 if gpu_enabled():
 
     rule check_bridge:
         input:
-            checkpoint_check=f"{RESULTS}/checks/checkpoint.json",
-            lock=f"{RESULTS}/deps/lock.json",
+            checkpoint_check=LAYOUT.checks_checkpoint,
+            manifest=model_manifest(),
+            lock=LAYOUT.deps_lock,
         output:
-            f"{RESULTS}/checks/bridge.json",
+            report=LAYOUT.checks_bridge,
         log:
-            f"{LOGS}/check_bridge.log",
-        container:
-            config["checks"]["bridge"]["container"]
-        threads: config["checks"]["bridge"]["cpus"]
+            LAYOUT.log("check_bridge"),
+        threads: CFG.checks.bridge.cpus
         resources:
             **bridge_job_resources(),
         params:
-            cfg=section_json("model", "checks"),
-            python=config["checks"]["bridge"]["python"],
-        shell:
-            # The workflow's own package; not a param, so a moved checkout reruns nothing.
-            f"PYTHONPATH={workflow.basedir}/scripts${{{{PYTHONPATH:+:$PYTHONPATH}}}}"
-            " {params.python} -m hy3rl.bridge check --config-json {params.cfg:q}"
-            " --lock {input.lock} --out {output} > {log} 2>&1"
+            **triggers(
+                "checks.bridge.real_layers",
+                "checks.bridge.logits_cosine_min",
+                "model.source",
+                "model.revision",
+                "model.dir",
+                "train.runtime",
+            ),
+        script:
+            "../scripts/adapters/check_bridge.py"

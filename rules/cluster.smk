@@ -1,5 +1,6 @@
-# Stage `cluster_probe` (docs/formats/cluster.md). The resource shape of every multi-node
-# GPU job (gpu_job_resources) and this stage's `all` target live in rules/common.smk.
+# Stage `cluster_probe` (hy3rl.cluster.run; docs/formats/cluster.md). The resource shape of
+# every multi-node GPU job (gpu_job_resources) and this stage's `all` target live in
+# rules/common.smk.
 
 
 STAGE_TARGETS.append(cluster_probe_targets)
@@ -9,19 +10,13 @@ STAGE_TARGETS.append(cluster_probe_targets)
 # node of the allocation; probe.json lists each node's name, host and visible GPUs.
 rule cluster_probe:
     output:
-        f"{RESULTS}/cluster/probe.json",
+        probe=LAYOUT.cluster_probe,
     log:
-        f"{LOGS}/cluster_probe.log",
-    conda:
-        "../envs/workflow.yaml"
+        LAYOUT.log("cluster_probe"),
     threads: 1
     resources:
-        **gpu_job_resources(
-            config["cluster"]["nodes"], config["cluster"]["gpus_per_node"], 10
-        ),
+        **gpu_job_resources(CFG.cluster.nodes, CFG.cluster.gpus_per_node, 10),
     params:
-        nodes=config["cluster"]["nodes"],
-        gpus=config["cluster"]["gpus_per_node"],
-    shell:
-        "python -m hy3rl.cluster probe --nodes {params.nodes} --gpus-per-node {params.gpus}"
-        " --out {output} > {log} 2>&1"
+        **triggers("cluster.nodes", "cluster.gpus_per_node"),
+    script:
+        "../scripts/adapters/cluster_probe.py"

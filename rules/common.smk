@@ -38,20 +38,41 @@ STAGE_TARGETS = []
 
 
 # ---- model ----
-def model_dir():
-    """The model directory: rule tiny_model's output for the embedded default; any other
-    model.path is an existing checkpoint, never re-checked because its mtime changed."""
-    path = CFG.model.path
-    return path if path == TINY_MODEL_DIR else ancient(path)
+def builds_tiny_model():
+    """Whether tiny_model is in the DAG, i.e. model.source is the embedded default's
+    TINY_MODEL_DIR (any other local model.source is an existing checkpoint, used as given)."""
+    return CFG.model.is_local and CFG.model.path == TINY_MODEL_DIR
+
+
+def model_targets():
+    """The manifest of rule model, the stage's `all` target."""
+    return [LAYOUT.model_manifest]
+
+
+def model_rule_inputs(wildcards):
+    """Rule model's input: tiny_model's output for the embedded default; another local
+    directory as it is (ancient: its mtime changing re-runs nothing; check_checkpoint
+    compares the files with the manifest); nothing for a hub source (the rule downloads)."""
+    if not CFG.model.is_local:
+        return {}
+    if builds_tiny_model():
+        return {"model": TINY_MODEL_DIR}
+    return {"model": ancient(CFG.model.path)}
+
+
+def model_manifest():
+    """The input of every rule that reads the model (its directory is CFG.model.path):
+    rule model's manifest, so the model is there, complete, before any of them runs."""
+    return LAYOUT.model_manifest
 
 
 # ---- data ----
 def data_inputs(wildcards):
-    """The model directory (tokenizer + chat template) and the local source files; hub
-    sources are fetched by the job itself."""
+    """The model's manifest (the tokenizer + chat template are read from CFG.model.path)
+    and the local source files; hub sources are fetched by the job itself."""
     from hy3rl.data import local_source_path
 
-    inputs = {"model": CFG.model.path}
+    inputs = {"model_manifest": model_manifest()}
     for split in ("train", "val"):
         local = local_source_path(getattr(CFG.data, split).source)
         if local is not None:
@@ -99,7 +120,9 @@ def gpu_job_resources(nodes, gpus_per_node, runtime_min):
     res = {
         "nodes": int(nodes),
         "gres": (
-            f"gpu:{c.gpu_type}:{gpus_per_node}" if c.gpu_type else f"gpu:{gpus_per_node}"
+            f"gpu:{c.gpu_type}:{gpus_per_node}"
+            if c.gpu_type
+            else f"gpu:{gpus_per_node}"
         ),
         "cpus_per_task": c.cpus_per_node,
         "mem_mb": c.mem_mb_per_node,
@@ -116,7 +139,48 @@ def cluster_probe_targets():
     return [LAYOUT.cluster_probe] if gpu_enabled() else []
 
 
+# ---- preflight ----
+def preflight_targets():
+    """The plan of rule preflight, the stage's `all` target (also in the CPU-only DAG)."""
+    return [LAYOUT.preflight_plan]
+
+
 # ---- train ----
+# The config values that re-run training (rules train and train_segment): the launch, the
+# data and model, the shape and the checkpoint root. Not: Ray timeouts and ports, the
+# retention (checkpoint_keep, prune interval, eval.steps), ray_env_passthrough, time limits.
+TRAIN_TRIGGERS = (
+    "run.name",
+    "cluster.nodes",
+    "cluster.gpus_per_node",
+    "data",
+    "model.source",
+    "model.revision",
+    "train.reward_mode",
+    "train.total_training_steps",
+    "train.env",
+    "train.loggers",
+    "train.algorithm",
+    "train.reward_function",
+    "train.launch_script",
+    "train.verl_overrides",
+    "train.checkpoint_root",
+    "train.segment_steps",
+    "train.runtime",
+)
+
+
+def train_targets():
+    """rule train's `all` target when cluster.gpu is true."""
+    return [LAYOUT.train_done] if gpu_enabled() else []
+
+
+def train_job_resources():
+    """The training job: cluster.nodes x cluster.gpus_per_node, cluster.train_time_min."""
+    c = CFG.cluster
+    return gpu_job_resources(c.nodes, c.gpus_per_node, c.train_time_min)
+
+
 def train_base_inputs():
     """Inputs of every training job (ancient: a re-rendered but unchanged plan never
     retrains; what should retrain is in the rule's params)."""
@@ -152,15 +216,97 @@ def train_segment_inputs(wildcards):
 
 
 # ---- eval ----
+def eval_targets():
+    """The summary of rule evaluate over the tags, the stage's `all` target."""
+    return [LAYOUT.eval_summary]
+
+
+def eval_generate_inputs(wildcards):
+    """The validation parquet; the tag's model: the model's manifest for base (the weights
+    are CFG.model.path), train/done.json for a checkpoint tag (ancient: the checkpoints are
+    not outputs, and a finished training that is rerun re-evaluates nothing;
+    hy3rl.evaluate.model_for_tag finds the weights); for
+    vLLM, the Ray runtime env written by deps (a multi-node engine starts Ray with it;
+    ancient, as for training: a rewritten deps output re-evaluates nothing)."""
+    inputs = {"val": LAYOUT.data_val}
+    if wildcards.tag == "base":
+        inputs["model_manifest"] = model_manifest()
+    else:
+        inputs["train_done"] = ancient(LAYOUT.train_done)
+    if CFG.eval.backend == "vllm":
+        inputs["runtime_env"] = ancient(LAYOUT.deps_runtime_env)
+    return inputs
+
+
+def eval_generate_threads():
+    """transformers: 2 (the tiny model on CPU); vLLM: a whole node's CPUs."""
+    return 2 if CFG.eval.backend == "transformers" else CFG.cluster.cpus_per_node
+
+
+def eval_generate_resources():
+    """vLLM: the training job's shape (nodes x GPUs per node, eval.vllm.time_min);
+    transformers: one small CPU job."""
+    if CFG.eval.backend == "vllm":
+        v = CFG.eval.vllm
+        return gpu_job_resources(v.nodes, v.gpus_per_node, v.time_min)
+    return {"mem_mb": 8000, "runtime": 120}
+
+
+def eval_metrics_inputs(wildcards):
+    """The tag's scores and their meta; a checkpoint tag also base's scores (vs_base)."""
+    inputs = {
+        "scores": LAYOUT.eval_scores(wildcards.tag),
+        "meta": LAYOUT.eval_scores_meta(wildcards.tag),
+    }
+    if wildcards.tag != "base":
+        inputs["base"] = LAYOUT.eval_scores("base")
+    return inputs
+
+
+def eval_summary_inputs():
+    """metrics.json of every tag (hy3rl.evaluate.eval_tags), in tag order: the summary's
+    rows."""
+    from hy3rl.evaluate import eval_tags
+
+    return [LAYOUT.eval_metrics(tag) for tag in eval_tags(CFG)]
+
 
 
 # ---- report ----
+def report_targets():
+    """The page of rule report, the stage's `all` target."""
+    return [LAYOUT.report_html]
+
+
+def report_inputs(wildcards):
+    """Every other target of `all`: the report comes last and sees all of them."""
+    own = f"{LAYOUT.report_dir}/"
+    return [t for t in all_inputs() if not t.startswith(own)]
+
+
+def report_outputs():
+    """hy3rl.layout.REPORT_FILES as report() items named by report_key, captions
+    report/captions/<stem>.rst: `snakemake --report` gives the same record."""
+    from hy3rl.layout import REPORT_FILES, report_key
+
+    return {
+        report_key(name): report(
+            LAYOUT.report_file(name),
+            caption=f"../report/captions/{name.split('.')[0]}.rst",
+            category=category,
+        )
+        for name, category in REPORT_FILES
+    }
 
 
 onstart:
-    # Before anything is submitted (never during a dry run): refuse when a live trainer
-    # holds the checkpoint directory's lock (a relaunch after the controller was killed).
-    if gpu_enabled():
+    # Before anything is submitted (never during a dry run): when a training job is to run,
+    # refuse while a live trainer holds the checkpoint directory's lock (a relaunch after
+    # the controller was killed). Jobs' own Snakemake runs with --no-hooks.
+    if gpu_enabled() and any(
+        job.rule.name in ("train", "train_segment")
+        for job in workflow.dag.needrun_jobs()
+    ):
         from hy3rl.train import LockHeld, check_lock_free
 
         try:

@@ -1,7 +1,7 @@
 # Stage `data`: DAPO-Math-17k and AIME-2024 (hub or local files) -> verified verl parquet
-# and a summary (docs/formats/data.md).
-
-STAGE_TARGETS.append(lambda: [f"{RESULTS}/data/summary.json"])
+# and a summary (hy3rl.data.run). Format: docs/formats/data.md
+# Inputs (the model's manifest: its directory holds the tokenizer; local source files):
+# data_inputs, common.smk.
 
 
 # Runs on the submitting host like deps: hub sources need the network (compute nodes often
@@ -14,21 +14,16 @@ rule data:
     input:
         unpack(data_inputs),
     output:
-        train=f"{RESULTS}/data/train.parquet",
-        val=f"{RESULTS}/data/val.parquet",
-        summary=f"{RESULTS}/data/summary.json",
+        train=LAYOUT.data_train,
+        val=LAYOUT.data_val,
+        summary=LAYOUT.data_summary,
     log:
-        f"{LOGS}/data.log",
-    conda:
-        "../envs/workflow.yaml"
+        LAYOUT.log("data"),
     threads: 2
     resources:
         mem_mb=8000,
         runtime=60,
     params:
-        cfg=section_json("data"),
-        tokenizer=config["model"]["path"],
-    shell:
-        "python -m hy3rl.data --config-json {params.cfg:q} --tokenizer {params.tokenizer:q}"
-        " --train-out {output.train} --val-out {output.val} --summary {output.summary}"
-        " > {log} 2>&1"
+        **triggers("data", "model.source", "model.revision", "model.dir"),
+    script:
+        "../scripts/adapters/data.py"

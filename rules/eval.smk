@@ -1,127 +1,96 @@
 # Stage `evaluate`: AIME generation per model tag (base, step<N>, final), two graders,
 # metrics, and a summary over tags. Formats: docs/formats/eval.md. The tag logic lives in
-# hy3rl.evaluate (eval_tags, model_args) so it is unit-tested.
-from hy3rl.evaluate import eval_tags, model_args
+# hy3rl.evaluate (eval_tags, model_for_tag) so it is unit-tested; the input functions are
+# in rules/common.smk (eval section).
 
-TRAIN_DONE = f"{RESULTS}/train/done.json"
-VLLM = config["eval"]["backend"] == "vllm"
-# vLLM on several nodes starts Ray with the training launcher: it needs the cluster section
-# and the runtime env written by deps.
-GEN_CFG = section_json("eval", "cluster") if VLLM else section_json("eval")
-GEN_RUNTIME_ENV = {"runtime_env": f"{RESULTS}/deps/runtime_env.yaml"} if VLLM else {}
-GEN_THREADS = (
-    2
-    if config["eval"]["backend"] == "transformers"
-    else config["cluster"]["cpus_per_node"]
-)
 
-# vLLM jobs take the training job's shape (rules/common.smk): nodes x GPUs per node.
-_V = config["eval"]["vllm"]
-GEN_RESOURCES = (
-    gpu_job_resources(_V["nodes"], _V["gpus_per_node"], _V["time_min"])
-    if VLLM
-    else {"mem_mb": 8000, "runtime": 120}
-)
-
-STAGE_TARGETS.append(lambda: [f"{RESULTS}/eval/summary.json"])
+STAGE_TARGETS.append(eval_targets)
 
 
 rule eval_generate:
     input:
-        unpack(
-            lambda wc: (
-                {"model": config["model"]["path"]}
-                if wc.tag == "base"
-                else {"train_done": ancient(TRAIN_DONE)}
-            )
-        ),
-        **GEN_RUNTIME_ENV,
-        val=f"{RESULTS}/data/val.parquet",
+        unpack(eval_generate_inputs),
     output:
-        samples=f"{RESULTS}/eval/{{tag}}/samples.jsonl",
-        meta=f"{RESULTS}/eval/{{tag}}/samples.meta.json",
+        samples=LAYOUT.eval_samples("{tag}"),
+        meta=LAYOUT.eval_samples_meta("{tag}"),
     log:
-        f"{LOGS}/eval/{{tag}}.generate.log",
-    conda:
-        "../envs/workflow.yaml"
-    threads: GEN_THREADS
+        LAYOUT.log("eval/{tag}.generate"),
+    threads: eval_generate_threads()
     resources:
-        **GEN_RESOURCES,
+        **eval_generate_resources(),
     params:
-        cfg=GEN_CFG,
-        model=lambda wc: model_args(config, wc.tag, TRAIN_DONE),
-        runtime_env=lambda wc, input: (
-            f"--runtime-env {input.runtime_env}" if VLLM else ""
+        **triggers(
+            "eval.backend",
+            "eval.preset",
+            "eval.temperature",
+            "eval.top_p",
+            "eval.n_samples",
+            "eval.max_tokens",
+            "eval.num_problems",
+            "eval.seed",
+            "eval.transformers",
+            "eval.vllm.tensor_parallel_size",
+            "eval.vllm.data_parallel_size",
+            "eval.vllm.nodes",
+            "eval.vllm.gpus_per_node",
+            "eval.vllm.gpu_memory_utilization",
+            "eval.vllm.max_model_len",
+            "eval.vllm.enforce_eager",
+            "model.source",
+            "model.revision",
+            "model.dir",
         ),
-    shell:
-        "python -m hy3rl.evaluate --config-json {params.cfg:q} --tag {wildcards.tag}"
-        " {params.model} {params.runtime_env} --val {input.val} --out {output.samples}"
-        " --meta {output.meta}"
-        " > {log} 2>&1"
+    script:
+        "../scripts/adapters/eval_generate.py"
 
 
 rule eval_score:
     input:
-        samples=f"{RESULTS}/eval/{{tag}}/samples.jsonl",
-        val=f"{RESULTS}/data/val.parquet",
-        lock=f"{RESULTS}/deps/lock.json",
+        samples=LAYOUT.eval_samples("{tag}"),
+        val=LAYOUT.data_val,
+        lock=LAYOUT.deps_lock,
     output:
-        scores=f"{RESULTS}/eval/{{tag}}/scores.jsonl",
-        meta=f"{RESULTS}/eval/{{tag}}/scores.meta.json",
+        scores=LAYOUT.eval_scores("{tag}"),
+        meta=LAYOUT.eval_scores_meta("{tag}"),
     log:
-        f"{LOGS}/eval/{{tag}}.score.log",
-    conda:
-        "../envs/workflow.yaml"
-    threads: config["eval"]["graders"]["workers"]
+        LAYOUT.log("eval/{tag}.score"),
+    threads: CFG.eval.graders.workers
     resources:
         mem_mb=4000,
         runtime=60,
     params:
-        cfg=section_json("eval"),
-    shell:
-        "python -m hy3rl.graders --config-json {params.cfg:q} --samples {input.samples}"
-        " --val {input.val} --lock {input.lock} --out {output.scores} --meta {output.meta}"
-        " > {log} 2>&1"
+        **triggers("eval.graders.timeout_s"),
+    script:
+        "../scripts/adapters/eval_score.py"
 
 
 rule eval_metrics:
     input:
-        scores=f"{RESULTS}/eval/{{tag}}/scores.jsonl",
-        meta=f"{RESULTS}/eval/{{tag}}/scores.meta.json",
-        base=lambda wc: (
-            [] if wc.tag == "base" else [f"{RESULTS}/eval/base/scores.jsonl"]
-        ),
+        unpack(eval_metrics_inputs),
     output:
-        f"{RESULTS}/eval/{{tag}}/metrics.json",
+        metrics=LAYOUT.eval_metrics("{tag}"),
     log:
-        f"{LOGS}/eval/{{tag}}.metrics.log",
-    conda:
-        "../envs/workflow.yaml"
+        LAYOUT.log("eval/{tag}.metrics"),
     threads: 1
     resources:
         mem_mb=2000,
         runtime=10,
     params:
-        cfg=section_json("eval"),
-        base=lambda wc, input: f"--base-scores {input.base}" if input.base else "",
-    shell:
-        "python -m hy3rl.metrics compute --config-json {params.cfg:q} --tag {wildcards.tag}"
-        " --scores {input.scores} --scores-meta {input.meta} {params.base} --out {output}"
-        " > {log} 2>&1"
+        **triggers("eval.bootstrap"),
+    script:
+        "../scripts/adapters/eval_metrics.py"
 
 
 rule evaluate:
     input:
-        [f"{RESULTS}/eval/{tag}/metrics.json" for tag in eval_tags(config)],
+        metrics=eval_summary_inputs(),
     output:
-        f"{RESULTS}/eval/summary.json",
+        summary=LAYOUT.eval_summary,
     log:
-        f"{LOGS}/eval/summary.log",
-    conda:
-        "../envs/workflow.yaml"
+        LAYOUT.log("eval/summary"),
     threads: 1
     resources:
         mem_mb=1000,
         runtime=5,
-    shell:
-        "python -m hy3rl.metrics summarize --metrics {input} --out {output} > {log} 2>&1"
+    script:
+        "../scripts/adapters/evaluate.py"

@@ -1,22 +1,50 @@
-# Stage `model`: the tiny random Hy3 checkpoint (rule tiny_model). It exists in the DAG only
-# when model.path is the embedded default; any other model.path is used as given.
-TINY_MODEL_PATH = "resources/tiny-hy3"  # = hy3rl.model.TINY_DEFAULT_PATH
+# Stage `model`: the policy checkpoint and its manifest (hy3rl.hub.run; format:
+# docs/formats/model.md). model.source is a hub repository (downloaded at the pinned
+# model.revision into model.dir, resumable, every file checked against the hub's hash) or a
+# local directory (used in place; the manifest is written from its files). Rule tiny_model
+# (hy3rl.model.run; docs/formats/checkpoint.md) exists only for the embedded default's
+# model.source, hy3rl.layout's TINY_MODEL_DIR. Every rule that reads the model takes the
+# manifest as an input (model_manifest, common.smk), never the directory itself.
+
+STAGE_TARGETS.append(model_targets)
 
 
-if config["model"]["path"] == TINY_MODEL_PATH:
+# On the submit host: a hub download needs the network (compute nodes often have none).
+localrules:
+    model,
+
+
+if builds_tiny_model():
 
     rule tiny_model:
         output:
-            directory(TINY_MODEL_PATH),
+            directory(TINY_MODEL_DIR),
         log:
-            f"{LOGS}/tiny_model.log",
-        conda:
-            "../envs/workflow.yaml"
+            LAYOUT.log("tiny_model"),
         threads: 1
         resources:
             mem_mb=2000,
             runtime=10,
         params:
-            cfg=section_json("model"),
-        shell:
-            "python -m hy3rl.model --config-json {params.cfg:q} --out {output} > {log} 2>&1"
+            **triggers("model.tiny"),
+        script:
+            "../scripts/adapters/tiny_model.py"
+
+
+# Threads: parallel file transfers (hub) or hashes (local directory). runtime: Hy3's 598 GB
+# at ~100 MB/s take under two hours; a rerun resumes what arrived.
+rule model:
+    input:
+        unpack(model_rule_inputs),
+    output:
+        manifest=LAYOUT.model_manifest,
+    log:
+        LAYOUT.log("model"),
+    threads: 8
+    resources:
+        mem_mb=4000,
+        runtime=24 * 60,
+    params:
+        **triggers("model.source", "model.revision", "model.dir"),
+    script:
+        "../scripts/adapters/model.py"

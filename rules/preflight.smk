@@ -1,9 +1,9 @@
 # Stage `preflight`: resolve the verl launch from the pinned script, compose it with the
 # pinned verl's Hydra config and check it on CPU before any GPU is allocated
-# (docs/formats/preflight.md). Also part of the default (CPU) DAG: there the plan is made
-# and checked but says "not launched: no GPU".
+# (hy3rl.preflight.run). Format: docs/formats/preflight.md. Also part of the default (CPU)
+# DAG: there the plan is made and checked but says "not launched: no GPU".
 
-STAGE_TARGETS.append(lambda: [f"{RESULTS}/preflight/plan.json"])
+STAGE_TARGETS.append(preflight_targets)
 
 
 # CPU seconds on the submit host (no queue wait before the big job); its `disk` rule sees the
@@ -12,32 +12,51 @@ localrules:
     preflight,
 
 
+# Params: every config value preflight reads (cluster.gpu..gpu_memory_gb: the allocation
+# rules and the estimate; eval.steps: the checkpoints retention keeps, for the disk rule;
+# train.runtime: the runtime_tag warning). With cluster.gpu, check_bridge's report is read:
+# a bridge check that is `not run` or `fail` stops the launch unless `preflight.waive: [bridge]`.
 rule preflight:
     input:
-        lock=f"{RESULTS}/deps/lock.json",
-        summary=f"{RESULTS}/data/summary.json",
-        train=f"{RESULTS}/data/train.parquet",
-        val=f"{RESULTS}/data/val.parquet",
-        checkpoint_check=f"{RESULTS}/checks/checkpoint.json",
+        lock=LAYOUT.deps_lock,
+        summary=LAYOUT.data_summary,
+        train=LAYOUT.data_train,
+        val=LAYOUT.data_val,
+        checkpoint_check=LAYOUT.checks_checkpoint,
         bridge_check=bridge_check_input(),
     output:
-        plan=f"{RESULTS}/preflight/plan.json",
-        launch=f"{RESULTS}/preflight/launch.sh",
+        plan=LAYOUT.preflight_plan,
+        launch=LAYOUT.preflight_launch,
     log:
-        f"{LOGS}/preflight.log",
-    conda:
-        "../envs/workflow.yaml"
+        LAYOUT.log("preflight"),
     threads: 1
     resources:
         mem_mb=2000,
         runtime=10,
     params:
-        cfg=section_json("run", "cluster", "model", "data", "train", "preflight"),
-        out_dir=lambda w, output: os.path.dirname(output.plan),
-        # checkpoints retention keeps for evaluation (rule train --keep-steps): disk rule
-        keep_steps=json.dumps(sorted(config["eval"].get("steps", []))),
-    shell:
-        "python -m hy3rl.preflight --config-json {params.cfg:q} --lock {input.lock}"
-        " --data-summary {input.summary} --train-files {input.train} --val-files {input.val}"
-        " --checkpoint-check {input.checkpoint_check} --keep-steps {params.keep_steps:q}"
-        " --out-dir {params.out_dir} > {log} 2>&1"
+        **triggers(
+            "run",
+            "cluster.gpu",
+            "cluster.nodes",
+            "cluster.gpus_per_node",
+            "cluster.gpu_type",
+            "cluster.gpu_memory_gb",
+            "model.path",
+            "data.max_prompt_length",
+            "train.reward_mode",
+            "train.total_training_steps",
+            "train.env",
+            "train.loggers",
+            "train.algorithm",
+            "train.reward_function",
+            "train.launch_script",
+            "train.runtime.prefix",
+            "train.verl_overrides",
+            "train.checkpoint_root",
+            "train.checkpoint_keep",
+            "train.segment_steps",
+            "preflight",
+            "eval.steps",
+        ),
+    script:
+        "../scripts/adapters/preflight.py"

@@ -1,7 +1,8 @@
-"""hy3rl.bridge: the mapping table read from source with ast (our own bridge-shaped file),
-and the CPU-runnable parts of check_bridge (warning capture, tensor and logits comparison,
-result writing, `not run` without a GPU). The Megatron conversion itself needs a GPU with
-Transformer Engine; where a test needs its output, a CPU stand-in plays it."""
+"""hy3rl.bridge_source (the mapping table read from source with ast, on our own
+bridge-shaped file) and hy3rl.bridge: the CPU-runnable parts of check_bridge (warning
+capture, tensor and logits comparison, result writing, `not run` without a GPU) and its
+`run()`, which starts the check in the training runtime. The Megatron conversion itself
+needs a GPU with Transformer Engine; where a test needs its output, a CPU stand-in plays it."""
 
 from __future__ import annotations
 
@@ -16,9 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 from fixtures.checkpoint import FAKE_BRIDGE, rewrite_checkpoint
+from fixtures.common import make_config
 from hy3rl import bridge as br
+from hy3rl import bridge_source as bs
+from hy3rl import checkpoint as ck
 
-REPO = Path(__file__).resolve().parents[1]
 CFG = {"num_hidden_layers": 3, "num_nextn_predict_layers": 1}
 
 
@@ -26,7 +29,7 @@ CFG = {"num_hidden_layers": 3, "num_nextn_predict_layers": 1}
 
 
 def test_reads_table_with_mtp_loop():
-    table = br.read_mapping_table(FAKE_BRIDGE, CFG)
+    table = bs.read_mapping_table(FAKE_BRIDGE, CFG)
     by_mg = {m.megatron: m for m in table}
     assert len(table) == 20 + 21  # 15 simple + 5 special, MTP: 12 reused + 4 heads + 5
     qkv = by_mg["decoder.layers.*.self_attention.linear_qkv.weight"]
@@ -40,7 +43,7 @@ def test_reads_table_with_mtp_loop():
     gated = by_mg["mtp.layers.0.mtp_model_layer.mlp.experts.linear_fc1.weight*"]
     assert dict(gated.hf)["up"] == "model.layers.3.mlp.experts.*.up_proj.weight"
     # No MTP layer in the config: no MTP mappings.
-    assert len(br.read_mapping_table(FAKE_BRIDGE, {"num_hidden_layers": 3})) == 20
+    assert len(bs.read_mapping_table(FAKE_BRIDGE, {"num_hidden_layers": 3})) == 20
 
 
 @pytest.mark.parametrize("change, message", [
@@ -54,45 +57,45 @@ def test_reads_table_with_mtp_loop():
 def test_changed_format_is_refused_with_line(change, message):
     old, new = change
     assert old in FAKE_BRIDGE
-    with pytest.raises(br.TableFormatError, match=message):
-        br.read_mapping_table(FAKE_BRIDGE.replace(old, new, 1), CFG, filename="b.py")
+    with pytest.raises(bs.TableFormatError, match=message):
+        bs.read_mapping_table(FAKE_BRIDGE.replace(old, new, 1), CFG, filename="b.py")
 
 
 def test_missing_config_attribute_is_table_error():
-    with pytest.raises(br.TableFormatError, match="no attribute 'num_hidden_layers'"):
-        br.read_mapping_table(FAKE_BRIDGE, {"num_nextn_predict_layers": 1})
+    with pytest.raises(bs.TableFormatError, match="no attribute 'num_hidden_layers'"):
+        bs.read_mapping_table(FAKE_BRIDGE, {"num_nextn_predict_layers": 1})
 
 
 def test_pattern_regex_is_megatron_bridge_rule():
-    rx = br.pattern_regex("model.layers.*.mlp.experts.*.up_proj.weight")
+    rx = bs.pattern_regex("model.layers.*.mlp.experts.*.up_proj.weight")
     assert rx.match("model.layers.12.mlp.experts.191.up_proj.weight").groups() == ("12", "191")
     assert not rx.match("model.layers.x.mlp.experts.1.up_proj.weight")
-    assert br.pattern_regex("model.**").match("model.a.b.c")
+    assert bs.pattern_regex("model.**").match("model.a.b.c")
 
 
 def test_read_pinned_source_reads_the_commit_not_the_worktree(bridge_repo_factory):
     clone, head, _ = bridge_repo_factory()
-    (clone / br.BRIDGE_RELPATH).write_text("local edit\n")
-    assert br.read_pinned_source(clone, head) == FAKE_BRIDGE
-    with pytest.raises(br.TableFormatError, match="not found at"):
-        br.read_pinned_source(clone, "0" * 40)
+    (clone / bs.BRIDGE_RELPATH).write_text("local edit\n")
+    assert bs.read_pinned_source(clone, head) == FAKE_BRIDGE
+    with pytest.raises(bs.TableFormatError, match="not found at"):
+        bs.read_pinned_source(clone, "0" * 40)
 
 
 def test_compare_tables():
-    parsed = br.read_mapping_table(FAKE_BRIDGE, CFG)
-    alias = br.BridgeMapping("AutoMapping", "decoder.layers.*.input_layernorm.weight",
+    parsed = bs.read_mapping_table(FAKE_BRIDGE, CFG)
+    alias = bs.BridgeMapping("AutoMapping", "decoder.layers.*.input_layernorm.weight",
                              (("param", "model.layers.*.input_layernorm.weight"),))
-    assert br.compare_tables(parsed, [*parsed, alias]) == []  # bridge-added alias is fine
-    problems = br.compare_tables(parsed, parsed[1:])
+    assert bs.compare_tables(parsed, [*parsed, alias]) == []  # bridge-added alias is fine
+    problems = bs.compare_tables(parsed, parsed[1:])
     assert problems == ["parsed mapping embedding.word_embeddings.weight -> "
                         "('model.embed_tokens.weight',) is not in the imported "
                         "mapping_registry()"]
-    odd = br.BridgeMapping("AutoMapping", "x.*", (("param", "model.odd.*"),))
-    assert "HF pattern not in the parsed table" in br.compare_tables(parsed, [*parsed, odd])[0]
+    odd = bs.BridgeMapping("AutoMapping", "x.*", (("param", "model.odd.*"),))
+    assert "HF pattern not in the parsed table" in bs.compare_tables(parsed, [*parsed, odd])[0]
 
 
 def test_import_blocker_here():
-    why = br.import_blocker()
+    why = bs.import_blocker()
     if sys.version_info < (3, 12):
         assert why and "Python >= 3.12" in why
     else:
@@ -146,16 +149,17 @@ def test_compare_logits():
 
 def test_write_report_atomic_and_statuses(tmp_path: Path):
     out = tmp_path / "checks" / "bridge.json"
-    results = [br.CheckResult("a", "pass", "ok"), br.CheckResult("b", "not run", "why"),
-               br.CheckResult("c", "fail", "bad", [f"p{i}" for i in range(250)])]
-    doc = br.write_report(out, results, {"environment": {"python": "3"}})
+    results = [ck.CheckResult("a", "pass", "ok"), ck.CheckResult("b", "not run", "why"),
+               ck.CheckResult("c", "fail", "bad", [f"p{i}" for i in range(250)])]
+    doc = ck.write_report(out, results, {"environment": {"python": "3"}})
     on_disk = json.loads(out.read_text())
     assert on_disk == doc and doc["ok"] is False
     assert doc["counts"] == {"pass": 1, "fail": 1, "not run": 1}
     assert doc["checks"][2]["problem_count"] == 250 and len(doc["checks"][2]["problems"]) == 200
     assert [p.name for p in out.parent.iterdir()] == ["bridge.json"]  # no temp file left
+    assert doc["created"].endswith("+00:00")  # hy3rl.timefmt
     with pytest.raises(ValueError, match="bad status"):
-        br.CheckResult("x", "passed", "")
+        ck.CheckResult("x", "passed", "")
 
 
 def test_check_bridge_without_gpu_is_not_run(tmp_path: Path):
@@ -170,18 +174,106 @@ def test_check_bridge_without_gpu_is_not_run(tmp_path: Path):
                for c in doc["checks"])
 
 
-def test_cli_on_this_machine_records_not_run(tmp_path: Path):
-    out = tmp_path / "bridge.json"
-    cfg = json.dumps({"model": {"path": "resources/tiny-hy3", "tiny": {"seed": 0}},
-                      "checks": {"bridge": {"real_layers": 0}}})
-    proc = subprocess.run([sys.executable, "-m", "hy3rl.bridge", "check", "--config-json", cfg,
-                           "--out", str(out)], capture_output=True, text=True,
-                          cwd=REPO / "scripts")
-    assert proc.returncode == 0, proc.stderr
+def test_check_bridge_where_the_bridge_does_not_import_fails_each_check(tmp_path: Path,
+                                                                       monkeypatch):
+    """A GPU and Transformer Engine but no importable bridge (here: none installed): the
+    tiny Hy3 is built from model.tiny, and every conversion check fails with the error."""
+    import dataclasses
+
+    monkeypatch.setattr(br, "import_blocker", lambda: None)
+    env = {"python": "3.12.3", "cuda_available": True, "transformer_engine": True}
+    tiny = dataclasses.asdict(make_config().model.tiny)
+    doc = br.check_bridge(tmp_path / "bridge.json", tiny, 0.9999, None, 0, env=env)
+    status = {c["name"]: (c["status"], c["details"]) for c in doc["checks"]}
+    assert status["mapping_table_agreement"][0] == "not run"  # no lock given
+    assert {s for n, (s, _) in status.items() if n.startswith("tiny/")} == {"fail"}
+    assert "conversion raised ModuleNotFoundError" in status["tiny/logits"][1]
+    assert doc["ok"] is False and doc["environment"]["bridge_imported"] is True
+
+
+def test_run_in_this_runtime_records_not_run(tmp_path: Path, bridge_repo_factory, capfd):
+    """run(): the check runs as `python -m hy3rl.bridge` in the training runtime (here: no
+    train.runtime prefix, so this interpreter); without a GPU every check is `not run`."""
+    out = tmp_path / "checks" / "bridge.json"
+    cfg = make_config()
+    br.run(cfg.checks.bridge, cfg.model, cfg.train.runtime, lock=bridge_repo_factory()[2],
+           out=out)
     doc = json.loads(out.read_text())
     assert {c["status"] for c in doc["checks"]} == {"not run"}
-    assert "NOT RUN" in proc.stdout
-    assert doc["environment"]["python"]
+    assert [c["name"] for c in doc["checks"]][:2] == ["mapping_table_agreement",
+                                                     "tiny/roundtrip_tensors"]
+    assert not any(c["name"].startswith("real_truncated/") for c in doc["checks"])
+    printed = capfd.readouterr().out
+    assert "NOT RUN" in printed and "-m hy3rl.bridge --out" in printed
+    assert doc["environment"]["python"] and doc["created"].endswith("+00:00")
+
+
+@pytest.mark.skipif(not Path("/usr/bin/python3").exists(), reason="no system python3")
+def test_run_in_another_runtime_through_prefix_and_pythonpath(tmp_path: Path,
+                                                              bridge_repo_factory):
+    """train.runtime with a prefix and another interpreter (the system python3: no hy3rl,
+    no torch): the check runs there, importing this checkout's package via PYTHONPATH."""
+    probe = subprocess.run(["/usr/bin/python3", "-c", "import platform, sys; "
+                            "print(platform.python_version(), sys.version_info >= (3, 11)); "
+                            "import hy3rl"], capture_output=True, text=True)
+    version, new_enough = (probe.stdout.split() + ["", ""])[:2]
+    if new_enough != "True" or probe.returncode == 0:
+        pytest.skip("the system python3 is older than 3.11, or has hy3rl installed")
+    out = tmp_path / "bridge.json"
+    cfg = make_config(train={"runtime": {"prefix": "env HY3RL_IN_RUNTIME=1",
+                                         "python": "/usr/bin/python3"}},
+                      checks={"bridge": {"real_layers": 2}},
+                      model={"path": str(tmp_path / "hy3")})
+    br.run(cfg.checks.bridge, cfg.model, cfg.train.runtime, lock=bridge_repo_factory()[2],
+           out=out)
+    doc = json.loads(out.read_text())
+    env = doc["environment"]
+    assert env["python"] == version, env  # ran in that interpreter
+    assert "real_truncated/logits" in {c["name"] for c in doc["checks"]}
+    assert doc["ok"] and {c["status"] for c in doc["checks"]} == {"not run"}
+
+
+def test_run_errors_name_the_runtime(tmp_path: Path, bridge_repo_factory):
+    """A runtime that does not start, or a check that exits non-zero without a report of
+    failed checks, is a BridgeCheckFailed (a StageError: message, exit 1) naming it."""
+    from hy3rl.errors import StageError
+
+    lock = bridge_repo_factory()[2]
+    cfg = make_config(train={"runtime": {"prefix": "/nonexistent/apptainer exec x"}})
+    with pytest.raises(StageError, match="cannot start the training runtime.*/nonexistent"):
+        br.run(cfg.checks.bridge, cfg.model, cfg.train.runtime, lock=lock,
+               out=tmp_path / "a.json")
+    cfg = make_config(train={"runtime": {"prefix": "env", "python": "false"}})
+    with pytest.raises(br.BridgeCheckFailed, match="exited 1 in the training runtime"):
+        br.run(cfg.checks.bridge, cfg.model, cfg.train.runtime, lock=lock,
+               out=tmp_path / "b.json")
+    cfg = make_config(train={"runtime": {"prefix": "env 'unclosed"}})
+    with pytest.raises(br.BridgeCheckFailed, match="train.runtime.prefix"):
+        br.run(cfg.checks.bridge, cfg.model, cfg.train.runtime, lock=lock,
+               out=tmp_path / "c.json")
+
+
+def test_run_fails_on_a_failed_check(tmp_path: Path, bridge_repo_factory, monkeypatch):
+    """The check in the runtime writes a report with a failed check and exits 1: run()
+    raises naming the failed checks (the report stays for the log and the user)."""
+    out = tmp_path / "bridge.json"
+    script = tmp_path / "fake_runtime.py"
+    script.write_text(
+        "import sys\n"
+        "from hy3rl.checkpoint import CheckResult, write_report\n"
+        "out = sys.argv[sys.argv.index('--out') + 1]\n"
+        "write_report(__import__('pathlib').Path(out), [CheckResult('tiny/logits', 'fail', "
+        "'cosine 0.5')], {})\n"
+        "sys.exit(1)\n")
+    # the runtime's python is a wrapper that runs the fake check instead of hy3rl.bridge
+    wrapper = tmp_path / "python"
+    wrapper.write_text(f"#!/bin/sh\nshift 2\nexec {sys.executable} {script} \"$@\"\n")
+    wrapper.chmod(0o755)
+    cfg = make_config(train={"runtime": {"prefix": "", "python": str(wrapper)}})
+    with pytest.raises(br.BridgeCheckFailed, match=r"1 check\(s\) failed \(tiny/logits\)"):
+        br.run(cfg.checks.bridge, cfg.model, cfg.train.runtime,
+               lock=bridge_repo_factory()[2], out=out)
+    assert json.loads(out.read_text())["ok"] is False
 
 
 def _stand_in(damage: str | None = None):
@@ -304,8 +396,6 @@ def test_import_agreement_with_stand_in_package(tiny_hy3_dir, bridge_repo_factor
                                                 monkeypatch, extra, status):
     """The parsed table comes from the pinned commit; the import reads the clone's files.
     A clone edited after the pin (extra mapping in the working tree) must disagree."""
-    from hy3rl import checkpoint as ck
-
     clone, head, lock = bridge_repo_factory(name=f"stub-{status}")
     for rel, content in STUB_MODULES.items():
         path = clone / "src" / rel
@@ -314,9 +404,9 @@ def test_import_agreement_with_stand_in_package(tiny_hy3_dir, bridge_repo_factor
             path.write_text(content)
     edited = FAKE_BRIDGE.replace("        return MegatronMappingRegistry(*mappings)\n",
                                  extra + "        return MegatronMappingRegistry(*mappings)\n")
-    (clone / br.BRIDGE_RELPATH).write_text(edited)
-    monkeypatch.setattr(br, "import_blocker", lambda: None)
-    source, why = ck.bridge_source_from_lock(lock)
+    (clone / bs.BRIDGE_RELPATH).write_text(edited)
+    monkeypatch.setattr(bs, "import_blocker", lambda: None)
+    source, why = bs.bridge_source_from_lock(lock)
     results, _ = ck.check_checkpoint(tiny_hy3_dir, source, why, try_import=True)
     r = {x.name: x for x in results}["bridge_mapping_import"]
     assert r.status == status, r
@@ -329,11 +419,9 @@ def test_import_agreement_with_stand_in_package(tiny_hy3_dir, bridge_repo_factor
 
 def test_import_failure_is_not_run_with_the_error(tiny_hy3_dir, bridge_repo_factory,
                                                   monkeypatch):
-    from hy3rl import checkpoint as ck
-
     _, _, lock = bridge_repo_factory(name="no-package")  # the bridge file only, no package
-    monkeypatch.setattr(br, "import_blocker", lambda: None)
-    source, why = ck.bridge_source_from_lock(lock)
+    monkeypatch.setattr(bs, "import_blocker", lambda: None)
+    source, why = bs.bridge_source_from_lock(lock)
     results, _ = ck.check_checkpoint(tiny_hy3_dir, source, why, try_import=True)
     r = {x.name: x for x in results}["bridge_mapping_import"]
     assert r.status == "not run"
@@ -355,10 +443,10 @@ def test_check_bridge_table_agreement_with_stand_in_package(tiny_hy3_dir, bridge
         path.parent.mkdir(parents=True, exist_ok=True)
         if not path.exists():
             path.write_text(content)
-    (clone / br.BRIDGE_RELPATH).write_text(FAKE_BRIDGE.replace(
+    (clone / bs.BRIDGE_RELPATH).write_text(FAKE_BRIDGE.replace(
         "        return MegatronMappingRegistry(*mappings)\n",
         extra + "        return MegatronMappingRegistry(*mappings)\n"))
-    monkeypatch.setattr(br, "import_blocker", lambda: None)
+    monkeypatch.setattr(bs, "import_blocker", lambda: None)
     r = br.check_table_agreement(lock, tiny_hy3_dir / "config.json")
     assert r.name == "mapping_table_agreement" and r.status == status, r
     if status == "fail":

@@ -3,22 +3,28 @@ caught by the right check with a message naming the file/tensor at fault."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from fixtures.checkpoint import FAKE_BRIDGE, rewrite_checkpoint
+from fixtures.common import make_config
 from hy3rl import checkpoint as ck
+from hy3rl import hub
+from hy3rl.bridge_source import bridge_source_from_lock
 
 REPO = Path(__file__).resolve().parents[1]
 SHARD2 = "model-00002-of-00003.safetensors"
 
 
 def run_checks(ckpt: Path, lock: Path | None = None, **kw):
-    source, why = ck.bridge_source_from_lock(lock) if lock else (None, "no lock")
+    source, why = bridge_source_from_lock(lock) if lock else (None, "no lock")
     results, extra = ck.check_checkpoint(ckpt, source, why, try_import=False, **kw)
     return {r.name: r for r in results}, extra
 
@@ -43,7 +49,7 @@ def test_clean_tiny_passes_every_check(tiny_hy3_dir: Path, lock: Path):
                  "inventory", "expert_bias", "bridge_mapping"):
         assert results[name].status == "pass", (name, text(results[name]))
     assert results["bridge_mapping_import"].status == "not run"
-    assert results["sha256"].status == "not run"
+    assert results["manifest"].status == "not run"  # no model manifest given
     assert extra["inventory"]["layers"] == {"dense": [0], "moe": [1, 2], "mtp": [3]}
     assert "exactly one mapping" in results["bridge_mapping"].details
 
@@ -307,51 +313,111 @@ def test_bridge_partial_qkv_fails(tiny_hy3_copy, lock):
     assert any(f"but not its v part {name}" in p for p in r.problems)
 
 
-def test_sha256_against_manifest(tiny_hy3_dir: Path, tmp_path: Path, lock: Path):
-    import hashlib
-
-    lines = [f"{hashlib.sha256(p.read_bytes()).hexdigest()}  {p.name}"
-             for p in sorted(tiny_hy3_dir.glob("*.safetensors"))]
-    good = tmp_path / "good.sha256"
-    good.write_text("\n".join(lines) + "\n")
-    results, extra = run_checks(tiny_hy3_dir, lock, sha256=True, manifest=str(good))
-    assert results["sha256"].status == "pass"
-    assert len(extra["sha256"]) == 3
-    bad = tmp_path / "bad.sha256"
-    bad.write_text("\n".join(["0" * 64 + lines[0][64:], *lines[1:]]) + "\n")
-    results, _ = run_checks(tiny_hy3_dir, lock, sha256=True, manifest=str(bad))
-    assert results["sha256"].status == "fail"
-    assert "model-00001-of-00003.safetensors: sha256" in results["sha256"].problems[0]
-    results, extra = run_checks(tiny_hy3_dir, lock, sha256=True)
-    assert results["sha256"].status == "not run" and "no checks.checkpoint.manifest" in \
-        results["sha256"].details
+def write_manifest(ckpt: Path, out: Path) -> Path:
+    """Rule model's manifest of a local directory (hy3rl.hub.run: sizes + sha256)."""
+    hub.run(str(ckpt), None, "", manifest=out, threads=2, progress=False)
+    return out
 
 
-def test_cli_writes_report_and_exit_code(tiny_hy3_copy, lock, tmp_path: Path):
+def test_manifest_sizes_always_hashes_with_sha256(tiny_hy3_copy, tmp_path: Path, lock: Path):
+    """The model manifest check: a clean copy passes; a corrupted byte in a local copy (same
+    size) passes on sizes alone and is caught with sha256 on, naming the file and both
+    hashes; a truncated file is caught by its size even with hashing off."""
+    ckpt = tiny_hy3_copy()
+    manifest = write_manifest(ckpt, tmp_path / "model" / "manifest.json")
+    for sha in (False, True):
+        results, extra = run_checks(ckpt, lock, sha256=sha, manifest=manifest)
+        assert failing(results) == set(), {n: text(r) for n, r in results.items()}
+        assert results["manifest"].status == "pass"
+        assert ("hashes" in results["manifest"].details) and extra["manifest"] == str(manifest)
+    assert "not compared" in run_checks(ckpt, lock, manifest=manifest)[0]["manifest"].details
+    shard = ckpt / SHARD2
+    want = hashlib.sha256(shard.read_bytes()).hexdigest()
+    blob = bytearray(shard.read_bytes())
+    blob[-1] ^= 0x01  # a weight byte: the header and sizes stay valid
+    shard.write_bytes(bytes(blob))
+    got = hashlib.sha256(bytes(blob)).hexdigest()
+    results, _ = run_checks(ckpt, lock, sha256=False, manifest=manifest)
+    assert failing(results) == set()  # sizes alone cannot see it
+    results, _ = run_checks(ckpt, lock, sha256=True, manifest=manifest)
+    assert failing(results) == {"manifest"}
+    assert results["manifest"].problems == [
+        f"{SHARD2}: sha256 {got} (on disk) != {want} (manifest)"]
+    with open(shard, "r+b") as fh:  # truncated: caught by size with hashing off
+        fh.truncate(len(blob) - 8)
+    results, _ = run_checks(ckpt, lock, sha256=False, manifest=manifest)
+    assert f"{SHARD2}: size {len(blob) - 8} bytes != manifest {len(blob)}" in \
+        results["manifest"].problems
+
+
+def test_manifest_of_another_directory_or_unreadable_fails(tiny_hy3_copy, tmp_path: Path):
+    ckpt, other = tiny_hy3_copy("a"), tiny_hy3_copy("b")
+    manifest = write_manifest(other, tmp_path / "manifest.json")
+    results, _ = run_checks(ckpt, manifest=manifest)
+    assert results["manifest"].status == "fail"
+    assert f"describes {other}, not {ckpt}" in results["manifest"].problems[0]
+    manifest.write_text("{}")
+    results, _ = run_checks(ckpt, manifest=manifest)
+    assert results["manifest"].status == "fail"
+    assert "not a model manifest" in results["manifest"].details
+
+
+def test_run_writes_report_and_fails_on_a_failed_check(tiny_hy3_copy, lock, tmp_path: Path,
+                                                       capfd):
     ckpt = tiny_hy3_copy()
     out = tmp_path / "checks" / "checkpoint.json"
-    cmd = [sys.executable, "-m", "hy3rl.checkpoint", "--model-path", str(ckpt), "--out",
-           str(out), "--lock", str(lock), "--config-json", json.dumps({"checks": {}})]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO / "scripts")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    doc = json.loads(out.read_text())
+    checks = make_config(checks={"checkpoint": {"sha256": False}}).checks.checkpoint
+    manifest = write_manifest(ckpt, tmp_path / "model" / "manifest.json")
+    doc = ck.run(checks, model=ckpt, manifest=manifest, lock=lock, out=out, threads=2)
+    assert json.loads(out.read_text()) == doc
     assert doc["ok"] is True and doc["counts"]["fail"] == 0
+    assert doc["created"].endswith("+00:00")  # hy3rl.timefmt
     assert [c["name"] for c in doc["checks"]][:3] == ["config", "index", "headers"]
-    assert "PASS     inventory" in proc.stdout
+    assert "PASS     inventory" in capfd.readouterr().out
     # The import attempt records why it did not run.
     imp = next(c for c in doc["checks"] if c["name"] == "bridge_mapping_import")
     assert imp["status"] == "not run" and imp["details"].startswith("not run: ")
     (ckpt / SHARD2).unlink()
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO / "scripts")
+    with pytest.raises(ck.ChecksFailed, match=r"\d+ check\(s\) failed \(index, "):
+        ck.run(checks, model=ckpt, manifest=manifest, lock=lock, out=out, threads=2)
+    doc = json.loads(out.read_text())  # written before the error
+    assert doc["ok"] is False and "FAIL     index" in capfd.readouterr().out
+
+
+def test_hy3rl_check_checkpoint_exit_code_and_message(tiny_hy3_copy, lock, tmp_path: Path):
+    """`hy3rl model` then `hy3rl check_checkpoint`: the layout's paths, exit 0 on pass; on a
+    failed check the report is written, the message names the check, exit 1 (no
+    traceback)."""
+    ckpt = tiny_hy3_copy()
+    work = tmp_path / "work"
+    (work / "results/t/deps").mkdir(parents=True)
+    shutil.copy(lock, work / "results/t/deps/lock.json")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({"run": {"name": "t"}, "model": {"source": str(ckpt)},
+                                   "checks": {"checkpoint": {"sha256": False}}}))
+    configs = ["--configfile", str(REPO / "config/config.yaml"), "--configfile", str(cfg)]
+    proc = subprocess.run([sys.executable, "-m", "hy3rl.cli", "model", *configs],
+                          capture_output=True, text=True, cwd=work)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert json.loads((work / "results/t/model/manifest.json").read_text())["dir"] == str(ckpt)
+    cmd = [sys.executable, "-m", "hy3rl.cli", "check_checkpoint", *configs]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=work)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = work / "results/t/checks/checkpoint.json"
+    assert json.loads(out.read_text())["ok"] is True
+    (ckpt / SHARD2).unlink()
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=work)
     assert proc.returncode == 1
-    doc = json.loads(out.read_text())
-    assert doc["ok"] is False and "FAIL     index" in proc.stdout
+    assert "hy3rl check_checkpoint: error: check_checkpoint of" in proc.stderr
+    assert "check(s) failed (index, " in proc.stderr and "Traceback" not in proc.stderr
+    assert json.loads(out.read_text())["ok"] is False
 
 
 def test_workflow_builds_tiny_model_then_checks_it(deps_upstreams, tmp_path: Path,
                                                    tiny_hy3_dir: Path):
-    """The real rules: deps (local mirrors) -> tiny_model -> check_checkpoint, through
-    Snakemake on the embedded default; then model.path elsewhere drops tiny_model."""
+    """The real rules: deps (local mirrors) -> tiny_model -> model -> check_checkpoint,
+    through Snakemake on the embedded default; then another local model.source drops
+    tiny_model, and a hub source has rule model with no input."""
     import yaml
     from fixtures.checkpoint import BRIDGE_PATH
     from fixtures.common import run_snakemake
@@ -370,17 +436,30 @@ def test_workflow_builds_tiny_model_then_checks_it(deps_upstreams, tmp_path: Pat
     doc = json.loads((work / target).read_text())
     status = {c["name"]: c["status"] for c in doc["checks"]}
     assert doc["ok"] and status["bridge_mapping"] == "pass" and status["inventory"] == "pass"
-    assert status["sha256"] == "not run"  # hashed, but no manifest given
-    assert len(doc["sha256"]) == 3
+    assert status["manifest"] == "pass"  # the embedded default hashes (sha256: true)
+    assert doc["manifest"] == "results/t/model/manifest.json"
+    manifest = json.loads((work / doc["manifest"]).read_text())
+    assert manifest["source"] == {"kind": "local", "path": str(work / "resources/tiny-hy3")}
+    assert sorted(f["path"] for f in manifest["files"]) == sorted(
+        p.name for p in tiny_hy3_dir.iterdir())
+    assert "rule model: 3 rerun trigger(s)" in (work / "results/t/logs/model.log").read_text()
     assert (work / "resources/tiny-hy3/config.json").is_file()
     for name in sorted(p.name for p in tiny_hy3_dir.iterdir()):  # same seed, same bytes
         assert (work / "resources/tiny-hy3" / name).read_bytes() == \
             (tiny_hy3_dir / name).read_bytes(), name
     assert "PASS     bridge_mapping" in (work / "results/t/logs/check_checkpoint.log").read_text()
-    # Another model.path: no rule builds it, the check reads it where it is.
-    proc = run_snakemake([*base, "--config", f"model={{'path': '{tiny_hy3_dir}'}}", "-n",
-                          "-f", target], work)
-    assert "tiny_model" not in proc.stdout and str(tiny_hy3_dir) in proc.stdout
+    # Another local model.source: no rule builds it; rule model describes it in place.
+    proc = run_snakemake([*base, "--config", f"model={{'source': '{tiny_hy3_dir}'}}", "-n",
+                          target], work)
+    assert "tiny_model" not in proc.stdout and "rule model:" in proc.stdout
+    assert f"input: {tiny_hy3_dir}" in proc.stdout
+    assert "model.source" in proc.stdout  # the changed key is the rerun reason
+    # A hub source: rule model downloads (no input), everything reading the model waits.
+    sha = "0123456789abcdef0123456789abcdef01234567"
+    proc = run_snakemake([*base, "--config", "model={'source': 'tencent/Hy3', 'revision': "
+                          f"'{sha}', 'dir': '{tmp_path / 'hy3'}'}}", "-n", target], work)
+    job = proc.stdout.split("rule model:")[1].split("\n\n")[0]
+    assert "input:" not in job.split("reason:")[0] and "model/manifest.json" in job
 
 
 def test_nothing_to_check_is_never_a_pass(tiny_hy3_copy, lock):

@@ -19,7 +19,7 @@ def test_default_and_paper_configs_validate():
     assert repos["megatron_bridge"]["commit"] == "df0852cf94c674de07f9f7ef933c484de8aca505"
     assert repos["transfer_queue"]["commit"] == "35bcf198ac087f0a0e41a69a897f48929c313d22"
     assert repos["transfer_queue"]["url"].endswith("Ascend/TransferQueue.git")  # tag v0.1.8
-    assert default["model"]["path"] == "resources/tiny-hy3" and default["cluster"]["gpu"] is False
+    assert default["model"]["source"] == "resources/tiny-hy3" and default["cluster"]["gpu"] is False
     paper = cfgmod.load(REPO / "config/config.yaml", REPO / "config/paper.yaml")
     assert paper["cluster"]["nodes"] == 16 and paper["cluster"]["gpus_per_node"] == 8
 
@@ -133,11 +133,11 @@ def test_placeholders_are_refused_by_key(tmp_path: Path):
         cfgmod.refuse_placeholders(paper, {"slurm_partition": "CHANGE_ME_partition",
                                            "slurm_account": "acct"})
     msg = str(err.value)
-    for key in ("model.path", "train.checkpoint_root", "train.runtime.prefix",
+    for key in ("model.revision", "model.dir", "train.checkpoint_root", "train.runtime.prefix",
                 "slurm_partition"):
         assert key in msg, msg
     assert "slurm_account" not in msg
-    site = cfgmod.deep_merge(paper, {"model": {"path": "/m"}, "train": {
+    site = cfgmod.deep_merge(paper, {"model": {"revision": "a" * 40, "dir": "/m"}, "train": {
         "checkpoint_root": "/c", "runtime": {"prefix": ""}}})
     cfgmod.refuse_placeholders(site, {"slurm_partition": "gpu"})  # nothing left: passes
 
@@ -152,7 +152,7 @@ def test_paper_dry_run_stops_on_placeholders_before_the_dag(tmp_path: Path):
                          tmp_path, check=False)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
-    assert "CHANGE_ME" in out and "model.path" in out and "slurm_partition" in out, out
+    assert "CHANGE_ME" in out and "model.revision" in out and "slurm_partition" in out, out
     assert "MissingInputException" not in out, out
 
 
@@ -194,3 +194,30 @@ def test_hy3rl_cli_prints_the_resolved_config_and_names_bad_keys(tmp_path: Path)
                           str(REPO / "config/config.yaml"), "--configfile", str(bad)],
                          capture_output=True, text=True)
     assert err.returncode == 2 and "train.totl_training_steps" in err.stderr, err.stderr
+
+
+def test_model_source_hub_or_local_and_its_path(tmp_path: Path):
+    """model.path (not a key) is model.dir for a hub repository, model.source itself for a
+    local directory (hy3rl.hub.is_local_source decides, as rule model does); a hub source
+    needs a full SHA and an absolute model.dir, refused at parse time by key."""
+    from fixtures.common import make_config
+
+    tiny = make_config().model
+    assert tiny.is_local and tiny.path == "resources/tiny-hy3" and tiny.revision is None
+    local = make_config(model={"source": str(tmp_path), "dir": "/ignored"}).model
+    assert local.is_local and local.path == str(tmp_path)
+    sha = "0123456789abcdef0123456789abcdef01234567"
+    hub = make_config(model={"source": "tencent/Hy3", "revision": sha, "dir": "/m/hy3"}).model
+    assert not hub.is_local and hub.path == "/m/hy3"
+    for model, key, words in (
+            ({"source": "tencent/Hy3", "dir": "/m"}, "model.revision", "missing"),
+            ({"source": "tencent/Hy3", "revision": "main", "dir": "/m"}, "model.revision",
+             "does not match"),
+            ({"source": "tencent/Hy3", "revision": sha[:12], "dir": "/m"}, "model.revision",
+             "does not match"),
+            ({"source": "tencent/Hy3", "revision": sha}, "model.dir", "absolute"),
+            ({"source": "tencent/Hy3", "revision": sha, "dir": "rel"}, "model.dir", "absolute"),
+            ({"path": "/old"}, "model.path", "unknown key")):
+        with pytest.raises(cfgmod.ConfigError) as err:
+            make_config(model=model)
+        assert key in str(err.value) and words in str(err.value), (model, str(err.value))

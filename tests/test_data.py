@@ -1,5 +1,6 @@
 """Stage `data` on real files made in the tests: parquet / JSONL / CSV in DAPO-Math-17k and
-AIME-2024 shapes, a real BPE tokenizer with a chat template, the real CLI."""
+AIME-2024 shapes, a real BPE tokenizer with a chat template, `run()` in-process, `hy3rl data`
+and the real rule."""
 
 from __future__ import annotations
 
@@ -27,20 +28,31 @@ from fixtures.data import (
     write_parquet,
 )
 from hy3rl import data
+from hy3rl.config import ConfigError
+from hy3rl.layout import Layout
+from hy3rl.settings import Config
 
 COLUMNS = ["data_source", "prompt", "ability", "reward_model", "extra_info"]
 
 
-def run_cli(tmp_path: Path, tokenizer: Path, train: dict, val: dict,
-            max_prompt_length: int = 2048) -> tuple[int, Path]:
+def data_section(train: dict, val: dict, max_prompt_length: int = 2048):
+    """The typed `data` section: these splits over the schema's defaults only."""
+    return Config.from_dict({"data": {"max_prompt_length": max_prompt_length, "train": train,
+                                      "val": val}}).data
+
+
+def run_stage(tmp_path: Path, tokenizer: Path, train: dict, val: dict,
+              max_prompt_length: int = 2048) -> tuple[str | None, Path]:
+    """run() in-process into ``tmp_path/out``; returns the DataError's message (None when
+    the stage succeeded) and the output directory."""
     out = tmp_path / "out"
-    cfg = {"data": {"max_prompt_length": max_prompt_length, "train": train, "val": val}}
-    rc = data.main([
-        "--config-json", json.dumps(cfg), "--tokenizer", str(tokenizer),
-        "--train-out", str(out / "train.parquet"), "--val-out", str(out / "val.parquet"),
-        "--summary", str(out / "summary.json"), "--cache-dir", str(tmp_path / "hf-cache"),
-    ])
-    return rc, out
+    try:
+        data.run(data_section(train, val, max_prompt_length), tokenizer=str(tokenizer),
+                 train=out / "train.parquet", val=out / "val.parquet",
+                 summary=out / "summary.json", cache_dir=str(tmp_path / "hf-cache"))
+    except data.DataError as exc:
+        return str(exc), out
+    return None, out
 
 
 def read_summary(out: Path) -> dict:
@@ -80,10 +92,10 @@ def test_paper_shape_keeps_file_as_is_and_summary_matches_independent_count(
     tmp_path, files, tiny_tokenizer_dir
 ):
     """The published setting: both files as they are (no dedup), val_n 1."""
-    rc, out = run_cli(tmp_path, tiny_tokenizer_dir,
-                      {"source": str(files["dapo"]), "dedup": False},
-                      {"source": str(files["aime"]), "dedup": False}, max_prompt_length=200)
-    assert rc == 0
+    err, out = run_stage(tmp_path, tiny_tokenizer_dir,
+                         {"source": str(files["dapo"]), "dedup": False},
+                         {"source": str(files["aime"]), "dedup": False}, max_prompt_length=200)
+    assert err is None, err
     summary = read_summary(out)
     train = pq.read_table(out / "train.parquet")
     val = pq.read_table(out / "val.parquet")
@@ -124,9 +136,9 @@ def test_paper_shape_keeps_file_as_is_and_summary_matches_independent_count(
 
 def test_dedup_keeps_first_occurrences_and_aime_problem_mode(tmp_path, files,
                                                             tiny_tokenizer_dir):
-    rc, out = run_cli(tmp_path, tiny_tokenizer_dir, {"source": str(files["dapo"])},
-                      {"source": str(files["aime"])})
-    assert rc == 0
+    err, out = run_stage(tmp_path, tiny_tokenizer_dir, {"source": str(files["dapo"])},
+                         {"source": str(files["aime"])})
+    assert err is None, err
     summary = read_summary(out)
     train = pq.read_table(out / "train.parquet").to_pylist()
     assert train == dapo_rows(20, 1)
@@ -147,24 +159,24 @@ def test_dedup_keeps_first_occurrences_and_aime_problem_mode(tmp_path, files,
 
 
 def test_explicit_and_uneven_val_n(tmp_path, files, tiny_tokenizer_dir):
-    rc, out = run_cli(tmp_path, tiny_tokenizer_dir, {"source": str(files["dapo"])},
-                      {"source": str(files["aime"]), "n": 16})
-    assert rc == 0 and read_summary(out)["val_n"] == 16
+    err, out = run_stage(tmp_path, tiny_tokenizer_dir, {"source": str(files["dapo"])},
+                         {"source": str(files["aime"]), "n": 16})
+    assert err is None and read_summary(out)["val_n"] == 16
     rows = aime_rows(32)[:-1]  # one problem now repeats 31 times
     uneven = write_parquet(tmp_path / "uneven.parquet", rows)
-    rc, out2 = run_cli(tmp_path / "b", tiny_tokenizer_dir, {"source": str(files["dapo"])},
-                       {"source": str(uneven)})
-    assert rc == 1 and not out2.exists()
+    err, out2 = run_stage(tmp_path / "b", tiny_tokenizer_dir, {"source": str(files["dapo"])},
+                          {"source": str(uneven)})
+    assert "cannot infer the validation n" in err and not out2.exists()
 
 
 def test_seeded_sample_is_reproducible_and_in_source_order(tmp_path, files,
                                                            tiny_tokenizer_dir):
     train = {"source": str(files["dapo"]), "dedup": False, "limit": 50, "seed": 7}
     val = {"source": str(files["aime"]), "limit": 5, "seed": 1}
-    rc, out_a = run_cli(tmp_path / "a", tiny_tokenizer_dir, train, val)
-    rc_b, out_b = run_cli(tmp_path / "b", tiny_tokenizer_dir, train, val)
-    rc_c, out_c = run_cli(tmp_path / "c", tiny_tokenizer_dir, {**train, "seed": 8}, val)
-    assert rc == rc_b == rc_c == 0
+    err_a, out_a = run_stage(tmp_path / "a", tiny_tokenizer_dir, train, val)
+    err_b, out_b = run_stage(tmp_path / "b", tiny_tokenizer_dir, train, val)
+    err_c, out_c = run_stage(tmp_path / "c", tiny_tokenizer_dir, {**train, "seed": 8}, val)
+    assert err_a is err_b is err_c is None, (err_a, err_b, err_c)
     assert sha256(out_a / "train.parquet") == sha256(out_b / "train.parquet")
     assert sha256(out_a / "train.parquet") != sha256(out_c / "train.parquet")
     rows = pq.read_table(out_a / "train.parquet").to_pylist()
@@ -184,12 +196,12 @@ def test_jsonl_source_and_custom_conversions(tmp_path, files, tiny_tokenizer_dir
     csv.write_text('uid,problem,answer,other\n'
                    'a1,"What is 5*5, written with three digits?",025,x\n'
                    'a2,Compute 3 - 10.,-7,y\n')
-    rc, out = run_cli(
+    err, out = run_stage(
         tmp_path, tiny_tokenizer_dir, {"source": str(jsonl), "dedup": False},
         {"source": str(csv), "convert": {"question": "problem", "answer": "answer",
                                          "id": "uid"}},
     )
-    assert rc == 0
+    assert err is None, err
     assert pq.read_table(out / "train.parquet").to_pylist() == dapo_rows(6, 2)
     val = pq.read_table(out / "val.parquet").to_pylist()
     assert val[0] == {
@@ -212,13 +224,13 @@ def test_jsonl_source_and_custom_conversions(tmp_path, files, tiny_tokenizer_dir
                                                  {"q": "Find y if 2y=208.", "a": 104}])
     par = tmp_path / "mine.parquet"
     pq.write_table(pa.table({"question": ["What is 1+1?"], "solution": [2]}), par)
-    rc, out2 = run_cli(
+    err, out2 = run_stage(
         tmp_path / "two", tiny_tokenizer_dir,
         {"source": str(mine), "convert": {"question": "q", "answer": "a", "template": "none",
                                           "data_source": "aime2024"}},
         {"source": str(par), "convert": {"question": "question", "answer": "solution"}},
     )
-    assert rc == 0
+    assert err is None, err
     train = pq.read_table(out2 / "train.parquet").to_pylist()
     assert [r["prompt"][0]["content"] for r in train] == ["Find x if x+1=0.",
                                                           "Find y if 2y=208."]
@@ -308,7 +320,7 @@ BAD_CASES = {
 @pytest.mark.parametrize("case", sorted(BAD_CASES))
 @pytest.mark.parametrize("split", ["train", "val"])
 def test_bad_input_names_file_row_column_and_leaves_nothing(
-    case, split, tmp_path, files, tiny_tokenizer_dir, capsys
+    case, split, tmp_path, files, tiny_tokenizer_dir
 ):
     make, fragments = BAD_CASES[case]
     src = tmp_path / "bad"
@@ -316,45 +328,43 @@ def test_bad_input_names_file_row_column_and_leaves_nothing(
     bad = make(src)
     good = {"train": {"source": str(files["dapo"])}, "val": {"source": str(files["aime"])}}
     good[split] = {"source": str(bad)}
-    rc, out = run_cli(tmp_path, tiny_tokenizer_dir, good["train"], good["val"])
-    err = capsys.readouterr().err
-    assert rc == 1, err
+    err, out = run_stage(tmp_path, tiny_tokenizer_dir, good["train"], good["val"])
+    assert err is not None
+    assert err.startswith(f"data.{split}: "), err
     assert str(bad) in err, err
     for fragment in fragments:
         assert fragment in err, (fragment, err)
     assert not out.exists() or list(out.iterdir()) == []  # no outputs, no temp files
 
 
-def test_custom_conversion_errors(tmp_path, files, tiny_tokenizer_dir, capsys):
+def test_custom_conversion_errors(tmp_path, files, tiny_tokenizer_dir):
     mine = write_jsonl(tmp_path / "mine.jsonl", [{"q": "a?", "a": 1}, {"q": "b?", "a": None}])
-    rc, out = run_cli(tmp_path, tiny_tokenizer_dir,
-                      {"source": str(mine), "convert": {"question": "q", "answer": "a"}},
-                      {"source": str(files["aime"])})
-    err = capsys.readouterr().err
-    assert rc == 1 and f"{mine}: row 1, column a: empty or missing value" in err
-    rc, out = run_cli(tmp_path, tiny_tokenizer_dir,
-                      {"source": str(mine), "convert": {"question": "question", "answer": "a"}},
-                      {"source": str(files["aime"])})
-    err = capsys.readouterr().err
-    assert rc == 1 and f"{mine}: column 'question' missing" in err
+    err, out = run_stage(tmp_path, tiny_tokenizer_dir,
+                         {"source": str(mine), "convert": {"question": "q", "answer": "a"}},
+                         {"source": str(files["aime"])})
+    assert err and f"{mine}: row 1, column a: empty or missing value" in err
+    err, out = run_stage(
+        tmp_path, tiny_tokenizer_dir,
+        {"source": str(mine), "convert": {"question": "question", "answer": "a"}},
+        {"source": str(files["aime"])})
+    assert err and f"{mine}: column 'question' missing" in err
     assert not out.exists() or list(out.iterdir()) == []
     listy = tmp_path / "listy.parquet"
     pq.write_table(pa.table({"q": ["a?", "b?"], "a": [[1, 2], [3]]}), listy)
-    rc, out = run_cli(tmp_path, tiny_tokenizer_dir,
-                      {"source": str(listy), "convert": {"question": "q", "answer": "a"}},
-                      {"source": str(files["aime"])})
-    err = capsys.readouterr().err
-    assert rc == 1 and f"{listy}: row 0, column a: expected text or numbers, got list" in err, err
+    err, out = run_stage(tmp_path, tiny_tokenizer_dir,
+                         {"source": str(listy), "convert": {"question": "q", "answer": "a"}},
+                         {"source": str(files["aime"])})
+    assert err and f"{listy}: row 0, column a: expected text or numbers, got list" in err, err
     assert not out.exists() or list(out.iterdir()) == []
 
 
 def test_existing_outputs_survive_a_failed_rerun(tmp_path, files, tiny_tokenizer_dir):
-    rc, out = run_cli(tmp_path, tiny_tokenizer_dir, {"source": str(files["dapo"])},
-                      {"source": str(files["aime"])})
+    err, out = run_stage(tmp_path, tiny_tokenizer_dir, {"source": str(files["dapo"])},
+                         {"source": str(files["aime"])})
     before = {p.name: sha256(p) for p in out.iterdir()}
-    rc2, _ = run_cli(tmp_path, tiny_tokenizer_dir, {"source": str(files["dapo"])},
-                     {"source": str(tmp_path / "missing.parquet")})
-    assert (rc, rc2) == (0, 1)
+    err2, _ = run_stage(tmp_path, tiny_tokenizer_dir, {"source": str(files["dapo"])},
+                        {"source": str(tmp_path / "missing.parquet")})
+    assert err is None and "no such file" in err2
     assert {p.name: sha256(p) for p in out.iterdir()} == before  # the old triple, intact
 
 
@@ -384,9 +394,9 @@ def test_local_dataset_repository_through_datasets(tmp_path, tiny_tokenizer_dir)
     write_parquet(repo / "data" / "aime-2024.parquet", aime_rows(32), pandas_index=True)
     train_repo = tmp_path / "DAPO-Math-17k"
     write_parquet(train_repo / "data" / "dapo-math-17k.parquet", dapo_rows(10, 3))
-    rc, out = run_cli(tmp_path, tiny_tokenizer_dir, {"source": str(train_repo)},
-                      {"source": str(repo)})
-    assert rc == 0
+    err, out = run_stage(tmp_path, tiny_tokenizer_dir, {"source": str(train_repo)},
+                         {"source": str(repo)})
+    assert err is None, err
     summary = read_summary(out)
     src = summary["splits"]["val"]["source"]
     assert src["kind"] == "directory" and src["config"] == "default"
@@ -398,39 +408,46 @@ def test_local_dataset_repository_through_datasets(tmp_path, tiny_tokenizer_dir)
     assert pq.read_table(out / "train.parquet").to_pylist() == dapo_rows(10, 1)
 
 
+def hy3rl_data(work: Path, override: dict, env: dict[str, str] | None = None
+               ) -> subprocess.CompletedProcess:
+    """`hy3rl data --configfile <work>/config.yaml` run from ``work`` (its own process)."""
+    work.mkdir(parents=True, exist_ok=True)
+    cfg = work / "config.yaml"
+    cfg.write_text(yaml.safe_dump(override))
+    return subprocess.run(
+        [sys.executable, "-m", "hy3rl.cli", "data", "--configfile", str(cfg)],
+        capture_output=True, text=True, cwd=work, timeout=300,
+        env={**os.environ, **(env or {})},
+    )
+
+
 def test_hub_source_offline_is_a_clear_error(tmp_path, tiny_tokenizer_dir):
     """The hub path itself cannot run here (no network); offline it must fail clearly,
     naming the dataset id, and leave nothing behind."""
-    cfg = {"data": {"train": {"source": "BytedTsinghua-SIA/DAPO-Math-17k"},
-                    "val": {"source": "BytedTsinghua-SIA/AIME-2024"}}}
-    out = tmp_path / "out"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-           "HF_HOME": str(tmp_path / "hf"), "PYTHONPATH": str(REPO_ROOT / "scripts")}
-    proc = subprocess.run(
-        [sys.executable, "-m", "hy3rl.data", "--config-json", json.dumps(cfg),
-         "--tokenizer", str(tiny_tokenizer_dir), "--train-out", str(out / "train.parquet"),
-         "--val-out", str(out / "val.parquet"), "--summary", str(out / "summary.json")],
-        capture_output=True, text=True, env=env, timeout=300,
-    )
+    override = {"run": {"name": "t"}, "model": {"source": str(tiny_tokenizer_dir)},
+                "data": {"train": {"source": "BytedTsinghua-SIA/DAPO-Math-17k"},
+                         "val": {"source": "BytedTsinghua-SIA/AIME-2024"}}}
+    env = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    work = tmp_path / "work"
+    proc = hy3rl_data(work, override, env)
     assert proc.returncode == 1, proc.stderr
     assert "dataset 'BytedTsinghua-SIA/DAPO-Math-17k': cannot load" in proc.stderr
     assert "Traceback" not in proc.stderr
+    out = work / Path(Layout("results", "t").data_summary).parent
     assert not out.exists() or list(out.iterdir()) == []
 
 
-def test_bad_config_and_tokenizer(tmp_path, files, tiny_tokenizer_dir, capsys):
-    out = tmp_path / "out"
-    args = ["--train-out", str(out / "t.parquet"), "--val-out", str(out / "v.parquet"),
-            "--summary", str(out / "s.json")]
-    cfg = {"data": {"train": {"source": str(files["dapo"]), "dedupe": True}}}
-    assert data.main(["--config-json", json.dumps(cfg), "--tokenizer",
-                      str(tiny_tokenizer_dir), *args]) == 1
-    assert "data.train.dedupe" in capsys.readouterr().err
-    cfg = {"data": {"train": {"source": str(files["dapo"])},
-                    "val": {"source": str(files["aime"])}}}
-    assert data.main(["--config-json", json.dumps(cfg), "--tokenizer",
-                      str(tmp_path / "no-model"), *args]) == 1
-    assert "cannot load the tokenizer" in capsys.readouterr().err
+def test_bad_config_and_tokenizer(tmp_path, files, tiny_tokenizer_dir):
+    # A misspelt key: the schema names it (the Snakefile and `hy3rl` validate first).
+    with pytest.raises(ConfigError, match=r"data\.train\.dedupe"):
+        data_section({"source": str(files["dapo"]), "dedupe": True}, {"source": "x"})
+    # `hy3rl data`: the same, as one line and a non-zero exit status, no traceback.
+    proc = hy3rl_data(tmp_path / "work", {"data": {"train": {"dedupe": True}}})
+    assert proc.returncode != 0 and "data.train.dedupe" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+    err, out = run_stage(tmp_path, tmp_path / "no-model", {"source": str(files["dapo"])},
+                         {"source": str(files["aime"])})
+    assert err and "cannot load the tokenizer" in err
     assert not out.exists()
 
 
@@ -443,7 +460,7 @@ def test_data_rule_through_snakemake(tmp_path, files, tiny_tokenizer_dir):
     model = work / "model"
     shutil.copytree(tiny_tokenizer_dir, model)
     (model / "config.json").write_text("{}")
-    override = {"run": {"name": "t"}, "model": {"path": str(model)},
+    override = {"run": {"name": "t"}, "model": {"source": str(model)},
                 "data": {"train": {"source": str(files["dapo"]), "limit": 8},
                          "val": {"source": str(files["aime"])}}}
     cfg = tmp_path / "local.yaml"
@@ -454,6 +471,9 @@ def test_data_rule_through_snakemake(tmp_path, files, tiny_tokenizer_dir):
     summary = json.loads((work / target).read_text())
     assert summary["splits"]["train"]["rows"] == 8 and summary["val_n"] == 32
     assert "val_n: 32" in (work / "results/t/logs/data.log").read_text()
+    # The model directory is read after rule model described it (the data rule's input).
+    manifest = json.loads((work / "results/t/model/manifest.json").read_text())
+    assert manifest["source"] == {"kind": "local", "path": str(model)}
 
 
 def test_prompt_ids_across_chunks_and_roles():
@@ -481,21 +501,21 @@ def test_conflicting_answers_counted_and_first_kept(tmp_path, files, tiny_tokeni
     rows = dapo_rows(3, 2)
     rows[4] = {**rows[4], "reward_model": {"ground_truth": "999", "style": "s"}}
     src = write_parquet(tmp_path / "conflict.parquet", rows)
-    rc, out = run_cli(tmp_path, tiny_tokenizer_dir, {"source": str(src)},
-                      {"source": str(files["aime"])})
-    assert rc == 0
+    err, out = run_stage(tmp_path, tiny_tokenizer_dir, {"source": str(src)},
+                         {"source": str(files["aime"])})
+    assert err is None, err
     rec = read_summary(out)["splits"]["train"]
     assert rec["input"]["prompts_with_conflicting_answers"] == 1
     assert pq.read_table(out / "train.parquet").to_pylist() == dapo_rows(3, 1)
 
 
-def test_empty_source_and_revision_on_local_file(tmp_path, files, tiny_tokenizer_dir, capsys):
+def test_empty_source_and_revision_on_local_file(tmp_path, files, tiny_tokenizer_dir):
     empty = tmp_path / "empty.parquet"
     pq.write_table(pa.Table.from_pylist(dapo_rows(1)).slice(0, 0), empty)
-    rc, out = run_cli(tmp_path, tiny_tokenizer_dir, {"source": str(empty)},
-                      {"source": str(files["aime"])})
-    assert rc == 1 and f"data.train: {empty}: no rows" in capsys.readouterr().err
-    rc, out = run_cli(tmp_path, tiny_tokenizer_dir, {"source": str(files["dapo"])},
-                      {"source": str(files["aime"]), "revision": "main"})
-    assert rc == 1 and "applies to hub datasets only" in capsys.readouterr().err
+    err, out = run_stage(tmp_path, tiny_tokenizer_dir, {"source": str(empty)},
+                         {"source": str(files["aime"])})
+    assert err == f"data.train: {empty}: no rows"
+    err, out = run_stage(tmp_path, tiny_tokenizer_dir, {"source": str(files["dapo"])},
+                         {"source": str(files["aime"]), "revision": "main"})
+    assert "applies to hub datasets only" in err
     assert not out.exists() or list(out.iterdir()) == []

@@ -1,9 +1,10 @@
 """Stage `deps` on real git repositories made in the test (tests/fixtures/deps.py):
 clone at pins, verify, refuse bad pins and dirty clones, stay offline when nothing changed,
-serialise concurrent runs; and the real `deps` rule through Snakemake."""
+serialise concurrent runs; `hy3rl deps` by hand; and the real `deps` rule through Snakemake."""
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import json
 import os
@@ -14,28 +15,53 @@ from pathlib import Path
 
 import pytest
 import yaml
-from fixtures.common import REPO_ROOT, git, run_snakemake
+from fixtures.common import REPO_ROOT, git, make_config, run_snakemake
 from fixtures.deps import Upstreams
-from hy3rl import deps
+from hy3rl import deps, timefmt
+from hy3rl.config import ConfigError
+from hy3rl.layout import Layout
+from hy3rl.settings import Config, Repo
 
 NAMES = ("verl", "megatron_bridge", "transfer_queue")
+# `hy3rl deps` run from a work directory writes the run's layout there.
+CLI_LAYOUT = Layout("results", "t")
 
 
-def run_cli(section: dict, out: Path, env: dict[str, str] | None = None) -> tuple[int, str]:
-    """Run the CLI in a subprocess (its own environment, like the rule does)."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "hy3rl.deps", "--config-json", json.dumps({"deps": section}),
-         "--lock", str(out / "lock.json"), "--runtime-env", str(out / "runtime_env.yaml")],
-        capture_output=True, text=True, timeout=120, cwd=out.parent,
-        env={**os.environ, "PYTHONPATH": str(REPO_ROOT / "scripts"), **(env or {})},
+def run_deps(section: dict, out: Path) -> deps.Lock:
+    """The stage in-process: the typed `deps` section, explicit output paths."""
+    return deps.run(make_config(deps=section).deps, lock=out / "lock.json",
+                    runtime_env=out / "runtime_env.yaml")
+
+
+def deps_error(section: dict, out: Path) -> str:
+    """The message of the DepsError the stage stops with."""
+    with pytest.raises(deps.DepsError) as info:
+        run_deps(section, out)
+    return str(info.value)
+
+
+def cli(section: dict, work: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """`hy3rl deps --configfile <work>/config.yaml` from ``work``, started (not waited for)."""
+    work.mkdir(parents=True, exist_ok=True)
+    cfg = work / "config.yaml"
+    cfg.write_text(yaml.safe_dump({"run": {"name": CLI_LAYOUT.run}, "deps": section}))
+    return subprocess.Popen(
+        [sys.executable, "-m", "hy3rl.cli", "deps", "--configfile", str(cfg)], cwd=work,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, **(env or {})},
     )
-    return proc.returncode, proc.stdout + proc.stderr
 
 
-def run_main(section: dict, out: Path) -> int:
-    return deps.main(["--config-json", json.dumps({"deps": section}),
-                      "--lock", str(out / "lock.json"),
-                      "--runtime-env", str(out / "runtime_env.yaml")])
+def run_cli(section: dict, work: Path, env: dict[str, str] | None = None) -> tuple[int, str]:
+    """Run `hy3rl deps` in a subprocess (its own environment, like the rule's job)."""
+    proc = cli(section, work, env)
+    out, _ = proc.communicate(timeout=120)
+    return proc.returncode, out
+
+
+def cli_out(work: Path) -> Path:
+    """The directory of lock.json and runtime_env.yaml that `hy3rl deps` writes in ``work``."""
+    return (work / CLI_LAYOUT.deps_lock).parent
 
 
 def head(path: Path) -> str:
@@ -51,10 +77,11 @@ def test_clones_verifies_and_writes_lock_and_runtime_env(deps_upstreams: Upstrea
     up = deps_upstreams
     deps_dir, out = tmp_path / "deps", tmp_path / "out"
     pins = dict(up.first)  # an older commit, not the branch tip
-    assert run_main(up.section(deps_dir, pins), out) == 0
+    run_deps(up.section(deps_dir, pins), out)
 
     lock = load_lock(out)
     assert lock["schema_version"] == 1
+    assert lock["created"].endswith("+00:00") and timefmt.parse(lock["created"])
     assert lock["git_version"].startswith("git version ")
     assert lock["deps_dir"] == str(deps_dir)
     assert set(lock["repos"]) == set(NAMES)
@@ -66,7 +93,7 @@ def test_clones_verifies_and_writes_lock_and_runtime_env(deps_upstreams: Upstrea
         assert entry["path"] == str(clone)
         assert entry["action"] == "cloned" and entry["fetched"] is True
         assert entry["fetch_mode"] == "shallow-sha" and entry["shallow"] is True
-        assert entry["verified_at"].endswith("Z")
+        assert entry["verified_at"].endswith("+00:00")  # timefmt.utc_now()
         assert all(c["present"] for c in entry["checks"]), entry["checks"]
         # detached HEAD, clean tree, and only the pinned commit fetched
         assert subprocess.run(["git", "symbolic-ref", "-q", "HEAD"], cwd=clone).returncode == 1
@@ -99,54 +126,72 @@ def test_second_run_needs_no_network(deps_upstreams: Upstreams, tmp_path: Path):
     up = deps_upstreams
     deps_dir, out = tmp_path / "deps", tmp_path / "out"
     section = up.section(deps_dir)
-    assert run_main(section, out) == 0
+    run_deps(section, out)
     for name, path in up.paths.items():  # every remote gone: any fetch would fail
         path.rename(path.with_name(name + ".gone"))
-    rc, text = run_cli(section, out)
+    work = tmp_path / "work"
+    rc, text = run_cli(section, work)
     assert rc == 0, text
-    lock = load_lock(out)
+    lock = load_lock(cli_out(work))
     for name in NAMES:
         entry = lock["repos"][name]
         assert entry["action"] == "unchanged" and entry["fetched"] is False, entry
         assert entry["fetch_mode"] is None and entry["head"] == up.head[name]
 
 
-@pytest.mark.parametrize(
-    "commit, expected",
-    [
-        ("220e903", "short SHA (7 characters)"),
-        ("220e9039902c6db56860e2afd659803dc34ec00", "short SHA (39 characters)"),
-        ("main", "branch names and tags are refused"),
-        ("v0.1.8", "branch names and tags are refused"),
-        ("220E9039902C6DB56860E2AFD659803DC34EC005", "must be lowercase hex"),
-    ],
-)
+BAD_PINS = [
+    ("220e903", "short SHA (7 characters)"),
+    ("220e9039902c6db56860e2afd659803dc34ec00", "short SHA (39 characters)"),
+    ("main", "branch names and tags are refused"),
+    ("v0.1.8", "branch names and tags are refused"),
+    ("220E9039902C6DB56860E2AFD659803DC34EC005", "must be lowercase hex"),
+    ("", "missing; pin a full 40-hex commit SHA"),
+]
+
+
+@pytest.mark.parametrize("commit, expected", BAD_PINS)
 def test_bad_pins_refused_naming_the_key(deps_upstreams: Upstreams, tmp_path: Path,
-                                         commit: str, expected: str, capsys):
+                                         commit: str, expected: str):
     section = deps_upstreams.section(tmp_path / "deps")
     section["repos"]["transfer_queue"]["commit"] = commit
-    assert run_main(section, tmp_path / "out") == 1
-    err = capsys.readouterr().err
-    assert f"deps.repos.transfer_queue.commit: {commit!r}" in err and expected in err, err
+    # The schema refuses it first (the Snakefile and `hy3rl` validate the config) ...
+    with pytest.raises(ConfigError, match=r"deps\.repos\.transfer_queue\.commit: "):
+        make_config(deps=section)
+    # ... and run() re-checks a section built by hand before git sees the value, saying why.
+    typed = make_config(deps=deps_upstreams.section(tmp_path / "deps")).deps
+    bad = dataclasses.replace(typed, repos=dataclasses.replace(
+        typed.repos, transfer_queue=Repo(str(deps_upstreams.paths["transfer_queue"]), commit)))
+    with pytest.raises(deps.DepsError) as info:
+        deps.run(bad, lock=tmp_path / "out/lock.json", runtime_env=tmp_path / "out/rt.yaml")
+    err = str(info.value)
+    key = "deps.repos.transfer_queue.commit: " + (repr(commit) if commit else "missing")
+    assert key in err and expected in err, err
     assert not (tmp_path / "deps").exists() and not (tmp_path / "out").exists()
 
 
-def test_missing_and_unknown_keys_named(tmp_path: Path):
-    with pytest.raises(deps.DepsError, match=r"deps.repos.verl.commit: missing"):
-        deps.run({"dir": "d", "repos": {"verl": {"url": "x", "commit": ""}}},
-                 tmp_path / "l.json", tmp_path / "r.yaml")
-    with pytest.raises(deps.DepsError, match=r"deps.repos.vrel"):
-        deps.run({"dir": "d", "repos": {"vrel": {"url": "x", "commit": "a" * 40}}},
-                 tmp_path / "l.json", tmp_path / "r.yaml")
+def test_missing_and_unknown_keys_named():
+    with pytest.raises(ConfigError, match=r"deps.repos.verl: 'commit' is a required property"):
+        Config.from_dict({"deps": {"dir": "d", "repos": {"verl": {"url": "x"}}}})
+    with pytest.raises(ConfigError, match=r"unknown key deps.repos.vrel"):
+        Config.from_dict({"deps": {"dir": "d",
+                                   "repos": {"vrel": {"url": "x", "commit": "a" * 40}}}})
 
 
-def test_missing_commit_names_repo_url_and_sha(deps_upstreams: Upstreams, tmp_path: Path,
-                                               capsys):
+def test_hy3rl_deps_refuses_a_bad_pin_by_key(deps_upstreams: Upstreams, tmp_path: Path):
+    """`hy3rl deps` by hand: a bad pin is a one-line error naming the key, no traceback,
+    nothing cloned or written."""
+    section = deps_upstreams.section(tmp_path / "deps", {"verl": "main"})
+    work = tmp_path / "work"
+    rc, text = run_cli(section, work)
+    assert rc != 0 and "deps.repos.verl.commit" in text and "Traceback" not in text, text
+    assert not (tmp_path / "deps").exists() and not (work / "results").exists()
+
+
+def test_missing_commit_names_repo_url_and_sha(deps_upstreams: Upstreams, tmp_path: Path):
     up = deps_upstreams
     ghost = "0123456789abcdef0123456789abcdef01234567"
     section = up.section(tmp_path / "deps", {"megatron_bridge": ghost})
-    assert run_main(section, tmp_path / "out") == 1
-    err = capsys.readouterr().err
+    err = deps_error(section, tmp_path / "out")
     assert "deps.repos.megatron_bridge.commit" in err
     assert f"commit {ghost}" in err and repr(str(up.paths["megatron_bridge"])) in err
     assert "repo megatron_bridge" in err and "force-pushed" in err
@@ -164,22 +209,22 @@ def test_full_fetch_fallback_when_server_refuses_sha_requests(deps_upstreams: Up
     untagged = {n: up.first[n] for n in NAMES}
     for name in NAMES:  # make the old commits reachable from no tag, only from history
         git("tag", "-d", "v0.1.8", cwd=up.paths[name])
-    out = tmp_path / "out"
-    rc, text = run_cli(up.section(tmp_path / "deps", untagged), out, env=v0)
+    work = tmp_path / "work"
+    rc, text = run_cli(up.section(tmp_path / "deps", untagged), work, env=v0)
     assert rc == 0, text
     for name in NAMES:
-        entry = load_lock(out)["repos"][name]
+        entry = load_lock(cli_out(work))["repos"][name]
         assert entry["fetch_mode"] == "full" and entry["head"] == untagged[name]
     ghost = "f" * 40
-    rc, text = run_cli(up.section(tmp_path / "deps2", {"verl": ghost}), out, env=v0)
+    rc, text = run_cli(up.section(tmp_path / "deps2", {"verl": ghost}), work, env=v0)
     assert rc == 1 and f"commit {ghost} is not in any branch or tag" in text, text
+    assert "Traceback" not in text, text
 
 
-def test_unreachable_url(deps_upstreams: Upstreams, tmp_path: Path, capsys):
+def test_unreachable_url(deps_upstreams: Upstreams, tmp_path: Path):
     section = deps_upstreams.section(tmp_path / "deps",
                                      urls={"verl": str(tmp_path / "no-such-repo")})
-    assert run_main(section, tmp_path / "out") == 1
-    err = capsys.readouterr().err
+    err = deps_error(section, tmp_path / "out")
     assert "deps.repos.verl: cannot fetch from" in err and "no-such-repo" in err
     assert not (tmp_path / "deps" / "verl").exists()
 
@@ -187,16 +232,16 @@ def test_unreachable_url(deps_upstreams: Upstreams, tmp_path: Path, capsys):
 def test_moving_the_pin_updates_the_clone(deps_upstreams: Upstreams, tmp_path: Path):
     up = deps_upstreams
     deps_dir, out = tmp_path / "deps", tmp_path / "out"
-    assert run_main(up.section(deps_dir, up.first), out) == 0
+    run_deps(up.section(deps_dir, up.first), out)
     new = up.add_commit("verl", {"verl/new.py": "x = 1\n"})
-    assert run_main(up.section(deps_dir, {**up.first, "verl": new}), out) == 0
+    run_deps(up.section(deps_dir, {**up.first, "verl": new}), out)
     entry = load_lock(out)["repos"]["verl"]
     assert entry["action"] == "checked_out" and entry["fetched"] is True
     assert head(deps_dir / "verl") == new and (deps_dir / "verl/verl/new.py").exists()
     assert load_lock(out)["repos"]["megatron_bridge"]["action"] == "unchanged"
     # Back to the old pin: already in the clone, so no fetch (the remote may be gone).
     up.paths["verl"].rename(tmp_path / "verl.gone")
-    assert run_main(up.section(deps_dir, up.first), out) == 0
+    run_deps(up.section(deps_dir, up.first), out)
     entry = load_lock(out)["repos"]["verl"]
     assert entry["action"] == "checked_out" and entry["fetched"] is False
     assert head(deps_dir / "verl") == up.first["verl"]
@@ -205,28 +250,26 @@ def test_moving_the_pin_updates_the_clone(deps_upstreams: Upstreams, tmp_path: P
 
 @pytest.mark.parametrize("change", ["modified", "untracked"])
 def test_dirty_clone_is_refused_and_kept(deps_upstreams: Upstreams, tmp_path: Path,
-                                         change: str, capsys):
+                                         change: str):
     up = deps_upstreams
     deps_dir, out = tmp_path / "deps", tmp_path / "out"
-    assert run_main(up.section(deps_dir, up.first), out) == 0
+    run_deps(up.section(deps_dir, up.first), out)
     clone = deps_dir / "transfer_queue"
     target = clone / ("transfer_queue/__init__.py" if change == "modified" else "notes.txt")
     target.write_text("my work\n")
     for pins in (up.first, up.head):  # same pin and a moved pin: both refused
-        assert run_main(up.section(deps_dir, pins), out) == 1
-        err = capsys.readouterr().err
+        err = deps_error(up.section(deps_dir, pins), out)
         assert "deps.repos.transfer_queue" in err and "local changes" in err, err
         assert target.name in err
         assert target.read_text() == "my work\n"
         assert head(clone) == up.first["transfer_queue"]
 
 
-def test_non_git_directory_refused(deps_upstreams: Upstreams, tmp_path: Path, capsys):
+def test_non_git_directory_refused(deps_upstreams: Upstreams, tmp_path: Path):
     deps_dir = tmp_path / "deps"
     (deps_dir / "verl").mkdir(parents=True)
     (deps_dir / "verl" / "keep.txt").write_text("x")
-    assert run_main(deps_upstreams.section(deps_dir), tmp_path / "out") == 1
-    assert "is not a git clone" in capsys.readouterr().err
+    assert "is not a git clone" in deps_error(deps_upstreams.section(deps_dir), tmp_path / "out")
     assert (deps_dir / "verl" / "keep.txt").read_text() == "x"
 
 
@@ -237,7 +280,7 @@ def test_missing_expected_paths_are_warnings(deps_upstreams: Upstreams, tmp_path
     git("-c", "user.name=t", "-c", "user.email=t@e", "commit", "-qm", "rm", cwd=up.paths["verl"])
     sha = head(up.paths["verl"])
     out = tmp_path / "out"
-    assert run_main(up.section(tmp_path / "deps", {"verl": sha}), out) == 0
+    run_deps(up.section(tmp_path / "deps", {"verl": sha}), out)
     lock = load_lock(out)
     assert any("run_hy_v3_megatron.sh is missing" in w for w in lock["warnings"])
     assert any("runtime_env.yaml is missing" in w for w in lock["warnings"])
@@ -250,40 +293,34 @@ def test_missing_expected_paths_are_warnings(deps_upstreams: Upstreams, tmp_path
 
 
 def test_concurrent_run_waits_for_the_lock(deps_upstreams: Upstreams, tmp_path: Path):
-    deps_dir, out = tmp_path / "deps", tmp_path / "out"
+    deps_dir, work = tmp_path / "deps", tmp_path / "work"
     deps_dir.mkdir()
-    errlog = tmp_path / "second.err"
     with open(deps_dir / deps.LOCK_FILE, "a+") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
         held.write("pid 1 (the test)\n")
         held.flush()
-        with open(errlog, "w") as err:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "hy3rl.deps", "--config-json",
-                 json.dumps({"deps": deps_upstreams.section(deps_dir)}),
-                 "--lock", str(out / "lock.json"), "--runtime-env", str(out / "rt.yaml")],
-                stderr=err, stdout=subprocess.DEVNULL,
-                env={**os.environ, "PYTHONPATH": str(REPO_ROOT / "scripts")},
-            )
+        proc = cli(deps_upstreams.section(deps_dir), work)
+        seen = ""
         try:
             deadline = time.monotonic() + 60
-            while "waiting for the lock" not in errlog.read_text():
-                assert proc.poll() is None, errlog.read_text()
+            while "waiting for the lock" not in seen:
+                assert proc.poll() is None, seen + proc.stdout.read()
                 assert time.monotonic() < deadline, "second run never reported the lock"
-                time.sleep(0.05)
-            assert "pid 1 (the test)" in errlog.read_text()
+                seen += proc.stdout.readline()
+            assert "pid 1 (the test)" in seen
             assert not (deps_dir / "verl").exists()  # nothing done while the lock is held
         finally:
             fcntl.flock(held, fcntl.LOCK_UN)
-    assert proc.wait(timeout=120) == 0, errlog.read_text()
-    assert load_lock(out)["repos"]["verl"]["action"] == "cloned"
+    rest, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, seen + rest
+    assert load_lock(cli_out(work))["repos"]["verl"]["action"] == "cloned"
 
 
 def test_interrupted_clone_leftovers_are_removed(deps_upstreams: Upstreams, tmp_path: Path):
     deps_dir = tmp_path / "deps"
     leftover = deps_dir / ".verl.tmp-abc123"
     (leftover / ".git").mkdir(parents=True)
-    assert run_main(deps_upstreams.section(deps_dir), tmp_path / "out") == 0
+    run_deps(deps_upstreams.section(deps_dir), tmp_path / "out")
     assert not leftover.exists()
 
 

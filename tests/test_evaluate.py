@@ -1,11 +1,13 @@
 """Generation: validation problems grouped by id, presets, per-request seeds, vLLM request
 building (vLLM itself is not installed here: `not run`), the transformers backend end to end
-on the tiny Hy3 on CPU, resume after an interruption (in-process and a real SIGKILL), and
+on the tiny Hy3 on CPU, resume after an interruption (in-process and a real SIGKILL of
+`hy3rl evaluate`), tags and their models (the checkpoint directory of hy3rl.layout), and
 `snakemake evaluate` on the embedded default."""
 
 from __future__ import annotations
 
 import csv
+import dataclasses
 import hashlib
 import io
 import json
@@ -20,11 +22,13 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import yaml
-from fixtures.common import REPO_ROOT, run_snakemake
+from fixtures.common import REPO_ROOT, make_config, run_snakemake
 from fixtures.eval import make_val_parquet
 from hy3rl import evaluate
+from hy3rl.config import ConfigError, deep_merge
 from hy3rl.evaluate import (
     EvalError,
+    EvalNotRun,
     Request,
     Sampling,
     build_requests,
@@ -40,8 +44,20 @@ from hy3rl.evaluate import (
     vllm_prompts,
     vllm_sampling_kwargs,
 )
+from hy3rl.layout import Layout
 
 SMALL = {"n_samples": 2, "max_tokens": 8, "num_problems": 3, "batch_size": 2}
+HY3RL = [sys.executable, "-m", "hy3rl.cli"]
+
+
+def _ev(**over):
+    """The typed eval section of the embedded default with ``over`` merged in."""
+    return make_config(eval=over).eval
+
+
+def _run(ev, model: Path, val: Path, out: Path, tag: str = "base") -> None:
+    evaluate.run(ev, tag=tag, model=model, val=val, samples=out,
+                 meta=out.with_name("samples.meta.json"))
 
 
 # ---------------------------------------------------------------------- problems & settings
@@ -75,16 +91,17 @@ def test_bad_validation_rows_are_named(tmp_path):
 
 
 def test_presets_and_overrides():
-    pub = resolve_sampling({})
+    unset = {"n_samples": None, "max_tokens": None}  # the embedded default sets these two
+    pub = resolve_sampling(_ev(**unset))
     assert (pub.temperature, pub.top_p, pub.n_samples, pub.max_tokens) == (1.0, 1.0, 32, 8192)
-    dapo = resolve_sampling({"preset": "dapo"})
+    dapo = resolve_sampling(_ev(preset="dapo", **unset))
     assert (dapo.temperature, dapo.top_p, dapo.n_samples, dapo.max_tokens) == (1.0, 0.7, 32, 20480)
-    mine = resolve_sampling({"preset": "dapo", "top_p": 0.95, "temperature": 0.6,
-                             "n_samples": 64, "max_tokens": None, "seed": 9})
+    mine = resolve_sampling(_ev(preset="dapo", top_p=0.95, temperature=0.6, n_samples=64,
+                                max_tokens=None, seed=9))
     assert (mine.temperature, mine.top_p, mine.n_samples, mine.max_tokens, mine.seed) == \
         (0.6, 0.95, 64, 20480, 9)
-    with pytest.raises(EvalError, match="eval.preset"):
-        resolve_sampling({"preset": "nope"})
+    with pytest.raises(ConfigError, match="preset"):  # the schema refuses an unknown preset
+        _ev(preset="nope")
 
 
 def test_request_seeds_are_stable_and_distinct():
@@ -94,7 +111,7 @@ def test_request_seeds_are_stable_and_distinct():
 
 
 def _requests(n_problems=2, n=3) -> tuple[list[Request], Sampling]:
-    sampling = resolve_sampling({"preset": "dapo", "n_samples": n, "seed": 5})
+    sampling = resolve_sampling(_ev(preset="dapo", n_samples=n, max_tokens=None, seed=5))
     probs = [evaluate.Problem(str(i), [{"role": "user", "content": f"q{i}"}], "1", "math_dapo",
                               [i]) for i in range(n_problems)]
     return build_requests(probs, {p.problem_id: f"<u>{p.problem_id}<a>" for p in probs},
@@ -128,14 +145,19 @@ def test_vllm_sampling_params_and_prompts():
 
 def test_vllm_engine_layout():
     _, sampling = _requests()
-    hy3 = vllm_engine_kwargs("/m", {"tensor_parallel_size": 16, "nodes": 2, "gpus_per_node": 8,
-                                    "max_model_len": 10240}, sampling, 300)
+
+    def vllm(**v):
+        return _ev(vllm=v).vllm
+
+    hy3 = vllm_engine_kwargs("/m", vllm(tensor_parallel_size=16, nodes=2, gpus_per_node=8,
+                                        max_model_len=10240), sampling, 300)
     assert hy3["tensor_parallel_size"] == 16 and hy3["distributed_executor_backend"] == "ray"
     assert hy3["max_model_len"] == 10240 and hy3["model"] == hy3["tokenizer"] == "/m"
-    one = vllm_engine_kwargs("/m", {"tensor_parallel_size": 8, "gpus_per_node": 8}, sampling, 300)
+    assert hy3["gpu_memory_utilization"] == 0.9 and hy3["enforce_eager"] is False
+    one = vllm_engine_kwargs("/m", vllm(tensor_parallel_size=8, gpus_per_node=8), sampling, 300)
     assert one["distributed_executor_backend"] == "mp" and one["max_model_len"] == 300 + 20480
     with pytest.raises(EvalError, match="must equal nodes x gpus_per_node"):
-        vllm_engine_kwargs("/m", {"tensor_parallel_size": 8, "nodes": 2, "gpus_per_node": 8},
+        vllm_engine_kwargs("/m", vllm(tensor_parallel_size=8, nodes=2, gpus_per_node=8),
                            sampling, 1)
     reqs, _ = _requests(n_problems=5, n=2)
     shards = vllm_dp_shards(reqs, 2)
@@ -151,11 +173,10 @@ def test_vllm_backend_records_not_run_here(tmp_path, tiny_hy3_dir, eval_val_parq
     if evaluate.vllm_available()[0]:
         pytest.skip("vLLM is installed here")
     out, meta = tmp_path / "s.jsonl", tmp_path / "s.meta.json"
-    cfg = {"eval": {"backend": "vllm", **SMALL}}
-    rc = evaluate.main(["--config-json", json.dumps(cfg), "--tag", "base", "--model",
-                        str(tiny_hy3_dir), "--val", str(eval_val_parquet), "--out", str(out),
-                        "--meta", str(meta)])
-    assert rc == evaluate.NOT_RUN_EXIT and not out.exists()
+    with pytest.raises(EvalNotRun, match="not run: vllm is not importable"):
+        evaluate.run(_ev(backend="vllm", **SMALL), tag="base", model=tiny_hy3_dir,
+                     val=eval_val_parquet, samples=out, meta=meta)
+    assert not out.exists()
     m = json.loads(meta.read_text())
     assert m["status"] == "not run" and "vllm" in m["reason"]
 
@@ -178,12 +199,8 @@ def test_sample_row_top_p_temperature_and_seed():
 
 def _gen(tmp_path: Path, model: Path, val: Path, name: str, **cfg) -> tuple[Path, dict]:
     out = tmp_path / name / "samples.jsonl"
-    meta = out.with_name("samples.meta.json")
-    rc = evaluate.main(["--config-json", json.dumps({"eval": {**SMALL, **cfg}}), "--tag", "base",
-                        "--model", str(model), "--val", str(val), "--out", str(out),
-                        "--meta", str(meta)])
-    assert rc == 0
-    return out, json.loads(meta.read_text())
+    _run(_ev(**{**SMALL, **cfg}), model, val, out)
+    return out, json.loads(out.with_name("samples.meta.json").read_text())
 
 
 def _lines(path: Path) -> list[dict]:
@@ -253,11 +270,11 @@ def test_resume_after_interrupt_in_process(tmp_path, tiny_hy3_dir, reference):
     from transformers import AutoTokenizer
 
     val, ref_out, _ = reference
-    sampling = resolve_sampling(SMALL)
+    sampling = resolve_sampling(_ev(**SMALL))
     problems = load_problems(val, 3)
     tok = AutoTokenizer.from_pretrained(tiny_hy3_dir)
     reqs = build_requests(problems, evaluate.render_prompts(tok, problems), sampling)
-    backend = evaluate.TransformersBackend(str(tiny_hy3_dir))
+    backend = evaluate.TransformersBackend(str(tiny_hy3_dir), device="auto", dtype="auto")
     calls: list[int] = []
 
     def generate(batch):
@@ -302,18 +319,26 @@ def test_partial_from_other_settings_is_set_aside(tmp_path):
     assert part.with_name(part.name + ".stale").exists()
 
 
+def _configfile(tmp_path: Path, model: Path, **ev) -> Path:
+    """A config file for `hy3rl` run from ``tmp_path``: run `k`, the tiny model, ``ev``."""
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump({"run": {"name": "k"}, "model": {"source": str(model)},
+                                    "eval": ev}))
+    return path
+
+
 def test_resume_after_sigkill(tmp_path, tiny_hy3_dir, reference):
-    """Kill the real CLI with SIGKILL after its first saved batch, rerun: no duplicates, and
-    the file equals the uninterrupted run's."""
+    """Kill the real `hy3rl evaluate` with SIGKILL after its first saved batch, rerun: no
+    duplicates, and the file equals the uninterrupted run's."""
     val, ref_out, _ = reference
-    out = tmp_path / "k" / "samples.jsonl"
+    cfg = _configfile(tmp_path, tiny_hy3_dir, **{**SMALL, "batch_size": 1})
+    layout = Layout.of_results(tmp_path / "results" / "k")
+    Path(layout.data_val).parent.mkdir(parents=True)
+    shutil.copyfile(val, layout.data_val)
+    out = Path(layout.eval_samples("base"))
     part = evaluate.partial_path(out)
-    cmd = [sys.executable, "-m", "hy3rl.evaluate", "--config-json",
-           json.dumps({"eval": {**SMALL, "batch_size": 1}}), "--tag", "base",
-           "--model", str(tiny_hy3_dir), "--val", str(val), "--out", str(out),
-           "--meta", str(out.with_name("samples.meta.json"))]
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT / "scripts")}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    cmd = [*HY3RL, "evaluate", "--configfile", str(cfg), "--tag", "base"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and proc.poll() is None:
         if part.exists() and part.read_text().count("\n") >= 1:
@@ -324,7 +349,8 @@ def test_resume_after_sigkill(tmp_path, tiny_hy3_dir, reference):
     proc.wait()
     done_before = part.read_text().count("\n")
     assert not out.exists() and 1 <= done_before < 6
-    _, meta = _gen(tmp_path, tiny_hy3_dir, val, "k", batch_size=1)
+    _run(_ev(**{**SMALL, "batch_size": 1}), tiny_hy3_dir, Path(layout.data_val), out)
+    meta = json.loads(Path(layout.eval_samples_meta("base")).read_text())
     assert meta["resumed_samples"] == done_before
     recs = _lines(out)
     assert len({(r["problem_id"], r["sample_index"]) for r in recs}) == len(recs) == 6
@@ -359,7 +385,7 @@ def test_snakemake_evaluate_on_embedded_default(tmp_path, tiny_hy3_copy):
     (res / "deps").mkdir(parents=True)
     (res / "deps" / "lock.json").write_text(json.dumps(lock))
     override = tmp_path / "local.yaml"
-    override.write_text(yaml.safe_dump({"run": {"name": "t"}, "model": {"path": str(model)}}))
+    override.write_text(yaml.safe_dump({"run": {"name": "t"}, "model": {"source": str(model)}}))
     run_snakemake(["--configfile", str(REPO_ROOT / "config/config.yaml"), str(override),
                    "--cores", "2", "--", "evaluate"], work)
     ev = res / "eval"
@@ -377,10 +403,11 @@ def test_snakemake_evaluate_on_embedded_default(tmp_path, tiny_hy3_copy):
     # the report reads what this chain wrote: the page's numbers are metrics.json's
     from hy3rl import config as cfgmod
     from hy3rl import report
+    from hy3rl.settings import Config
 
-    cfg = cfgmod.load(REPO_ROOT / "config/config.yaml", override)
-    cfg["report"]["dpi"] = 40
-    files = report.build(res, cfg, {})
+    cfg = Config.from_dict(deep_merge(cfgmod.load(REPO_ROOT / "config/config.yaml", override),
+                                      {"report": {"dpi": 50}}))
+    files = report.build(cfg, Layout.of_results(res), {})
     html = files["index.html"].decode()
     assert 'id="training-not-run"' in html and 'id="eval-settings"' in html
     rows = csv.DictReader(io.StringIO(files["eval_headline.csv"].decode()))
@@ -400,66 +427,99 @@ def test_snakemake_evaluate_on_embedded_default(tmp_path, tiny_hy3_copy):
     assert "Nothing to be done" in proc.stdout + proc.stderr
 
 
-# ---------------------------------------------------------------------- workflow helpers
+# ---------------------------------------------------------------------- tags and models
 
 
-def test_tags_model_dirs_and_resources():
-    from hy3rl import config as cfgmod
+def test_tags_and_their_models(tmp_path):
+    from hy3rl.settings import Config
 
-    default = cfgmod.load(REPO_ROOT / "config/config.yaml")
-    assert evaluate.eval_tags(default) == ["base"]  # no training in the embedded default
-    paper = cfgmod.load(REPO_ROOT / "config/config.yaml", REPO_ROOT / "config/paper.yaml")
+    assert evaluate.eval_tags(make_config()) == ["base"]  # no training in the embedded default
+    paper = Config.load(REPO_ROOT / "config/config.yaml", REPO_ROOT / "config/paper.yaml")
     assert evaluate.eval_tags(paper) == ["base", "step20", "step100", "step180", "final"]
-    assert evaluate.eval_tags({**paper, "eval": {**paper["eval"], "final": False}})[-1] == \
-        "step180"
-    paper["train"] = {**paper.get("train", {}), "checkpoint_root": "/shared/ckpt"}
-    assert evaluate.model_args(paper, "step20", "r/train/done.json") == \
-        "--model /shared/ckpt/hy3-grpo-paper/global_step_20/actor/model/huggingface"
-    assert evaluate.model_args(paper, "final", "r/train/done.json") == \
-        "--train-done r/train/done.json"
-    assert evaluate.model_args(paper, "base", "x") == f"--model {paper['model']['path']}"
+    no_final = dataclasses.replace(paper, eval=dataclasses.replace(paper.eval, final=False))
+    assert evaluate.eval_tags(no_final)[-1] == "step180"
+
+    def with_root(root: str) -> Config:
+        return Config.from_dict(deep_merge(paper.raw, {"train": {"checkpoint_root": root}}))
+
+    shared = with_root("/shared/ckpt")
+    hf20 = "global_step_20/actor/model/huggingface"
+    assert evaluate.model_for_tag(shared, "step20") == f"/shared/ckpt/hy3-grpo-paper/{hf20}"
+    assert evaluate.model_for_tag(shared, "base") == paper.model.path
+    done = tmp_path / "done.json"
+    done.write_text(json.dumps({"final_step": 190, "checkpoint_dir": "/elsewhere"}))
+    assert evaluate.model_for_tag(shared, "final", done) == \
+        "/shared/ckpt/hy3-grpo-paper/global_step_190/actor/model/huggingface"
     with pytest.raises(EvalError, match="unknown evaluation tag"):
-        evaluate.model_args(paper, "stepx", "x")
-    paper["train"]["checkpoint_root"] = ""
-    assert evaluate.run_checkpoint_dir(paper, "/wd") == "/wd/checkpoints/hy3-grpo-paper"
+        evaluate.model_for_tag(shared, "stepx")
+    # An empty checkpoint_root: the one checkpoint directory of the layout (as train and
+    # preflight use it), <results_root>/<run>/checkpoints, absolute.
+    empty = with_root("")
+    expected = Path(os.path.abspath(f"{empty.run.results_root}/hy3-grpo-paper/checkpoints"))
+    assert Layout.from_config(empty).checkpoint_dir == expected
+    assert evaluate.model_for_tag(empty, "step20") == str(expected / hf20)
 
 
 def test_final_model_from_train_sentinel(tmp_path):
+    cfg = make_config(run={"name": "run"}, train={"checkpoint_root": "/c"})
     done = tmp_path / "done.json"
     done.write_text(json.dumps({"final_step": 190, "checkpoint_dir": "/c/run"}))
-    assert evaluate.resolve_model("final", None, done) == \
+    assert evaluate.model_for_tag(cfg, "final", done) == \
         "/c/run/global_step_190/actor/model/huggingface"
-    done.write_text(json.dumps({"final_step": 190, "checkpoint_dir": "/c/run",
-                                "hf_model": "/c/run/global_step_190/actor/model/huggingface"}))
-    assert evaluate.resolve_model("final", None, done).endswith("global_step_190/actor/model/"
-                                                               "huggingface")
+    assert evaluate.final_step(done) == 190
     done.write_text(json.dumps({"final_step": "x"}))
     with pytest.raises(EvalError, match="done.json"):
-        evaluate.resolve_model("final", None, done)
+        evaluate.model_for_tag(cfg, "final", done)
+    with pytest.raises(EvalError, match="cannot read"):
+        evaluate.final_step(tmp_path / "missing.json")
 
 
-def test_ray_launch_script_reruns_this_cli_inside_ray(tmp_path):
-    argv = ["--config-json", '{"eval": {"backend": "vllm"}}', "--tag", "step20", "--model",
-            "/ckpt/global_step_20/actor/model/huggingface", "--val", "v.parquet"]
-    text = evaluate.ray_launch_script(argv, "/work dir", "/repo/scripts", "/env/bin/python")
+def test_ray_launch_script_runs_the_job_inside_ray(tmp_path):
+    job = tmp_path / "eval" / "step20" / "ray" / "job.json"
+    text = evaluate.ray_launch_script(job, "/work dir", "/env/bin/python")
     script = tmp_path / "launch.sh"
     script.write_text(text)
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
     assert f"export {evaluate.IN_RAY_VAR}=1" in text and "cd '/work dir'" in text
-    # the quoted command line parses back to exactly the CLI arguments
+    assert "PYTHONPATH" not in text  # the package is installed in the job's Python
+    # the quoted command line parses back to exactly the internal entry point
     import shlex
 
     exec_line = next(x for x in text.splitlines() if x.startswith("exec "))
-    assert shlex.split(exec_line)[1:] == ["/env/bin/python", "-m", "hy3rl.evaluate", *argv]
+    assert shlex.split(exec_line)[1:] == ["/env/bin/python", "-m", "hy3rl.evaluate", str(job)]
+
+
+def test_ray_job_file_round_trip(tmp_path, tiny_hy3_dir, reference):
+    """The job file a multi-node vLLM evaluation hands to its Ray job (the eval section and
+    the paths) runs the same generation: here with transformers, in-process."""
+    val, ref_out, _ = reference
+    out = tmp_path / "job" / "samples.jsonl"
+    job = {"eval": dataclasses.asdict(_ev(**SMALL)), "tag": "base", "model": str(tiny_hy3_dir),
+           "val": str(val), "samples": str(out), "meta": str(out.with_name("samples.meta.json"))}
+    job_file = tmp_path / "job.json"
+    job_file.write_text(json.dumps(job))
+    evaluate._run_job(job_file)
+    assert out.read_bytes() == ref_out.read_bytes()
 
 
 def test_vllm_bad_layout_is_an_error_before_anything_runs(tmp_path, tiny_hy3_dir,
-                                                          eval_val_parquet, capsys):
+                                                          eval_val_parquet):
     out, meta = tmp_path / "s.jsonl", tmp_path / "s.meta.json"
-    cfg = {"eval": {"backend": "vllm", **SMALL,
-                    "vllm": {"tensor_parallel_size": 16, "nodes": 1, "gpus_per_node": 8}}}
-    rc = evaluate.main(["--config-json", json.dumps(cfg), "--tag", "base", "--model",
-                        str(tiny_hy3_dir), "--val", str(eval_val_parquet), "--out", str(out),
-                        "--meta", str(meta)])
-    assert rc == 1 and not out.exists() and not meta.exists()
-    assert "must equal nodes x gpus_per_node" in capsys.readouterr().err
+    ev = _ev(backend="vllm", **SMALL,
+             vllm={"tensor_parallel_size": 16, "nodes": 1, "gpus_per_node": 8})
+    with pytest.raises(EvalError, match="must equal nodes x gpus_per_node"):
+        evaluate.run(ev, tag="base", model=tiny_hy3_dir, val=eval_val_parquet, samples=out,
+                     meta=meta)
+    assert not out.exists() and not meta.exists()
+
+
+def test_hy3rl_evaluate_errors_exit_1_with_the_message(tmp_path, tiny_hy3_dir):
+    """`hy3rl evaluate`: a bad input is its message on stderr and exit status 1, no
+    traceback, no output."""
+    cfg = _configfile(tmp_path, tiny_hy3_dir, **SMALL)
+    proc = subprocess.run([*HY3RL, "evaluate", "--configfile", str(cfg), "--tag", "base"],
+                          cwd=tmp_path, capture_output=True, text=True)
+    assert proc.returncode == 1, proc.stderr
+    assert "hy3rl evaluate: error: results/k/data/val.parquet: cannot read parquet" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "results" / "k" / "eval" / "base" / "samples.meta.json").exists()

@@ -6,15 +6,20 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
+import yaml
+from fixtures.common import make_config
+from fixtures.eval import make_val_parquet
 from hy3rl import graders
 from hy3rl.graders import (
     DapoImpl,
     GraderPool,
     GraderSetupError,
+    GradingError,
     dapo_compute_score,
     dapo_impl_from_file,
     load_dapo_function,
@@ -201,15 +206,15 @@ def test_grader_exception_is_an_error_not_a_crash():
     assert res["status"] == "error" and res["acc"] is False and "boom" in res["error"]
 
 
-def test_cli_scores_samples(tmp_path, eval_val_parquet):
+def test_run_scores_samples(tmp_path, eval_val_parquet):
     samples = tmp_path / "samples.jsonl"
     rows = [{"problem_id": "2", "sample_index": k, "seed": k, "prompt_hash": "h",
              "response": resp, "num_tokens": 5, "finish_reason": "stop"}
             for k, resp in enumerate(["Answer: 104", "Answer: 104.", "no idea"])]
     samples.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out, meta = tmp_path / "scores.jsonl", tmp_path / "scores.meta.json"
-    assert graders.main(["--samples", str(samples), "--val", str(eval_val_parquet),
-                         "--out", str(out), "--meta", str(meta)]) == 0
+    gcfg = make_config(eval={"graders": {"timeout_s": 5}}).eval.graders
+    graders.run(gcfg, samples=samples, val=eval_val_parquet, lock=None, out=out, meta=meta)
     scores = [json.loads(x) for x in out.read_text().splitlines()]
     assert [s["math_dapo"]["acc"] for s in scores] == [True, False, False]
     assert [s["math_verify"]["acc"] for s in scores] == [True, True, False]
@@ -217,10 +222,23 @@ def test_cli_scores_samples(tmp_path, eval_val_parquet):
     m = json.loads(meta.read_text())
     assert m["graders"]["math_dapo"]["implementation"] == "hy3rl reimplementation"
     assert m["graders"]["math_verify"]["version"] == "0.9.0"
+    assert m["timeout_s"] == 5.0 and m["samples"] == str(samples)
     # a sample of a problem the validation file lacks: clear error, no output
     rows[0]["problem_id"] = "99"
     samples.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out.unlink()
-    assert graders.main(["--samples", str(samples), "--val", str(eval_val_parquet),
-                         "--out", str(out), "--meta", str(meta)]) == 1
+    with pytest.raises(GradingError, match=r"samples.jsonl: sample 0: problem_id '99' not in"):
+        graders.run(gcfg, samples=samples, val=eval_val_parquet, lock=None, out=out, meta=meta)
     assert not out.exists()
+
+
+def test_hy3rl_score_errors_exit_1_with_the_message(tmp_path):
+    """`hy3rl score` without samples: the message names the file, exit status 1."""
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(yaml.safe_dump({"run": {"name": "k"}}))
+    make_val_parquet(tmp_path / "results" / "k" / "data" / "val.parquet")
+    proc = subprocess.run([sys.executable, "-m", "hy3rl.cli", "score", "--configfile", str(cfg),
+                           "--tag", "step20"], cwd=tmp_path, capture_output=True, text=True)
+    assert proc.returncode == 1, proc.stderr
+    assert "hy3rl score: error: results/k/eval/step20/samples.jsonl: cannot read" in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -6,10 +6,15 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import subprocess
+import sys
 
 import numpy as np
 import pytest
+import yaml
+from fixtures.common import make_config
 from hy3rl import metrics
+from hy3rl.errors import StageError
 from hy3rl.metrics import (
     MetricsError,
     bootstrap_ci,
@@ -214,26 +219,46 @@ def test_bad_scores_are_named():
         compute_metrics(rows, "base", {}, BOOT)
 
 
-def test_cli_compute_and_summarize(tmp_path):
+def test_run_and_run_summary(tmp_path):
     scores = tmp_path / "scores.jsonl"
     scores.write_text("".join(json.dumps(s) + "\n" for s in _scores()))
     meta = tmp_path / "scores.meta.json"
     meta.write_text(json.dumps({"graders": {"math_dapo": {"implementation": "x"}}}))
     out = tmp_path / "base" / "metrics.json"
-    cfg = json.dumps({"eval": {"bootstrap": {"resamples": 500, "seed": 1, "level": 0.9}}})
-    assert metrics.main(["compute", "--scores", str(scores), "--scores-meta", str(meta),
-                         "--tag", "base", "--config-json", cfg, "--out", str(out)]) == 0
+    boot = make_config(eval={"bootstrap": {"resamples": 500, "seed": 1, "level": 0.9}})
+    metrics.run(boot.eval.bootstrap, tag="base", scores=scores, scores_meta=meta, out=out)
     m = json.loads(out.read_text())
-    assert m["by_grader"]["math_dapo"]["bootstrap_ci"]["resamples"] == 500
+    assert m["by_grader"]["math_dapo"]["bootstrap_ci"] == bootstrap_ci([0.5, 0.0, 0.75], 500,
+                                                                       0.9, 1)
+    assert m["graders"] == {"math_dapo": {"implementation": "x"}}
     out2 = tmp_path / "step1" / "metrics.json"
-    assert metrics.main(["compute", "--scores", str(scores), "--scores-meta", str(meta),
-                         "--tag", "step1", "--base-scores", str(scores), "--out",
-                         str(out2)]) == 0
+    metrics.run(make_config().eval.bootstrap, tag="step1", scores=scores, scores_meta=meta,
+                base_scores=scores, out=out2)
+    assert json.loads(out2.read_text())["by_grader"]["math_dapo"]["bootstrap_ci"][
+        "resamples"] == 10000  # the schema's default
     summary = tmp_path / "summary.json"
-    assert metrics.main(["summarize", "--metrics", str(out), str(out2), "--out",
-                         str(summary)]) == 0
+    metrics.run_summary(metrics=[out, out2], out=summary)
     s = json.loads(summary.read_text())
     assert s["tags"] == ["base", "step1"]
     assert s["rows"][1]["math_dapo_diff_vs_base"] == 0.0
-    assert metrics.main(["compute", "--scores", str(tmp_path / "nope"), "--scores-meta",
-                         str(meta), "--tag", "x", "--out", str(tmp_path / "x.json")]) == 1
+    with pytest.raises(StageError, match="nope: cannot read"):
+        metrics.run(boot.eval.bootstrap, tag="x", scores=tmp_path / "nope", scores_meta=meta,
+                    out=tmp_path / "x.json")
+    meta.write_text("{}")
+    with pytest.raises(MetricsError, match="scores.meta.json: no 'graders'"):
+        metrics.run(boot.eval.bootstrap, tag="x", scores=scores, scores_meta=meta,
+                    out=tmp_path / "x.json")
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_hy3rl_metrics_errors_exit_1_with_the_message(tmp_path):
+    """`hy3rl metrics` without scores: the message names the file, exit status 1."""
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(yaml.safe_dump({"run": {"name": "k"}}))
+    proc = subprocess.run([sys.executable, "-m", "hy3rl.cli", "metrics", "--configfile",
+                           str(cfg), "--tag", "base"], cwd=tmp_path, capture_output=True,
+                          text=True)
+    assert proc.returncode == 1, proc.stderr
+    assert "hy3rl metrics: error: results/k/eval/base/scores.meta.json: cannot read" in \
+        proc.stderr
+    assert "Traceback" not in proc.stderr

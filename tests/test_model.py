@@ -3,6 +3,7 @@ and byte-identical output for the same seed."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -10,7 +11,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from fixtures.common import make_config
 from hy3rl import model as tiny
+from hy3rl.layout import TINY_MODEL_DIR
 from safetensors import safe_open
 
 REPO = Path(__file__).resolve().parents[1]
@@ -113,23 +116,33 @@ def test_refuses_non_empty_output_and_bad_sizes(tmp_path: Path):
     assert not list(tmp_path.glob(".z.tmp-*"))
 
 
-def test_cli(tmp_path: Path):
-    out = tmp_path / "m"
-    cfg = json.dumps({"model": {"path": "x", "tiny": {"seed": 3, "num_experts": 3,
-                                                      "num_shards": 2}}})
-    proc = subprocess.run([sys.executable, "-m", "hy3rl.model", "--config-json", cfg,
-                           "--out", str(out)], capture_output=True, text=True,
-                          cwd=REPO / "scripts")
+def test_run_and_hy3rl_tiny_model(tmp_path: Path):
+    """`hy3rl tiny_model` builds model.tiny into the layout's TINY_MODEL_DIR; a second run
+    refuses the non-empty directory with one clear line and exit status 1."""
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text(yaml.safe_dump({"model": {"tiny": {"seed": 3, "num_experts": 3,
+                                                      "num_shards": 2}}}))
+    cmd = [sys.executable, "-m", "hy3rl.cli", "tiny_model", "--configfile", str(cfg)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    assert "2 shards" in proc.stdout
+    assert "2 shards" in proc.stderr and "seed 3" in proc.stderr
+    out = tmp_path / TINY_MODEL_DIR
     assert json.loads((out / "config.json").read_text())["num_experts"] == 3
-    proc = subprocess.run([sys.executable, "-m", "hy3rl.model", "--config-json", cfg,
-                           "--out", str(out)], capture_output=True, text=True,
-                          cwd=REPO / "scripts")
-    assert proc.returncode == 1 and "not empty" in proc.stderr
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 1 and "not empty" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+    # run() itself: the typed section; a refused output is a StageError naming the path.
+    with pytest.raises(tiny.ModelError, match=f"{out}: .*not empty"):
+        tiny.run(make_config(model={"tiny": {"seed": 3}}).model.tiny, out=out)
 
 
-def test_schema_default_is_the_tiny_model_path():
+def test_schema_default_is_the_tiny_model_path(tiny_hy3_dir: Path):
     schema = yaml.safe_load((REPO / "config/schema/model.schema.yaml").read_text())
-    assert schema["properties"]["path"]["default"] == tiny.TINY_DEFAULT_PATH
-    assert f'TINY_MODEL_PATH = "{tiny.TINY_DEFAULT_PATH}"' in (REPO / "rules/model.smk").read_text()
+    assert schema["properties"]["source"]["default"] == TINY_MODEL_DIR
+    assert "directory(TINY_MODEL_DIR)" in (REPO / "rules/model.smk").read_text()
+    # A local source, even before rule tiny_model has built it (not a hub repo id).
+    assert make_config().model.is_local and make_config().model.path == TINY_MODEL_DIR
+    # The builder's sizes default to the schema's (the fixture passes only the seed).
+    spec = json.loads((tiny_hy3_dir / "tiny-hy3.json").read_text())["spec"]
+    defaults = dataclasses.asdict(make_config().model.tiny)
+    assert {k: spec[k] for k in defaults} == defaults

@@ -1,10 +1,10 @@
 """Preflight: the launch resolved from a (fake) pinned verl script, composed with its Hydra
 config, every coupling rule failing with its numbers, waivers, and the paper plan checked
-value by value against the published hyperparameters."""
+value by value against the published hyperparameters. The stage runs in-process through
+``hy3rl.preflight.run`` and, for its error behaviour, through the ``hy3rl preflight`` CLI."""
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import re
@@ -13,9 +13,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
+from fixtures.fake_verl import line_of
 from fixtures.verl import write_lock
+from hy3rl import cli
 from hy3rl import config as cfgmod
 from hy3rl import preflight as pf
+from hy3rl.layout import Layout
+from hy3rl.settings import Config
 
 REPO = Path(__file__).resolve().parents[1]
 HY3_BYTES = 597_572_342_272
@@ -93,16 +98,81 @@ def _num_equal(a, b) -> bool:
     return str(a) == str(b)
 
 
+def with_model_dir(cfg: dict, tmp_path: Path) -> dict:
+    """``model.source``: a local directory (the fake verl's HFModelConfig and tokenizer only
+    need it to exist), in place of the tiny default's or the paper's hub checkpoint."""
+    path = tmp_path / "model"
+    path.mkdir(exist_ok=True)
+    cfg["model"].update(source=str(path), revision=None)
+    return cfg
+
+
 def paper_cfg(tmp_path: Path) -> dict:
     cfg = cfgmod.load(REPO / "config/config.yaml", REPO / "config/paper.yaml")
     cfg["train"]["checkpoint_root"] = str(tmp_path / "ckpt")
     cfg["preflight"]["waive"] = ["disk"]
     cfg["run"]["results_root"] = str(tmp_path / "results")
-    return cfg
+    return with_model_dir(cfg, tmp_path)
 
 
-def plan_for(cfg: dict, verl, tmp_path: Path, name: str = "out", **kw) -> pf.Plan:
-    return pf.make_plan(cfg, verl.lock, tmp_path / name, **kw)
+def default_cfg(tmp_path: Path) -> dict:
+    cfg = cfgmod.load(REPO / "config/config.yaml")
+    cfg["run"]["results_root"] = str(tmp_path / "results")
+    return with_model_dir(cfg, tmp_path)
+
+
+TE_MISSING = "not run: no Transformer Engine in this runtime (import transformer_engine failed)"
+
+
+def bridge_report(path: Path, status: str = "pass", details: str = "") -> Path:
+    """A checks/bridge.json (docs/formats/checkpoint.md) whose checks all have ``status``."""
+    names = ["mapping_table_agreement", "tiny/roundtrip_tensors", "tiny/expert_bias",
+             "tiny/logits", "tiny/bridge_warnings"]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({
+        "schema_version": 1, "ok": status != "fail",
+        "counts": {status: len(names)},
+        "checks": [{"name": n, "status": status, "details": details or status, "problems": [],
+                    "problem_count": 0} for n in names],
+        "environment": {"transformer_engine": status == "pass"}}))
+    return path
+
+
+PASSING = object()  # plan_for's default bridge report: every check passed
+
+
+def plan_for(cfg: dict, verl, tmp_path: Path, name: str = "out", lock: Path | None = None,
+             summary: Path | None = None, checkpoint_check: Path | None = None,
+             bridge_check: Path | None | object = PASSING) -> pf.Plan:
+    """``pf.run`` on ``cfg`` (a config mapping, validated and typed here) with its outputs
+    under ``tmp_path/name``; the plan also when rules are in error (pf.RulesFailed). The
+    bridge report is a passing one unless given."""
+    out = tmp_path / name
+    if bridge_check is PASSING:
+        bridge_check = bridge_report(tmp_path / "checks-pass" / "bridge.json")
+    try:
+        return pf.run(Config.from_dict(cfg), lock=lock or (verl.lock if verl else None),
+                      data_summary=summary, train_files=tmp_path / "data/train.parquet",
+                      val_files=tmp_path / "data/val.parquet", checkpoint_check=checkpoint_check,
+                      bridge_check=bridge_check, plan=out / "plan.json",
+                      launch=out / "launch.sh", reward_fn=out / "reward_fn.py")
+    except pf.RulesFailed as exc:
+        assert (out / "plan.json").is_file() and exc.plan.errors
+        return exc.plan
+
+
+def hy3rl_preflight(cfg: dict, tmp_path: Path, lock: Path | None) -> int:
+    """``hy3rl preflight --configfile <cfg written as YAML>`` in-process, on the layout's
+    paths (the lock copied to the layout's deps/lock.json, a passing checks/bridge.json)."""
+    config = tmp_path / f"config-{len(list(tmp_path.glob('config-*.yaml')))}.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    layout = Layout.from_config(cfg)
+    if lock is not None:
+        dest = Path(layout.deps_lock)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.write_text(lock.read_text())
+        bridge_report(Path(layout.checks_bridge))
+    return cli.main(["preflight", "--configfile", str(config)])
 
 
 def rule(plan: pf.Plan, name: str) -> pf.RuleResult:
@@ -139,7 +209,18 @@ def test_paper_plan_matches_published_values(verl, tmp_path):
     assert src["data.train_batch_size"] == "paper default"
     assert src["data.train_files"] == "config"
     assert src["trainer.total_training_steps"] == "correction"
-    assert src["reward.reward_kwargs"] == "correction"  # +reward.reward_kwargs.* corrections
+    # +reward.reward_kwargs.* corrections, then the buffer length set back from the tiny
+    # default's by the paper config (train.verl_overrides, last)
+    assert plan.effective_sources["reward.reward_kwargs"] == {
+        "source": "config", "origin": "train.verl_overrides"}
+    assert [o.origin for o in plan.overrides if o.key.startswith("reward.reward_kwargs.")] == [
+        "reward_mode=intended (legacy reward_model.* made live)"] * 5 + ["train.verl_overrides"]
+    # verl's own checks ran against the fake verl package, every one passed
+    assert plan.verl_checks["counts"] == {"pass": 8, "fail": 0, "not run": 0}
+    assert rule(plan, "verl").status == "pass" and rule(plan, "bridge").status == "pass"
+    assert rule(plan, "overlong_buffer").status == "pass"
+    assert rule(plan, "overlong_buffer_window").status == "pass"  # 4096 / 8192: exactly 1/2
+    assert rule(plan, "runtime_tag").status == "warning"  # the guide's image, by tag
     assert plan.effective_sources["actor_rollout_ref.actor.optim.lr_decay_style"] == {
         "source": "paper default", "origin": "verl config default (not overridden)"}
     assert plan.estimate["gpu_hours"] > 0 and "GPU-hours" in plan.estimate["formula"]
@@ -153,31 +234,45 @@ def test_paper_plan_matches_published_values(verl, tmp_path):
     on_disk = json.loads((tmp_path / "out/plan.json").read_text())
     assert on_disk["effective"]["data.train_batch_size"] == 128
     assert on_disk["overrides"][0]["source"] in ("paper default", "config")
+    got = {c["name"]: c for c in on_disk["verl_checks"]["checks"]}
+    assert got["reward_manager"]["status"] == "pass"
+    assert got["reward_manager"]["message"] == "DAPORewardManager (dapo)"
+    assert on_disk["verl_checks"]["model_dir"] == str(tmp_path / "model")
+    assert list(on_disk)[list(on_disk).index("rules") + 1] == "verl_checks"
 
 
 REAL_VERL = os.environ.get("HY3RL_REAL_VERL", "")
 
 
 @pytest.mark.skipif(not REAL_VERL, reason="set HY3RL_REAL_VERL to a checkout of verl@220e903")
-def test_paper_plan_against_real_pinned_verl(tmp_path):
+def test_paper_plan_against_real_pinned_verl(tmp_path, tiny_hy3_dir):
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REAL_VERL, capture_output=True,
                           text=True).stdout.strip()
     lock = write_lock(tmp_path / "lock.json", Path(REAL_VERL), head)
-    plan = pf.make_plan(paper_cfg(tmp_path), lock, tmp_path / "out")
+    cfg = paper_cfg(tmp_path)
+    cfg["model"]["source"] = str(tiny_hy3_dir)  # verl reads its HF config and tokenizer
+    plan = plan_for(cfg, None, tmp_path, lock=lock)
     _check_published(plan)
     assert plan.ok, plan.errors
+    # verl's own validation of the paper config, every check run and passed
+    checks = plan.verl_checks["checks"]
+    assert [c["name"] for c in checks] == [
+        "validate_config", "actor_rollout_ref.model", "actor_rollout_ref.actor",
+        "actor_rollout_ref.actor.profiler", "actor_rollout_ref.ref",
+        "actor_rollout_ref.rollout", "actor_rollout_ref.rollout.checkpoint_engine",
+        "reward_manager"], checks
+    assert plan.verl_checks["counts"] == {"pass": 8, "fail": 0, "not run": 0}, checks
     assert plan.reward["scripted_manager"] == "naive" and plan.reward["scripted_kwargs"] is None
     assert plan.reward["legacy_migration_callers"] == [
         "verl/experimental/fully_async_policy/fully_async_main.py"]
     # the pinned schedule is constant (segments allowed); an unknown key names itself
-    cfg = paper_cfg(tmp_path)
     cfg["train"]["segment_steps"] = 50
-    cfg["train"]["verl_overrides"] = {"trainer.totl_training_steps": 3}
-    bad = pf.make_plan(cfg, lock, tmp_path / "bad")
+    cfg["train"]["verl_overrides"]["trainer.totl_training_steps"] = 3
+    bad = plan_for(cfg, None, tmp_path, "bad", lock=lock)
     assert rule(bad, "compose").status == "error"
     assert "trainer.totl_training_steps" in rule(bad, "compose").messages[0]
-    cfg["train"]["verl_overrides"] = {}
-    seg = pf.make_plan(cfg, lock, tmp_path / "seg")
+    del cfg["train"]["verl_overrides"]["trainer.totl_training_steps"]
+    seg = plan_for(cfg, None, tmp_path, "seg", lock=lock)
     assert rule(seg, "segment_schedule").status == "pass" and seg.ok, seg.errors
 
 
@@ -196,12 +291,21 @@ def test_reward_mode_scripted_keeps_upstream_behaviour(verl, tmp_path):
     cfg = paper_cfg(tmp_path)
     cfg["train"]["reward_mode"] = "scripted"
     plan = plan_for(cfg, verl, tmp_path)
+    assert plan.ok, plan.errors
     assert plan.effective["reward.reward_manager.name"] == "naive"
-    assert plan.effective["reward.reward_kwargs"] is None
-    assert not [o for o in plan.overrides if o.key.startswith("reward.")]
+    # no correction; only the config's buffer length (++: added, inert without `enable` and
+    # under the naive manager, which reads no reward_kwargs)
+    assert [o.origin for o in plan.overrides if o.key.startswith("reward.")] == [
+        "train.verl_overrides"]
+    assert plan.effective["reward.reward_kwargs"] == {"overlong_buffer_cfg": {"len": 4096}}
     finding = plan.reward["finding"]
-    assert "reads only reward.*" in finding and "verl/experimental/async_main.py" in finding
+    assert "reads only reward.*" in finding
+    assert "verl/experimental/fully_async_policy/fully_async_main.py" in finding
     assert plan.reward["entrypoint_migrates_legacy_keys"] is False
+    cfg["train"]["verl_overrides"] = {}  # as the script alone composes
+    bare = plan_for(cfg, verl, tmp_path, "bare")
+    assert bare.effective["reward.reward_kwargs"] is None
+    assert not [o for o in bare.overrides if o.key.startswith("reward.")]
 
 
 def test_entrypoint_that_migrates_makes_legacy_keys_live(fake_verl_repo, tmp_path):
@@ -212,7 +316,8 @@ def test_entrypoint_that_migrates_makes_legacy_keys_live(fake_verl_repo, tmp_pat
     plan = plan_for(paper_cfg(tmp_path), verl, tmp_path)
     assert plan.reward["entrypoint_migrates_legacy_keys"] is True
     assert "they are live" in plan.reward["finding"]
-    assert not [o for o in plan.overrides if o.key.startswith("reward.")]
+    assert not [o for o in plan.overrides if o.key.startswith("reward.")
+                and o.origin != "train.verl_overrides"]  # no correction
 
 
 def test_corrections_and_rendered_launch(verl, tmp_path):
@@ -257,14 +362,20 @@ def test_corrections_and_rendered_launch(verl, tmp_path):
 def test_unknown_key_is_an_error_naming_it(verl, tmp_path, capsys):
     cfg = paper_cfg(tmp_path)
     cfg["train"]["verl_overrides"] = {"trainer.totl_training_steps": 3}
-    rc = pf.main(["--config-json", json.dumps(cfg), "--lock", str(verl.lock),
-                  "--out-dir", str(tmp_path / "out")])
+    rc = hy3rl_preflight(cfg, tmp_path, verl.lock)
     assert rc == 1
     err = capsys.readouterr().err
     assert "compose:" in err and "trainer.totl_training_steps" in err
-    plan = json.loads((tmp_path / "out/plan.json").read_text())
+    plan = json.loads(Path(Layout.from_config(cfg).preflight_plan).read_text())
     assert plan["ok"] is False and plan["rules"][2]["name"] == "compose"
     assert "trainer.totl_training_steps" in plan["errors"][0]
+    # nothing composed, so none of verl's own checks ran: recorded, and why
+    assert plan["verl_checks"]["counts"] == {"pass": 0, "fail": 0, "not run": 1}
+    (check,) = plan["verl_checks"]["checks"]
+    assert (check["name"], check["status"]) == ("verl_checks", "not run")
+    assert check["reason"].startswith("not composed")
+    assert plan["rules"][3] == {"name": "verl", "status": "not run",
+                                "messages": ["not run: the config did not compose"]}
 
 
 def test_verl_overrides_algorithm_and_reward_function(verl, tmp_path):
@@ -303,7 +414,7 @@ def test_recipe_script_gets_hy3_settings_carried_over(verl, tmp_path):
     assert carried[key].text == f"+{key}=0" and carried[key].source == "correction"
     assert plan.effective["actor_rollout_ref.actor.strategy"] == "megatron"
     assert plan.effective["actor_rollout_ref.model.path"] == str(
-        Path(cfg["model"]["path"]).absolute())
+        Path(cfg["model"]["source"]).absolute())
     assert plan.effective["algorithm.adv_estimator"] == "rloo"  # the recipe's own choice
     assert plan.verl["script"] == "recipe/toy/run_toy.sh"
 
@@ -318,13 +429,19 @@ def test_knob_errors(verl, tmp_path):
 
 
 def test_default_config_plan_is_made_but_not_launched(verl, tmp_path):
-    cfg = cfgmod.load(REPO / "config/config.yaml")
-    cfg["run"]["results_root"] = str(tmp_path / "results")
-    plan = plan_for(cfg, verl, tmp_path)
+    cfg = default_cfg(tmp_path)
+    plan = plan_for(cfg, verl, tmp_path, bridge_check=None)
     assert plan.ok, plan.errors
     assert not plan.launched and plan.not_launched_reason == (
         "not launched: no GPU (cluster.gpu is false)")
     assert rule(plan, "actor_layout").status == "not run"
+    assert rule(plan, "bridge").messages == ["not run: no GPU allocation (cluster.gpu is false)"]
+    # the tiny plan passes the DAPO assert, ours and verl's: buffer 128 of 256 response tokens
+    assert plan.effective["reward.reward_kwargs"]["overlong_buffer_cfg"]["len"] == 128
+    assert plan.effective["reward.reward_kwargs"]["max_resp_len"] == 256
+    for name in ("overlong_buffer", "reward_max_resp_len", "overlong_buffer_window", "verl"):
+        assert rule(plan, name).status == "pass", rule(plan, name)
+    assert {c["name"]: c["status"] for c in plan.verl_checks["checks"]}["reward_manager"] == "pass"
     assert plan.effective["data.train_batch_size"] == 4
     assert plan.effective["trainer.default_local_dir"] == str(
         tmp_path / "results/tiny-default/checkpoints")
@@ -347,6 +464,8 @@ def _set(cfg: dict, env: dict | None = None, over: dict | None = None, **train) 
     cfg["train"].update(train)
     return cfg
 
+
+BUFFER_LEN = "++reward.reward_kwargs.overlong_buffer_cfg.len"  # as config/*.yaml set it
 
 ERROR_CASES = {
     "gpus": (lambda c: _set(c, over={"trainer.nnodes": 4}),
@@ -384,6 +503,17 @@ ERROR_CASES = {
     "segment_schedule": (lambda c: _set(c, segment_steps=50, over={
         "actor_rollout_ref.actor.optim.lr_warmup_steps": 10}),
         "train.segment_steps = 50 needs a constant learning rate"),
+    "overlong_buffer": (lambda c: _set(c, over={BUFFER_LEN: 10000}),
+                        "reward.reward_kwargs.overlong_buffer_cfg.len = 10000 > "
+                        "reward.reward_kwargs.max_resp_len = 8192: verl's DAPO reward manager "
+                        "asserts max_resp_len >= overlong_buffer.len only at trainer setup"),
+    "reward_max_resp_len": (lambda c: _set(c, over={"reward.reward_kwargs.max_resp_len": 6000}),
+                            "reward.reward_kwargs.max_resp_len = 6000 != "
+                            "data.max_response_length = 8192"),
+    # the fake verl's ActorConfig.__post_init__ raises as verl's does
+    "verl": (lambda c: _set(c, over={"actor_rollout_ref.actor.loss_agg_mode": "bogus"}),
+             "actor_rollout_ref.actor: verl raised ValueError: Invalid loss_agg_mode: bogus "
+             "(at verl/workers/config/__init__.py:"),
 }
 
 
@@ -418,6 +548,17 @@ MORE_ERROR_CASES = {
         "actor_rollout_ref.actor.optim.lr_decay_style": "cosine",
         "actor_rollout_ref.actor.optim.min_lr": 0.0}),
         "lr_decay_style = cosine, lr = 1e-06, min_lr = 0"),
+    "overlong_buffer/not_positive": (lambda c: _set(c, over={BUFFER_LEN: 0}),
+                                     "reward.reward_kwargs.overlong_buffer_cfg.len = 0 with the "
+                                     "buffer enabled: verl's DAPO reward manager asserts it is "
+                                     "positive"),
+    "overlong_buffer/no_max_resp_len": (lambda c: _set(c, over={
+        "++reward.reward_kwargs.max_resp_len": None}),
+        "reward.reward_kwargs.overlong_buffer_cfg is enabled (len = 4096) but "
+        "reward.reward_kwargs.max_resp_len is not set"),
+    "verl/post_init": (lambda c: _set(c, over={"actor_rollout_ref.rollout.mode": "sync"}),
+                       "actor_rollout_ref.rollout: verl raised ValueError: Rollout mode 'sync' "
+                       "has been removed. (at verl/workers/config/__init__.py:"),
 }
 
 
@@ -441,11 +582,11 @@ def test_waivers(verl, tmp_path):
     assert any(w.startswith("val_on_resume: ") for w in plan.waived)
     assert not any(w.startswith("val_on_resume: ") for w in plan.warnings)
     assert rule(plan, "ref_kl_zero").status == "warning"
-    # compose cannot be waived; an unknown name is refused before anything runs
-    for bad, msg in ((["compose"], "rule 'compose' cannot be waived"),
-                     (["disk", "dsik"], "unknown rule 'dsik'")):
+    # compose cannot be waived; an unknown name is refused (by the schema) before anything runs
+    for bad, msg in ((["compose"], "preflight.waive.0: 'compose' is not one of"),
+                     (["disk", "dsik"], "preflight.waive.1: 'dsik' is not one of")):
         cfg["preflight"]["waive"] = bad
-        with pytest.raises(pf.PreflightError, match=msg):
+        with pytest.raises(cfgmod.ConfigError, match=msg):
             plan_for(cfg, verl, tmp_path, name="bad")
         assert not (tmp_path / "bad").exists()
     # the config schema lists exactly the waivable rules, so a typo fails at load time
@@ -480,7 +621,8 @@ def test_disk_rule_uses_free_space(verl, tmp_path):
     cfg["cluster"]["gpu_memory_gb"] = 10**6  # keep the rollout rule quiet
     cfg["train"]["checkpoint_keep"] = 2
     # eval.steps of the paper: 20 and 100 are kept beyond the newest 2 (180, 200)
-    plan = plan_for(cfg, verl, tmp_path, keep_steps=[20, 100, 180])
+    cfg["eval"]["steps"] = [180, 20, 100]
+    plan = plan_for(cfg, verl, tmp_path)
     res = rule(plan, "disk")
     assert res.status == "error"
     assert ("(keep 2 + 2 kept for eval.steps [20, 100] + 1 being written) x 7000.000 TB"
@@ -509,7 +651,7 @@ def test_verl_pin_and_checkpoint_checks(verl, tmp_path):
     check.write_text(json.dumps({"checks": [{"name": "index", "status": "pass"},
                                             {"name": "hy3_expert_bias", "status": "fail"},
                                             {"name": "bridge", "status": "not run"}]}))
-    plan = pf.make_plan(paper_cfg(tmp_path), lock, tmp_path / "out", ckpt_check_path=check)
+    plan = plan_for(paper_cfg(tmp_path), verl, tmp_path, lock=lock, checkpoint_check=check)
     assert rule(plan, "verl_pin").status == "error"
     assert f"is at {verl.commit}, deps/lock.json says {'0' * 40}" in rule(
         plan, "verl_pin").messages[0]
@@ -529,6 +671,13 @@ WARNING_CASES = {
         "actor_rollout_ref.actor.use_dynamic_bsz": False}),
         "static micro batches of 32 x 10240 tokens / CP 8 = 40960 tokens per GPU exceed the "
         "30720-token budget: lower ACTOR_PPO_MICRO_BATCH_SIZE_PER_GPU"),
+    "overlong_buffer_window": (lambda c: _set(c, over={BUFFER_LEN: 6144}),
+                               "reward.reward_kwargs.overlong_buffer_cfg.len / max_resp_len = "
+                               "6144 / 8192 = 0.75 (over 1/2): every response longer than "
+                               "8192 - 6144 = 2048 tokens is penalised"),
+    "runtime_tag": (lambda c: c,  # the paper config runs the guide's image by its tag
+                    "train.runtime.prefix names the image docker://verlai/verl:vllm023.dev1 "
+                    "by tag 'vllm023.dev1': a tag can move"),
 }
 
 
@@ -551,7 +700,7 @@ def test_prompts_over_max_from_data_summary(verl, tmp_path):
             "train": {"rows": 1791700, "prompt_tokens": {"mean": 180.5},
                       "over_max_prompt_length": {"rows": 3, "unique_prompts": 1}},
             "val": {"rows": 30, "over_max_prompt_length": {"rows": 0}}}}))
-    plan = plan_for(paper_cfg(tmp_path), verl, tmp_path, summary_path=summary)
+    plan = plan_for(paper_cfg(tmp_path), verl, tmp_path, summary=summary)
     assert "3 training prompts exceed max_prompt_length = 2048" in rule(
         plan, "prompts_over_max").messages[0]
     # val_n from the summary becomes VAL_N (30 deduplicated problems x 32 samples)
@@ -565,22 +714,32 @@ def test_prompts_over_max_from_data_summary(verl, tmp_path):
     assert plan.estimate["inputs"]["mean_prompt_tokens"] == 180.5
 
 
-def test_cli_lists_all_errors_and_unknown_waiver(verl, tmp_path, capsys):
+def test_cli_lists_all_errors_and_refuses_bad_inputs(verl, tmp_path, capsys):
     cfg = _set(paper_cfg(tmp_path), env={"ROLLOUT_MAX_MODEL_LEN": 9000, "SAVE_FREQ": -1})
-    rc = pf.main(["--config-json", json.dumps(cfg), "--lock", str(verl.lock),
-                  "--out-dir", str(tmp_path / "out")])
-    err = capsys.readouterr().err
+    layout = Layout.from_config(cfg)
+    rc = hy3rl_preflight(cfg, tmp_path, verl.lock)
+    captured = capsys.readouterr()
+    err = captured.err
     assert rc == 1 and "max_model_len: rollout.max_model_len = 9000" in err
     assert "save_test_freq: trainer.save_freq = -1" in err and "2 error(s)" in err
-    bad = copy.deepcopy(paper_cfg(tmp_path))
+    assert "Traceback" not in err
+    assert "WARNING ref_kl_zero: " in captured.out  # the summary: warnings and waivers
+    assert json.loads(Path(layout.preflight_plan).read_text())["ok"] is False  # kept to read
+    # an unknown waiver: the config is refused before anything runs
+    bad = paper_cfg(tmp_path)
     bad["preflight"]["waive"] = ["dsik"]
-    assert pf.main(["--config-json", json.dumps(bad), "--lock", str(verl.lock),
-                    "--out-dir", str(tmp_path / "out2")]) == 1
-    assert "preflight.waive: unknown rule 'dsik'" in capsys.readouterr().err
-    assert not (tmp_path / "out2/plan.json").exists()
-    assert pf.main(["--config-json", json.dumps(cfg), "--lock", str(verl.lock), "--keep-steps",
-                    "[20,", "--out-dir", str(tmp_path / "out3")]) == 2
-    assert "--keep-steps: not a JSON list of steps" in capsys.readouterr().err
+    bad["run"]["name"] = "bad-waiver"
+    assert hy3rl_preflight(bad, tmp_path, verl.lock) == 2
+    err = capsys.readouterr().err
+    assert "preflight.waive.0: 'dsik' is not one of" in err and "Traceback" not in err
+    assert not Path(Layout.from_config(bad).preflight_plan).exists()
+    # no lock: a clear message naming the file, exit 1, nothing written
+    cfg["run"]["name"] = "no-lock"
+    assert hy3rl_preflight(cfg, tmp_path, None) == 1
+    err = capsys.readouterr().err
+    no_lock = Layout.from_config(cfg)
+    assert f"hy3rl preflight: error: {no_lock.deps_lock}: missing (run rule deps)" in err
+    assert "Traceback" not in err and not Path(no_lock.preflight_dir).exists()
 
 
 def test_rendered_launch_drives_the_train_stage_double(fake_verl_repo, tmp_path):
@@ -590,10 +749,10 @@ def test_rendered_launch_drives_the_train_stage_double(fake_verl_repo, tmp_path)
     from fixtures.trainer_double import MAIN_PPO_DOUBLE
 
     verl = fake_verl_repo(extra_files={"verl/trainer/main_ppo.py": MAIN_PPO_DOUBLE})
-    cfg = cfgmod.load(REPO / "config/config.yaml")
+    cfg = default_cfg(tmp_path)
     cfg["train"].update(checkpoint_root=str(tmp_path / "ckpt"), total_training_steps=3,
                         loggers=["console"])
-    plan = pf.make_plan(cfg, verl.lock, tmp_path / "out")
+    plan = plan_for(cfg, verl, tmp_path)
     assert plan.ok, plan.errors
     bindir = tmp_path / "bin"
     bindir.mkdir()
@@ -612,12 +771,155 @@ def test_rendered_launch_drives_the_train_stage_double(fake_verl_repo, tmp_path)
 
 def test_paper_config_undoes_every_tiny_knob():
     """config/paper.yaml is applied on top of config/config.yaml (mappings merge), so every
-    knob the tiny default sets must be set back explicitly in the paper config."""
-    import yaml
+    knob and verl override the tiny default sets must be set back explicitly in the paper
+    config."""
+    tiny = yaml.safe_load((REPO / "config/config.yaml").read_text())["train"]
+    paper = yaml.safe_load((REPO / "config/paper.yaml").read_text())["train"]
+    for key in ("env", "verl_overrides"):
+        assert sorted(set(tiny[key]) - set(paper[key])) == [], key
 
-    tiny = yaml.safe_load((REPO / "config/config.yaml").read_text())["train"]["env"]
-    paper = yaml.safe_load((REPO / "config/paper.yaml").read_text())["train"]["env"]
-    assert sorted(set(tiny) - set(paper)) == []
+
+# --------------------------------------------------------------------------- verl's own checks
+
+WORKERS_CONFIG = "verl/workers/config/__init__.py"
+DAPO = "verl/experimental/reward_loop/reward_manager/dapo.py"
+
+
+def test_post_init_error_reaches_plan_json_with_verl_message_and_line(verl, tmp_path):
+    """The fake verl's RolloutConfig.__post_init__ raises: the error reaches plan.json (rule
+    verl and verl_checks) with verl's message and the file:line inside the clone."""
+    cfg = _set(default_cfg(tmp_path), over={"actor_rollout_ref.rollout.mode": "sync"})
+    plan_for(cfg, verl, tmp_path, bridge_check=None)
+    doc = json.loads((tmp_path / "out/plan.json").read_text())
+    line = line_of(verl.path / WORKERS_CONFIG, "has been removed")
+    got = {c["name"]: c for c in doc["verl_checks"]["checks"]}
+    rollout = got["actor_rollout_ref.rollout"]
+    assert (rollout["status"], rollout["message"], rollout["where"], rollout["exception"]) == (
+        "fail", "Rollout mode 'sync' has been removed.", f"{WORKERS_CONFIG}:{line}", "ValueError")
+    assert "engine_workers.py" in rollout["verl_call"]
+    assert doc["verl_checks"]["counts"] == {"pass": 7, "fail": 1, "not run": 0}
+    assert doc["ok"] is False and doc["errors"] == [
+        f"verl: actor_rollout_ref.rollout: verl raised ValueError: Rollout mode 'sync' has been "
+        f"removed. (at {WORKERS_CONFIG}:{line})"]
+    assert {r["name"]: r["status"] for r in doc["rules"]}["verl"] == "error"
+
+
+def test_dapo_assert_of_the_old_default_caught_by_our_rule_and_verls(verl, tmp_path):
+    """The embedded default before the fix (MAX_RESPONSE_LENGTH 256, the script's buffer of
+    4096): our rule and verl's own assert both stop it, before any allocation."""
+    cfg = _set(default_cfg(tmp_path), over={BUFFER_LEN: 4096})
+    plan = plan_for(cfg, verl, tmp_path, bridge_check=None)
+    assert rule(plan, "overlong_buffer").messages[0].startswith(
+        "reward.reward_kwargs.overlong_buffer_cfg.len = 4096 > reward.reward_kwargs.max_resp_len "
+        "= 256: ")
+    line = line_of(verl.path / DAPO, "assert self.max_resp_len >=")
+    assert rule(plan, "verl").messages == [
+        f"reward_manager: verl raised AssertionError: max_resp_len must be larger than "
+        f"overlong_buffer.len (at {DAPO}:{line})"]
+    assert not plan.ok and len(plan.errors) == 2
+
+
+def test_a_verl_check_that_cannot_run_is_an_error_unless_waived(fake_verl_repo, tmp_path):
+    verl = fake_verl_repo(extra_files={
+        "verl/utils/config.py": "import hy3rl_absent_requirement  # noqa: F401\n"})
+    cfg = paper_cfg(tmp_path)
+    plan = plan_for(cfg, verl, tmp_path)
+    res = rule(plan, "verl")
+    assert res.status == "error" and len(res.messages) == 7  # all but reward_manager
+    assert res.messages[0] == (
+        "validate_config: not run: ModuleNotFoundError: No module named "
+        "'hy3rl_absent_requirement' (at verl/utils/config.py:1); what this verl check catches "
+        "would surface only after the allocation: install verl's requirements (./install.sh), "
+        "or write `preflight.waive: [verl]` to go without it")
+    cfg["preflight"]["waive"] = ["disk", "verl"]
+    waived = plan_for(cfg, verl, tmp_path, "waived")
+    assert waived.ok, waived.errors
+    assert rule(waived, "verl").status == "waived"
+    assert sum(w.startswith("verl: ") for w in waived.waived) == 7
+    # the checks stay in the plan, with why they did not run
+    counts = waived.verl_checks["counts"]
+    assert counts == {"pass": 1, "fail": 0, "not run": 7}
+    assert all("hy3rl_absent_requirement" in c["reason"] for c in waived.verl_checks["checks"]
+               if c["status"] == "not run")
+
+
+# --------------------------------------------------------------------------- GPU-only checks
+
+
+def test_bridge_not_run_in_a_runtime_without_transformer_engine_stops_the_launch(
+        verl, tmp_path, bridge_repo_factory, capsys):
+    """check_bridge run for real through a train.runtime prefix whose python has no
+    Transformer Engine (this one): every check `not run`, the job succeeds; preflight then
+    refuses the GPU run and names the waiver, and launches with it (`waived`)."""
+    from fixtures.common import make_config
+    from hy3rl import bridge as br
+
+    report = tmp_path / "checks" / "bridge.json"
+    rt = make_config(train={"runtime": {"prefix": "env HY3RL_IN_RUNTIME=1",
+                                        "python": sys.executable}})
+    br.run(rt.checks.bridge, rt.model, rt.train.runtime, lock=bridge_repo_factory()[2],
+           out=report)
+    doc = json.loads(report.read_text())
+    assert {c["status"] for c in doc["checks"]} == {"not run"} and doc["ok"] is True
+    capsys.readouterr()
+
+    cfg = paper_cfg(tmp_path)
+    plan = plan_for(cfg, verl, tmp_path, bridge_check=report)
+    res = rule(plan, "bridge")
+    assert res.status == "error" and not plan.ok
+    (msg,) = res.messages
+    assert msg.startswith(f"{report}: {len(doc['checks'])} of {len(doc['checks'])} bridge checks "
+                          f"did not pass: mapping_table_agreement")
+    assert "not run (" in msg
+    assert msg.endswith("or write `preflight.waive: [bridge]` to launch without it")
+    assert plan.errors == [f"bridge: {msg}"]
+
+    cfg["preflight"]["waive"] = ["disk", "bridge"]
+    waived = plan_for(cfg, verl, tmp_path, "waived", bridge_check=report)
+    assert waived.ok and waived.launched, waived.errors
+    assert rule(waived, "bridge").status == "waived"
+    assert f"bridge: {msg}" in waived.waived
+    on_disk = json.loads((tmp_path / "waived/plan.json").read_text())
+    assert {r["name"]: r["status"] for r in on_disk["rules"]}["bridge"] == "waived"
+
+
+def test_bridge_report_missing_or_failed_stops_the_launch(verl, tmp_path):
+    cfg = paper_cfg(tmp_path)
+    missing = tmp_path / "no-checks" / "bridge.json"
+    plan = plan_for(cfg, verl, tmp_path, bridge_check=missing)
+    assert rule(plan, "bridge").messages == [
+        f"{missing} is missing: a GPU run needs the report of the bridge check (rule "
+        f"check_bridge, run in the training runtime); or write `preflight.waive: [bridge]` to "
+        f"launch without it"]
+    failed = bridge_report(tmp_path / "failed" / "bridge.json", "fail", "cosine 0.91 < 0.9999")
+    plan = plan_for(cfg, verl, tmp_path, "failed", bridge_check=failed)
+    assert rule(plan, "bridge").status == "error"
+    assert ("5 of 5 bridge checks did not pass: mapping_table_agreement, "
+            "tiny/roundtrip_tensors, tiny/expert_bias, tiny/logits, tiny/bridge_warnings fail "
+            "(cosine 0.91 < 0.9999)") in rule(plan, "bridge").messages[0]
+    # the same `not run` report as the runtime without Transformer Engine writes
+    not_run = bridge_report(tmp_path / "te" / "bridge.json", "not run", TE_MISSING)
+    plan = plan_for(cfg, verl, tmp_path, "te", bridge_check=not_run)
+    assert ("tiny/bridge_warnings not run (no Transformer Engine in this runtime (import "
+            "transformer_engine failed))") in rule(plan, "bridge").messages[0]
+
+
+@pytest.mark.parametrize("prefix, status", [
+    ("apptainer exec --nv docker://verlai/verl@sha256:" + "a" * 64, "pass"),
+    ("apptainer exec --nv /shared/images/verl-vllm023.dev1.sif", "pass"),
+    ("", "pass"),
+    ("apptainer exec --nv docker://registry.example:5000/verl", "warning"),
+])
+def test_runtime_tag(verl, tmp_path, prefix, status):
+    cfg = paper_cfg(tmp_path)
+    cfg["train"]["runtime"]["prefix"] = prefix
+    plan = plan_for(cfg, verl, tmp_path)
+    assert rule(plan, "runtime_tag").status == status
+    if status == "warning":
+        assert rule(plan, "runtime_tag").messages[0].startswith(
+            "train.runtime.prefix names the image docker://registry.example:5000/verl by no tag "
+            "(Docker's implicit 'latest'): a tag can move")
+        assert "docker://registry.example:5000/verl@sha256:<digest>" in plan.warnings[-1]
 
 
 # --------------------------------------------------------------------------- through SLURM
@@ -641,12 +943,14 @@ def test_preflight_errors_stop_the_workflow_on_the_slurm_cluster(
     for name in ("train.parquet", "val.parquet"):
         (res / "data" / name).write_bytes(b"")
     (res / "checks").mkdir()
-    for name in ("checkpoint.json", "bridge.json"):
-        (res / "checks" / name).write_text(json.dumps({"checks": []}))
+    (res / "checks" / "checkpoint.json").write_text(json.dumps({"checks": []}))
+    bridge_report(res / "checks" / "bridge.json")  # passed (the bridge rule reads it)
+    model = tmp_path / "model"  # what verl's checks read (the fake verl: a directory)
+    model.mkdir()
     site = tmp_path / "site.yaml"
     train = {"checkpoint_root": str(tmp_path / "ckpt"),
              "env": {"ROLLOUT_MAX_MODEL_LEN": 100, "SAVE_FREQ": 50, "ACTOR_PP": 3}}
-    site.write_text(json.dumps({"train": train}))
+    site.write_text(json.dumps({"train": train, "model": {"source": str(model)}}))
     args = ["results/tiny-default/preflight/plan.json", *slurm_profile_args, str(site),
             "--allowed-rules", "preflight"]
 
@@ -660,12 +964,12 @@ def test_preflight_errors_stop_the_workflow_on_the_slurm_cluster(
                 "max_model_len: rollout.max_model_len = 100 < max_prompt_length + "
                 "max_response_length",
                 "save_test_freq: trainer.save_freq = 50 > total_training_steps = 2",
-                "preflight: 6 error(s)"):
+                "6 error(s) (plan: results/tiny-default/preflight/plan.json)"):
         assert msg in out, f"{msg!r} not in Snakemake's output:\n{out[-4000:]}"
     assert not (res / "preflight" / "launch.sh").exists()
 
     train["env"] = {}
-    site.write_text(json.dumps({"train": train}))
+    site.write_text(json.dumps({"train": train, "model": {"source": str(model)}}))
     good = run_snakemake(args, work, check=False, timeout=600)
     out = good.stdout + good.stderr
     assert good.returncode == 0, out[-4000:]

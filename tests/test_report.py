@@ -1,6 +1,8 @@
 """The report stage on run directories made here (tests/fixtures/report.py): verl-format
 attempt logs of a resumed run whose attempts overlap, the other stages' documented files,
-secrets planted in the environment and config, and the embedded default with no training."""
+secrets planted in the environment and config, and the embedded default with no training.
+The stage runs in-process (``report.run``/``report.build`` on a Layout of the run), through
+the ``hy3rl report`` console script, and as Snakemake's rule."""
 
 from __future__ import annotations
 
@@ -9,14 +11,19 @@ import csv
 import io
 import json
 import re
+import subprocess
+import sys
 import zipfile
 from pathlib import Path
 
 import matplotlib.image as mpimg
 import numpy as np
 import pytest
-from fixtures.common import REPO_ROOT, run_snakemake
+from fixtures.common import REPO_ROOT, make_config, run_snakemake
 from fixtures.report import (
+    CONFIG_BLOB,
+    MODEL_REPO,
+    MODEL_SHA,
     RECIPE_SHA,
     VAL_KEY,
     VERL_SHA,
@@ -26,8 +33,17 @@ from fixtures.report import (
     write_gpu_checks,
     write_training,
 )
-from hy3rl import config as cfgmod
 from hy3rl import report
+from hy3rl.errors import StageError
+from hy3rl.layout import REPORT_FIGURES, REPORT_FILES, Layout
+from hy3rl.redact import Redactor, make_redactor
+from hy3rl.report.read import by_step
+from hy3rl.settings import Config
+from hy3rl.smk import triggers
+from hy3rl.verl_log import merge_metrics
+
+OUTPUTS = sorted(n for n, _ in REPORT_FILES)
+TRAINING_FIGURES = ("fig_training_published.png", "fig_training_extra.png", "fig_step_time.png")
 
 SECRET_WANDB = "9f8e7d6c5b4a39281706f5e4d3c2b1a098765432"  # 40 hex, like a W&B key
 SECRET_HF = "hf_QwErTyUiOpAsDfGhJkLzXcVbNm123456"
@@ -35,12 +51,28 @@ SECRET_SK = "sk-proj-AbCdEfGhIjKlMnOpQrStUv987654"
 SECRET_PW = "correct-horse-battery-staple"
 
 
-def _config(gpu: bool = True) -> dict:
-    cfg = cfgmod.load(REPO_ROOT / "config/config.yaml")
-    cfg["report"]["dpi"] = 60  # smaller figures: a faster suite
+def _config(gpu: bool = True, **sections: dict) -> Config:
+    """The embedded default, smaller figures (a faster suite), and a 2 x 8 GPU cluster."""
+    sections["report"] = {"dpi": 60, **sections.get("report", {})}
     if gpu:
-        cfg["cluster"].update(gpu=True, nodes=2, gpus_per_node=8)
-    return cfg
+        sections["cluster"] = {"gpu": True, "nodes": 2, "gpus_per_node": 8}
+    return make_config(**sections)
+
+
+def _gather(results: Path, cfg: Config):
+    return report.gather(cfg, Layout.of_results(results))
+
+
+def _build(results: Path, cfg: Config, env: dict | None = None) -> dict[str, bytes]:
+    return report.build(cfg, Layout.of_results(results), env or {})
+
+
+def _run(results: Path, cfg: Config, out: Path | None = None) -> Path:
+    """report.run into ``out`` (default: the layout's report folder); returns the folder."""
+    layout = Layout.of_results(results)
+    outputs = {n: (out / n if out else Path(layout.report_file(n))) for n in OUTPUTS}
+    report.run(cfg, results=layout, outputs=outputs)
+    return outputs["index.html"].parent
 
 
 def _csv(blob: bytes) -> list[dict[str, str]]:
@@ -53,10 +85,10 @@ def _csv(blob: bytes) -> list[dict[str, str]]:
 def test_merge_of_overlapping_attempts_keeps_the_later_values(tmp_path: Path):
     results = tmp_path / "results" / "r"
     written = write_training(results, RunSpec(attempts=[(0, 27, 20), (20, 40, 40)]))
-    logs = [report.read_verl_log(results / f"train/attempts/attempt-{k}.metrics.jsonl")
-            for k in (1, 2)]
-    assert logs[0].dropped_tail and not logs[1].dropped_tail
-    merged = report.merge_logs(logs)
+    found = _gather(results, _config())
+    assert [log.attempt for log in found.logs] == [1, 2]
+    assert found.logs[0].dropped_tail and not found.logs[1].dropped_tail
+    merged = found.metrics  # no train/metrics.jsonl: the report merged the attempt logs
     assert sorted(merged) == list(range(0, 41))
     # steps 21..26 were logged by both attempts: the later attempt's values win
     for step in range(21, 27):
@@ -72,7 +104,7 @@ def test_merge_of_overlapping_attempts_keeps_the_later_values(tmp_path: Path):
 
 def test_report_merges_attempts_itself_when_no_merged_file(report_run_factory):
     results = report_run_factory()
-    found = report.gather(results, _config())
+    found = _gather(results, _config())
     assert "merged here from 2 attempt log(s)" in found.metrics_source
     assert any("truncated last line dropped" in n for n in found.notes)
     x, _ = report.series(found.metrics, "critic/rewards/mean")
@@ -84,15 +116,15 @@ def test_train_stage_merged_file_is_used_and_compared(report_run_factory):
     """train/metrics.jsonl (written by hy3rl.train's own merge) is what the report plots; it
     agrees with the report's merge of the attempt logs, and a disagreement is reported."""
     results = report_run_factory(RunSpec(merged_file=True))
-    found = report.gather(results, _config())
+    found = _gather(results, _config())
     assert found.metrics_source.startswith("train/metrics.jsonl")
-    assert found.metrics == report.merge_logs(found.logs)
+    assert found.metrics == by_step(merge_metrics(log.records for log in found.logs))
     assert not any("differs" in n for n in found.notes)
     path = results / "train/metrics.jsonl"
     lines = [json.loads(ln) for ln in path.read_text().splitlines()]
     lines[5]["data"]["critic/rewards/mean"] = -1.0
     path.write_text("".join(json.dumps(ln) + "\n" for ln in lines))
-    found = report.gather(results, _config())
+    found = _gather(results, _config())
     assert any("differs from the merge of the attempt logs" in n and
                f"different values: [{lines[5]['step']}]" in n for n in found.notes)
 
@@ -106,8 +138,11 @@ def _real_training(results: Path) -> list[dict]:
 
     from fixtures.report import step_metrics, val_metrics
     from hy3rl import train
+    from hy3rl.atomic import write_json_atomic
 
-    tdir = results / "train" / "attempts"
+    layout = Layout.of_results(results, checkpoint_root=str(results.parent / "ckpt"))
+    layout.checkpoint_dir.mkdir(parents=True)
+    tdir = Path(layout.train_attempts)
     tdir.mkdir(parents=True)
     plan = [(0, 27, 20, "trainer failed (FAILED, exit 1)"), (20, 33, 30, None),
             (30, 40, 40, "succeeded")]
@@ -115,27 +150,25 @@ def _real_training(results: Path) -> list[dict]:
         rng = np.random.default_rng(k)
         lines = [(first, val_metrics(first, rng))] + [
             (s, step_metrics(s, k, rng, 10, 10)) for s in range(first + 1, last + 1)]
-        (tdir / f"attempt-{k}.metrics.jsonl").write_text(
+        Path(layout.attempt_metrics(k)).write_text(
             "".join(json.dumps({"step": s, "data": d}) + "\n" for s, d in lines))
         rec = asdict(train.AttemptRecord(
             attempt=k, run="r", executor="slurm", slurm_job_id=str(900 + k), host="gpu-n1",
             nodes=["gpu-n1", "gpu-n2"], num_nodes=2, gpus_per_node=8, cpus_per_node=96,
-            submission_id=f"r-{900 + k}-{k}", checkpoint_dir="/ckpt/r", start_step=first,
-            started_at=f"2026-11-2{k}T08:00:00+00:00", metrics_log=f"attempt-{k}.metrics.jsonl",
-            log_dir=f"attempt-{k}/"))
+            submission_id=f"r-{900 + k}-{k}", checkpoint_dir=str(layout.checkpoint_dir),
+            start_step=first, started_at=f"2026-11-2{k}T08:00:00+00:00",
+            metrics_log=Path(layout.attempt_metrics(k)).name, log_dir=f"attempt-{k}/"))
         if reason is None:  # killed: the record stays `running` until the next attempt
-            train.write_json_atomic(tdir / f"attempt-{k}.json", rec)
-            assert train.finalise_stale(tdir, ckpt) == [k]
+            write_json_atomic(Path(layout.attempt_record(k)), rec)
+            assert train.finalise_stale(layout, ckpt) == [k]
         else:
-            rec = train.close_record(rec, tdir, ckpt, reason, 0 if k == 3 else 1)
+            rec = train.close_record(rec, layout, ckpt, reason, 0 if k == 3 else 1)
             rec["ended_at"] = f"2026-11-2{k}T10:00:00+00:00"  # 2 h of wall time
             rec["wall_s"] = 7200.0
-            train.write_json_atomic(tdir / f"attempt-{k}.json", rec)
-    train.write_merged(tdir, results / "train" / "metrics.jsonl")
-    ckpt_dir = results.parent / "ckpt"
-    ckpt_dir.mkdir()
-    train.write_done(results / "train", {"run": {"name": "r"}}, ckpt_dir, 40, 40, tdir)
-    return [json.loads((tdir / f"attempt-{k}.json").read_text()) for k in (1, 2, 3)]
+            write_json_atomic(Path(layout.attempt_record(k)), rec)
+    train.write_merged(tdir, Path(layout.train_metrics))
+    train.write_done(layout, 40, 40, Path(layout.train_done), Path(layout.train_metrics))
+    return [json.loads(Path(layout.attempt_record(k)).read_text()) for k in (1, 2, 3)]
 
 
 def _real_eval(results: Path, tags: tuple[str, ...], n: int = 8) -> dict[str, dict]:
@@ -184,7 +217,7 @@ def test_report_reads_what_train_and_evaluate_really_write(tmp_path: Path):
     records = _real_training(results)
     ev = _real_eval(results, ("base", "step20", "final"))
     write_cpu_stages(results, "r")
-    files = report.build(results, _config(), {})
+    files = _build(results, _config())
     html = files["index.html"].decode()
 
     stages = {r["stage"]: r for r in _csv(files["stages.csv"])}
@@ -203,7 +236,7 @@ def test_report_reads_what_train_and_evaluate_really_write(tmp_path: Path):
     assert "attempt 3 (job 903) resumed at step 30" in html
     # the train stage's merged file is plotted, and it agrees with the report's own merge
     assert "41 logged steps, from train/metrics.jsonl (merged by the train stage)" in html
-    assert not any("differs" in n for n in report.gather(results, _config()).notes)
+    assert not any("differs" in n for n in _gather(results, _config()).notes)
 
     head = {(r["tag"], r["grader"].removesuffix(" (primary)")): r
             for r in _csv(files["eval_headline.csv"])}
@@ -254,16 +287,44 @@ def test_report_reads_what_train_and_evaluate_really_write(tmp_path: Path):
 
 
 def test_bad_log_line_names_file_and_line(tmp_path: Path, report_run_factory):
+    """In-process a StageError naming file and line; `hy3rl report` prints it and exits 1,
+    writing nothing."""
     results = report_run_factory()
     log = results / "train/attempts/attempt-2.metrics.jsonl"
     lines = log.read_text().splitlines()
     lines[3] = lines[3][:25]
     log.write_text("\n".join(lines) + "\n")
-    with pytest.raises(report.ReportInputError, match=r"attempt-2\.metrics\.jsonl:4: not valid"):
-        report.gather(results, _config())
-    rc = report.main(["--results", str(results), "--config-json", json.dumps(_config())])
-    assert rc == 1
-    assert not (results / "report" / "index.html").exists()
+    with pytest.raises(StageError, match=r"attempt-2\.metrics\.jsonl:4: not a verl metrics"):
+        _gather(results, _config())
+    site = tmp_path / "site.yaml"
+    site.write_text(json.dumps({"run": {"name": results.name,
+                                        "results_root": str(results.parent)}}))
+    proc = subprocess.run(
+        [sys.executable, "-m", "hy3rl.cli", "report", "--configfile",
+         str(REPO_ROOT / "config/config.yaml"), "--configfile", str(site)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "hy3rl report: error:" in proc.stderr
+    assert "attempt-2.metrics.jsonl:4: not a verl metrics line" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (results / "report").exists()
+
+
+def test_the_console_script_writes_every_file(tmp_path: Path, report_run_factory):
+    """`hy3rl report --configfile ...` writes the layout's report files of the run."""
+    results = report_run_factory()
+    site = tmp_path / "site.yaml"
+    site.write_text(json.dumps({"run": {"name": results.name,
+                                        "results_root": str(results.parent)},
+                                "cluster": {"gpu": True, "nodes": 2, "gpus_per_node": 8},
+                                "report": {"dpi": 50}}))
+    proc = subprocess.run(
+        [sys.executable, "-m", "hy3rl.cli", "report", "--configfile",
+         str(REPO_ROOT / "config/config.yaml"), "--configfile", str(site)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "report: wrote 14 files" in proc.stdout
+    assert sorted(p.name for p in (results / "report").iterdir()) == OUTPUTS
 
 
 # ---- the page and its files ----
@@ -271,18 +332,19 @@ def test_bad_log_line_names_file_and_line(tmp_path: Path, report_run_factory):
 
 def test_full_resumed_run_renders_every_section(report_run_factory):
     results = report_run_factory()
-    files = report.build(results, _config(), {})
-    assert set(files) == set(report.OUTPUTS)
-    for name in report.FIGURES:
+    files = _build(results, _config())
+    assert sorted(files) == OUTPUTS
+    for name in REPORT_FIGURES:
         assert files[name].startswith(b"\x89PNG\r\n\x1a\n")
         img = mpimg.imread(io.BytesIO(files[name]), format="png")
         assert img.shape[0] > 200 and float(np.std(img[..., :3])) > 0.05, name
     html = files["index.html"].decode()
-    assert html.count("data:image/png;base64,") == len(report.FIGURES)
+    assert html.count("data:image/png;base64,") == len(REPORT_FIGURES)
     assert not re.search(r"""(src|href)=["']?(https?:|//)""", html)
     assert "attempt 2 (job 4712) resumed at step 20" in html
     assert "Actor loss: actor/loss" in html
-    assert "id=\"training-not-run\"" not in html
+    assert 'id="training-not-run"' not in html and 'id="training-no-metrics"' not in html
+    assert 'id="claims-table"' in html
 
     stages = {r["stage"]: r for r in _csv(files["stages.csv"])}
     assert stages["train"]["status"] == "done" and stages["evaluate"]["status"] == "done"
@@ -312,7 +374,7 @@ def test_full_resumed_run_renders_every_section(report_run_factory):
     prov = _csv(files["provenance.csv"])
     values = " ".join(r["value"] for r in prov)
     assert "220e9039902c6db56860e2afd659803dc34ec005 (verified = pin)" in values
-    assert cfgmod.config_hash(_config()) in values
+    assert _config().hash in values
     assert "ab" * 32 in values  # the train parquet's sha256
     assert "job 4711; nodes gpu-n1,gpu-n2" in values
 
@@ -329,8 +391,8 @@ def test_curves_mark_resume_points(report_run_factory):
     """The same run drawn without its second attempt's record differs exactly by the
     resume markers: the markers are really drawn."""
     results = report_run_factory()
-    found = report.gather(results, _config())
-    red = report.Redactor()
+    found = _gather(results, _config())
+    red = Redactor()
     with_marks, _ = report.fig_published(found, red, 60, False, 0.015, "")
     found.attempts[1].start_step = None
     found.logs = []  # no other source of the resume step
@@ -346,19 +408,17 @@ def test_secrets_never_reach_any_output(report_run_factory, tmp_path: Path, monk
         "env": {"WANDB_API_KEY": SECRET_WANDB, "DB_PASSWORD": SECRET_PW},
     })
     results = report_run_factory(spec)
-    cfg = _config()
-    cfg["report"]["redact_env"] = ["MY_VAULT"]
-    cfg["run"]["notes_api_key"] = SECRET_PW  # planted (not a schema key: never validated here)
-    cfg["run"]["extra_overrides"] = [f"+trainer.wandb_key={SECRET_SK}", "x=1"]
+    cfg = _config(report={"redact_env": ["MY_VAULT"]}, train={
+        "env": {"NOTES_API_KEY": SECRET_PW},  # under a secret-looking name
+        "verl_overrides": {"trainer.notes": f"+trainer.wandb_key={SECRET_SK} x=1"},  # free text
+    })
     monkeypatch.setenv("WANDB_API_KEY", SECRET_WANDB)
     monkeypatch.setenv("HF_TOKEN", SECRET_HF)
     monkeypatch.setenv("MY_VAULT", "vault-value-1234")
     monkeypatch.setenv("SLURM_JOB_NAME", f"job-with-{SECRET_SK}")
-    out = tmp_path / "out"
-    assert report.main(["--results", str(results), "--out-dir", str(out),
-                        "--config-json", json.dumps(cfg)]) == 0
+    out = _run(results, cfg, tmp_path / "out")  # the environment: this process's
     names = sorted(p.name for p in out.iterdir())
-    assert names == sorted(report.OUTPUTS)
+    assert names == OUTPUTS
     secrets = [SECRET_WANDB, SECRET_HF, SECRET_SK, SECRET_PW, "vault-value-1234"]
     for p in out.iterdir():
         blob = p.read_bytes()
@@ -368,14 +428,46 @@ def test_secrets_never_reach_any_output(report_run_factory, tmp_path: Path, monk
     html = (out / "index.html").read_text()
     assert html.count("[REDACTED]") >= 5  # the redaction really ran on planted values
     # not over-redacted: git SHAs, hashes, token budgets and tokenizer paths stay
-    for kept in (VERL_SHA, RECIPE_SHA, cfgmod.config_hash(cfg), "resources/tiny-hy3"):
+    for kept in (VERL_SHA, RECIPE_SHA, cfg.hash, "resources/tiny-hy3"):
         assert kept in html
     assert "[REDACTED]" in (out / "provenance.csv").read_text()
     assert "[REDACTED]" in (out / "config.resolved.yaml").read_text()
+    env_rows = {r["name"]: r["value"] for r in _csv((out / "provenance.csv").read_bytes())
+                if r["section"] == "environment variable"}
+    assert env_rows["HF_TOKEN"] == "[REDACTED]"  # listed (HF_ prefix), its value never
+
+
+def test_model_provenance_repo_revision_and_manifest_hash(report_run_factory):
+    """The checkpoint's provenance (hy3rl.hub.provenance of model/manifest.json): repo id,
+    the resolved revision (a 40-hex SHA, not taken for a secret) and the manifest's sha256,
+    in the table, the CSV and the stages; the manifest's file list stays out of the page."""
+    import hashlib
+
+    results = report_run_factory(training=False)
+    manifest = results / "model" / "manifest.json"
+    digest = hashlib.sha256(manifest.read_bytes()).hexdigest()
+    files = _build(results, _config(gpu=False), env={"HF_TOKEN": SECRET_HF})
+    prov = {r["name"]: r for r in _csv(files["provenance.csv"])}
+    assert prov["model.source"]["value"] == f"hub: {MODEL_REPO}"
+    assert prov["model.revision"]["value"] == MODEL_SHA
+    assert prov["model.manifest_sha256"]["value"] == digest
+    assert prov["model.files"]["value"] == "2 files, 6040002316 bytes"
+    assert prov["model.source"]["section"] == "model (model/manifest.json)"
+    stages = {r["stage"]: r for r in _csv(files["stages.csv"])}
+    assert stages["model"]["status"] == "done" and MODEL_SHA in stages["model"]["detail"]
+    html = files["index.html"].decode()
+    for kept in (MODEL_REPO, MODEL_SHA, digest):
+        assert kept in html
+    assert CONFIG_BLOB not in html  # the file list is not rendered
+    assert all(SECRET_HF.encode() not in blob for blob in files.values())
+    # A manifest that is not one is named, not rendered.
+    manifest.write_text("{}")
+    with pytest.raises(StageError, match="model/manifest.json: not a model manifest"):
+        _build(results, _config(gpu=False))
 
 
 def test_redactor_rules():
-    r = report.make_redactor(
+    r = make_redactor(
         {"WANDB_API_KEY": SECRET_WANDB, "TOKENIZERS_PARALLELISM": "false", "HOME": "/root"},
         [{"deps": {"verl": {"commit": "220e9039902c6db56860e2afd659803dc34ec005"}},
           "train": {"ppo_max_token_len_per_gpu": 30720, "hf_token": SECRET_HF,
@@ -395,36 +487,54 @@ def test_redactor_rules():
         "api_key": "[REDACTED]", "total_num_tokens": 5, "tokenizer": "resources/t"}
 
 
-def test_config_for_the_rule_is_redacted_and_still_renders(report_run_factory):
-    """The rule hands the report a redacted config (rule params reach `snakemake --report`)
-    with the full config's hash: the redacted values are not taken for secrets (which would
-    refuse every file), SHAs survive, and the page shows the given hash."""
-    from hy3rl.redact import redact_config
-
-    cfg = _config()
-    cfg["train"]["verl_overrides"] = {"+trainer.wandb_api_key": SECRET_SK}
-    red = redact_config(cfg)
-    assert red["train"]["verl_overrides"] == {"+trainer.wandb_api_key": "[REDACTED]"}
-    assert red["deps"] == cfg["deps"]  # pinned SHAs kept
-    assert SECRET_SK not in json.dumps(red)
-    files = report.build(report_run_factory(), red, {}, cfg_hash=cfgmod.config_hash(cfg))
-    assert cfgmod.config_hash(cfg) in files["index.html"].decode()
-    assert cfgmod.config_hash(cfg) in files["provenance.csv"].decode()
+def test_rule_params_hold_no_config_and_the_job_redacts_it(report_run_factory):
+    """The rule's params are its rerun triggers only (run.name and the report section:
+    they reach `snakemake --report`'s record); the job reads the whole config, hashes it
+    unredacted (cfg.hash) and redacts it before anything is written, SHAs kept."""
+    cfg = _config(train={"verl_overrides": {"+trainer.wandb_api_key": SECRET_SK}})
+    params = triggers(cfg.raw, "run.name", "report")
+    assert {v.split("=", 1)[0] for v in params.values()} == {
+        "run.name", *(f"report.{k}" for k in cfg.raw["report"])}
+    assert SECRET_SK not in json.dumps(params)
+    files = _build(report_run_factory(), cfg)
+    assert cfg.hash in files["index.html"].decode()
+    assert cfg.hash in files["provenance.csv"].decode()
+    resolved = files["config.resolved.yaml"].decode()
+    assert "+trainer.wandb_api_key: '[REDACTED]'" in resolved
+    assert VERL_SHA in resolved  # pinned SHAs kept
+    assert all(SECRET_SK.encode() not in blob for blob in files.values())
 
 
 # ---- partial runs ----
 
 
 def test_embedded_default_without_training_renders_and_says_why(tmp_path: Path):
+    """No training (cluster.gpu false): ONE explanation, why and how to run training,
+    instead of figures of empty panels; every declared PNG still exists, the three training
+    figures as one small figure saying the same."""
     results = tmp_path / "results" / "tiny-default"
     results.mkdir(parents=True)
     cfg = _config(gpu=False)
-    assert report.main(["--results", str(results), "--config-json", json.dumps(cfg)]) == 0
-    out = results / "report"
-    assert sorted(p.name for p in out.iterdir()) == sorted(report.OUTPUTS)
+    out = _run(results, cfg)
+    assert out == results / "report"
+    assert sorted(p.name for p in out.iterdir()) == OUTPUTS
     html = (out / "index.html").read_text()
-    assert 'id="training-not-run"' in html
-    assert "training did not run: cluster.gpu is false" in html
+    assert html.count('id="training-not-run"') == 1
+    notice = html.split('id="training-not-run"', 1)[1].split("</div>", 1)[0]
+    assert "Training did not run: cluster.gpu is false" in notice
+    assert "cluster.gpu: true" in notice and "snakemake --profile profiles/slurm" in notice
+    assert 'id="training-no-metrics"' not in html and "no data" not in html
+    for fig in ("fig-training-published", "fig-training-extra", "fig-step-time",
+                "fig-eval-checkpoints", "fig-eval-heatmap"):  # no eval here either
+        assert f'id="{fig}"' not in html
+    assert 'id="claims-table"' not in html and "Nothing to compare" in html
+    pngs = {name: (out / name).read_bytes() for name in REPORT_FIGURES}
+    assert len({pngs[n] for n in TRAINING_FIGURES}) == 1  # one small figure, three names
+    small = mpimg.imread(io.BytesIO(pngs[TRAINING_FIGURES[0]]), format="png")
+    assert small.shape[0] < 200  # at 60 dpi (the six panels: 510 px high)
+    assert float(np.std(small[..., :3])) > 0.02  # the text is really drawn
+    for name in ("fig_eval_checkpoints.png", "fig_eval_heatmap.png"):
+        assert pngs[name].startswith(b"\x89PNG\r\n\x1a\n")
     stages = {r["stage"]: r for r in _csv((out / "stages.csv").read_bytes())}
     assert stages["train"]["status"] == "not run" and "cluster.gpu is false" in \
         stages["train"]["detail"]
@@ -437,15 +547,20 @@ def test_embedded_default_without_training_renders_and_says_why(tmp_path: Path):
 def test_cpu_stages_and_base_eval_only(report_run_factory):
     """The embedded default after its CPU stages: no training, base evaluation only."""
     results = report_run_factory(RunSpec(eval_tags=("base",)), training=False)
-    files = report.build(results, _config(gpu=False), {})
+    files = _build(results, _config(gpu=False))
     stages = {r["stage"]: r["status"] for r in _csv(files["stages.csv"])}
-    assert stages == {"deps": "done", "data": "done", "check_checkpoint": "pass (some not run)",
+    assert stages == {"deps": "done", "data": "done", "model": "done",
+                      "check_checkpoint": "pass (some not run)",
                       "check_bridge": "not run", "cluster_probe": "not run",
                       "preflight": "pass", "train": "not run",
                       "evaluate": "done"}
     assert len(_csv(files["eval_per_problem.csv"])) == 30
     assert _csv(files["eval_paired.csv"]) == []
-    assert "Not available: needs both" in files["index.html"].decode()
+    html = files["index.html"].decode()
+    assert "Not available: needs both" in html
+    # one explanation of the missing training; the evaluation's two figures are shown
+    assert html.count('id="training-not-run"') == 1
+    assert html.count("data:image/png;base64,") == 2 and 'id="fig-eval-heatmap"' in html
 
 
 def test_generation_not_run_is_shown_with_its_reason(report_run_factory):
@@ -456,8 +571,7 @@ def test_generation_not_run_is_shown_with_its_reason(report_run_factory):
             "backend": "vllm"}
     (results / "eval/base").mkdir(parents=True)
     (results / "eval/base/samples.meta.json").write_text(json.dumps(meta))
-    stages = {r["stage"]: r for r in _csv(report.build(results, _config(gpu=False), {})[
-        "stages.csv"])}
+    stages = {r["stage"]: r for r in _csv(_build(results, _config(gpu=False))["stages.csv"])}
     assert stages["evaluate"]["status"] == "not run"
     assert stages["evaluate"]["detail"] == \
         "eval/base/samples.meta.json: vllm is not installed here"
@@ -466,18 +580,20 @@ def test_generation_not_run_is_shown_with_its_reason(report_run_factory):
 def test_eval_tags_not_in_the_summary_are_ignored(report_run_factory):
     results = report_run_factory(RunSpec(eval_tags=("base", "step20")), training=False)
     (results / "eval/summary.json").write_text(json.dumps({"tags": ["base"], "rows": []}))
-    found = report.gather(results, _config(gpu=False))
+    found = _gather(results, _config(gpu=False))
     assert [e.tag for e in found.evals] == ["base"]
     assert any("eval/step20/metrics.json ignored" in n for n in found.notes)
 
 
-def test_rule_declares_every_output_as_report_item():
-    text = (REPO_ROOT / "rules/report.smk").read_text()
-    for name in report.OUTPUTS:
-        m = re.search(rf'report\(\s*f"{{REPORT_DIR}}/{re.escape(name)}",\s*caption="([^"]+)"',
-                      text)
-        assert m, f"{name} is not a report() output of rule report"
-        assert (REPO_ROOT / "rules" / m.group(1)).resolve().is_file(), m.group(1)
+def test_rule_outputs_come_from_the_layout_with_captions():
+    """The rule keeps no list of its own: its outputs are hy3rl.layout.REPORT_FILES (through
+    common.smk's report_outputs), each with its caption (report/captions/<stem>.rst).
+    test_snakemake_report_rule_and_snakemake_report checks them in `snakemake --report`."""
+    rule = (REPO_ROOT / "rules/report.smk").read_text()
+    assert "**report_outputs()" in rule
+    for name, _ in REPORT_FILES:
+        assert name not in rule, f"{name} spelled in rules/report.smk"
+        assert (REPO_ROOT / "report/captions" / f"{name.split('.')[0]}.rst").is_file(), name
 
 
 # ---- through Snakemake ----
@@ -505,7 +621,7 @@ def test_snakemake_report_rule_and_snakemake_report(gpu: bool, tmp_path: Path):
     over = {"run": {"name": "wf"}, "report": {"dpi": 50}}
     if gpu:
         over["cluster"] = {"gpu": True, "nodes": 2, "gpus_per_node": 8}
-        # a secret in the config itself (it reaches the rule on its command line)
+        # a secret in the config itself (the job reads it from snakemake.config)
         over["train"] = {"verl_overrides": {"+trainer.wandb_api_key": SECRET_SK}}
     configfile.write_text(json.dumps(over))
     results = workdir / "results" / "wf"
@@ -524,10 +640,12 @@ def test_snakemake_report_rule_and_snakemake_report(gpu: bool, tmp_path: Path):
     run_snakemake(["-c1", "--configfile", str(configfile), "--allowed-rules", "report",
                    "report"], workdir, env=env)
     out = results / "report"
-    assert sorted(p.name for p in out.iterdir()) == sorted(report.OUTPUTS)
+    assert sorted(p.name for p in out.iterdir()) == OUTPUTS
     html = (out / "index.html").read_text()
     assert ('id="training-not-run"' in html) != gpu
-    assert (results / "logs" / "report.log").read_text().startswith("report: wrote")
+    log = (results / "logs" / "report.log").read_text()
+    assert "report: wrote 14 files" in log and "run.name=" in log  # the triggers
+    assert SECRET_SK not in log
     if not gpu:
         return  # one `snakemake --report` (below) is enough
     run_snakemake(["--configfile", str(configfile), "--allowed-rules", "report",
@@ -535,7 +653,7 @@ def test_snakemake_report_rule_and_snakemake_report(gpu: bool, tmp_path: Path):
     with zipfile.ZipFile(tmp_path / "record.zip") as z:
         names = z.namelist()
         blobs = {n: z.read(n) for n in names}
-    for name in report.OUTPUTS:
+    for name in OUTPUTS:
         assert any(n.endswith(f"/{name}") for n in names), f"{name} not in snakemake --report"
     for where, blob in [*blobs.items(), *((p.name, p.read_bytes()) for p in out.iterdir())]:
         for secret in (SECRET_WANDB, SECRET_HF, SECRET_SK):

@@ -1,7 +1,8 @@
 """The report page in a real browser: Debian's headless Chromium driven over the Chrome
 DevTools Protocol (websocket-client). No console errors or exceptions, every image loads,
 nothing is fetched but the file itself and its data: URLs, and the screenshots are not
-blank. Both a resumed run with training and the embedded default (no training)."""
+blank. Both a resumed run with training and the embedded default after its CPU stages and
+base evaluation (no training: one explanation instead of the training figures)."""
 
 from __future__ import annotations
 
@@ -21,10 +22,11 @@ import matplotlib.image as mpimg
 import numpy as np
 import pytest
 import websocket
-from fixtures.common import REPO_ROOT
+from fixtures.common import make_config
 from fixtures.report import RunSpec
-from hy3rl import config as cfgmod
 from hy3rl import report
+from hy3rl.layout import REPORT_FIGURES, REPORT_FILES, Layout
+from hy3rl.settings import Config
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -101,15 +103,14 @@ def browser(tmp_path_factory) -> Iterator[DevTools]:
         log.close()
 
 
-def _config(gpu: bool) -> dict:
-    cfg = cfgmod.load(REPO_ROOT / "config/config.yaml")
-    cfg["report"]["dpi"] = 60
+def _config(gpu: bool) -> Config:
     if gpu:
-        cfg["cluster"].update(gpu=True, nodes=2, gpus_per_node=8)
-    return cfg
+        return make_config(report={"dpi": 60},
+                           cluster={"gpu": True, "nodes": 2, "gpus_per_node": 8})
+    return make_config(report={"dpi": 60})
 
 
-def _open(tools: DevTools, page: Path) -> dict[str, Any]:
+def _open(tools: DevTools, page: Path, element: str) -> dict[str, Any]:
     tools.events.clear()
     tools.call("Page.navigate", url=page.resolve().as_uri())
     tools.wait_for("Page.loadEventFired")
@@ -118,7 +119,7 @@ def _open(tools: DevTools, page: Path) -> dict[str, Any]:
         " w: i.naturalWidth, h: i.naturalHeight})))"), returnByValue=True)["result"]["value"])
     shot = tools.call("Page.captureScreenshot", format="png")["data"]
     rect = json.loads(tools.call("Runtime.evaluate", expression=(
-        "(() => { const r = document.getElementById('fig-training-published')"
+        f"(() => {{ const r = document.getElementById('{element}')"
         ".getBoundingClientRect(); return JSON.stringify({x: r.x + window.scrollX,"
         " y: r.y + window.scrollY, w: r.width, h: r.height}); })()"),
         returnByValue=True)["result"]["value"])
@@ -136,8 +137,11 @@ def _open(tools: DevTools, page: Path) -> dict[str, Any]:
             problems.append(("log", p["entry"].get("text"), p["entry"].get("url")))
     requests = [e["params"]["request"]["url"] for e in tools.events
                 if e["method"] == "Network.requestWillBeSent"]
+    explanations = tools.call("Runtime.evaluate", expression=(
+        "document.querySelectorAll('#training-not-run').length"),
+        returnByValue=True)["result"]["value"]
     return {"images": images, "shot": shot, "fig_shot": fig_shot, "problems": problems,
-            "requests": requests}
+            "requests": requests, "explanations": explanations}
 
 
 def _not_blank(png_b64: str) -> float:
@@ -151,15 +155,21 @@ def test_page_in_headless_chromium(kind, browser, report_run_factory, tmp_path: 
     if kind == "resumed-run":
         results = report_run_factory(RunSpec())
         cfg = _config(gpu=True)
-    else:
-        results = tmp_path / "results" / "tiny-default"
-        results.mkdir(parents=True)
+        element, figures = "fig-training-published", len(REPORT_FIGURES)
+    else:  # the embedded default: CPU stages and the base evaluation ran, training did not
+        results = report_run_factory(RunSpec(eval_tags=("base",)), training=False)
         cfg = _config(gpu=False)
-    assert report.main(["--results", str(results), "--config-json", json.dumps(cfg)]) == 0
-    page = results / "report" / "index.html"
-    seen = _open(browser, page)
+        element, figures = "training-not-run", 2  # the explanation; the evaluation's figures
+    layout = Layout.of_results(results)
+    report.run(cfg, results=layout,
+               outputs={n: Path(layout.report_file(n)) for n, _ in REPORT_FILES})
+    page = Path(layout.report_html)
+    seen = _open(browser, page, element)
     assert seen["problems"] == []
-    assert len(seen["images"]) == len(report.FIGURES)
+    assert len(seen["images"]) == figures
+    assert ("fig-training-published" in {i["id"] for i in seen["images"]}) == (
+        kind == "resumed-run")
+    assert seen["explanations"] == (0 if kind == "resumed-run" else 1)
     for img in seen["images"]:
         assert img["complete"] and img["w"] > 200 and img["h"] > 100, img
     # nothing but the page itself (and its embedded data: URLs) was requested

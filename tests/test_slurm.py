@@ -16,12 +16,16 @@ from pathlib import Path
 import pytest
 import slurm_cluster as cluster_mod
 import yaml
-from fixtures.common import REPO_ROOT, SNAKEMAKE, run_snakemake
+from fixtures.common import REPO_ROOT, SNAKEMAKE, make_config, run_snakemake
 from fixtures.deps import make_upstreams
 from hy3rl import cluster as probe_mod
+from hy3rl.errors import StageError
 
 TEST_SNAKEFILE = REPO_ROOT / "tests" / "slurm" / "Snakefile"
 PROFILE = REPO_ROOT / "profiles" / "slurm"
+# A site's override of the profile's CHANGE_ME_ values (the Snakefile refuses those by key):
+# the test cluster's (partition hy3rl, account hy3rl-test).
+SITE_PROFILE = REPO_ROOT / "tests" / "slurm" / "profile"
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -132,6 +136,9 @@ def test_cpu_rule_and_two_node_gpu_probe_run_as_sbatch_jobs(slurm_cluster, slurm
     assert probe["allocation"] == ["n1", "n2"]
     assert [n["node"] for n in probe["nodes"]] == ["n1", "n2"]
     assert all(n["gpus"] == 2 and n["cuda_visible_devices"] == "0,1" for n in probe["nodes"])
+    assert probe["created"].endswith("+00:00")
+    rule_log = (res / "logs" / "cluster_probe.log").read_text()  # the adapter's triggers
+    assert "  cluster.nodes=2" in rule_log and "  cluster.gpus_per_node=2" in rule_log
 
 
 @pytest.mark.slurm
@@ -219,15 +226,16 @@ def test_cluster_state_is_discoverable_and_joined(slurm_cluster):
 
 
 def test_paper_dry_run_shows_the_training_shape(tmp_path):
-    """(d) config/paper.yaml + profiles/slurm, the whole DAG: the training job (and the
-    probe, same shape) is 16 nodes x 8 H20 per node, one task per node, exclusive; every
-    job gets the profile's partition/account placeholders."""
-    model = tmp_path / "model"  # paper.yaml's model.path is a site placeholder
-    model.mkdir()
-    site = tmp_path / "site.yaml"
-    site.write_text(yaml.safe_dump({"model": {"path": str(model)}}))
-    proc = run_snakemake(["-n", "--profile", str(PROFILE), "--configfile",
-                          str(REPO_ROOT / "config/config.yaml"),
+    """(d) config/paper.yaml + profiles/slurm (+ a site's partition/account), the whole DAG:
+    the training job (and the probe, same shape) is 16 nodes x 8 H20 per node, one task per
+    node, exclusive; every job gets the site's partition/account."""
+    site = tmp_path / "site.yaml"  # paper.yaml's site placeholders: model, checkpoints, runtime
+    site.write_text(yaml.safe_dump({"model": {"revision": "a" * 40,
+                                              "dir": str(tmp_path / "models")}, "train": {
+        "checkpoint_root": str(tmp_path / "ckpt"),
+        "runtime": {"prefix": "apptainer exec --nv --bind /shared docker://verl:x"}}}))
+    proc = run_snakemake(["-n", "--profile", str(PROFILE), "--profile", str(SITE_PROFILE),
+                          "--configfile", str(REPO_ROOT / "config/config.yaml"),
                           str(REPO_ROOT / "config/paper.yaml"), str(site)], tmp_path)
     out = proc.stdout + proc.stderr
     for rule, runtime in (("train", "4320"), ("cluster_probe", "10")):
@@ -238,16 +246,16 @@ def test_paper_dry_run_shows_the_training_shape(tmp_path):
         assert res["runtime"] == runtime, (rule, res)
         assert "gpu" not in res  # never the plugin's per-job GPU total
     for line in re.findall(r"    resources: (.*)", out):
-        assert "slurm_partition=CHANGE_ME_partition" in line, line
-        assert "slurm_account=CHANGE_ME_account" in line, line
+        assert "slurm_partition=hy3rl" in line, line
+        assert "slurm_account=hy3rl-test" in line, line
 
 
 def test_gpu_shape_untyped_with_constraint(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text(yaml.safe_dump({"cluster": {"gpu": True, "nodes": 4, "gpus_per_node": 8,
                                                "gpu_type": "", "constraint": "h20"}}))
-    proc = run_snakemake(["-n", "--profile", str(PROFILE), "--configfile",
-                          str(REPO_ROOT / "config/config.yaml"), str(cfg), "--",
+    proc = run_snakemake(["-n", "--profile", str(PROFILE), "--profile", str(SITE_PROFILE),
+                          "--configfile", str(REPO_ROOT / "config/config.yaml"), str(cfg), "--",
                           "results/tiny-default/cluster/probe.json"], tmp_path)
     res = resources_line(proc.stdout + proc.stderr, "cluster_probe")
     assert res["nodes"] == "4" and res["gres"] == "gpu:8" and res["constraint"] == "h20", res
@@ -255,7 +263,7 @@ def test_gpu_shape_untyped_with_constraint(tmp_path):
 
 def test_profile_install_makes_the_literal_command_work(tmp_path):
     env = {"XDG_CONFIG_HOME": str(tmp_path / "xdg"), "HOME": str(tmp_path / "home")}
-    pyenv = {**os.environ, **env, "PYTHONPATH": str(REPO_ROOT / "scripts")}
+    pyenv = {**os.environ, **env}  # hy3rl is installed: no PYTHONPATH
     py = [sys.executable, "-m", "hy3rl.profile"]
     assert subprocess.run([*py, "status"], env=pyenv, capture_output=True).returncode == 1
     for _ in range(2):  # idempotent
@@ -263,16 +271,22 @@ def test_profile_install_makes_the_literal_command_work(tmp_path):
         assert proc.returncode == 0, proc.stderr
     link = tmp_path / "xdg" / "snakemake" / "slurm"
     assert link.is_symlink() and link.resolve() == PROFILE.resolve()
-    # the literal command, from the repository root
-    proc = subprocess.run([*SNAKEMAKE, "--profile", "slurm", "-n", "--directory",
-                           str(tmp_path / "work"), "--configfile",
-                           str(REPO_ROOT / "config" / "config.yaml"), "--",
-                           "results/tiny-default/deps/lock.json"],
-                          cwd=REPO_ROOT, env=pyenv, capture_output=True, text=True, timeout=300)
+    # the literal command, from the repository root: the installed profile is used, and
+    # refused by key until the site's values replace its placeholders ...
+    literal = [*SNAKEMAKE, "--profile", "slurm", "-n", "--directory", str(tmp_path / "work"),
+               "--configfile", str(REPO_ROOT / "config" / "config.yaml")]
+    target = ["--", "results/tiny-default/deps/lock.json"]
+    proc = subprocess.run([*literal, *target], cwd=REPO_ROOT, env=pyenv, capture_output=True,
+                          text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "Using profile slurm" in out, out[-3000:]
+    assert "profile default-resources slurm_account: 'CHANGE_ME_account'" in out, out[-3000:]
+    # ... which a site profile on top of it does
+    proc = subprocess.run([*literal, "--profile", str(SITE_PROFILE), *target], cwd=REPO_ROOT,
+                          env=pyenv, capture_output=True, text=True, timeout=300)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
-    assert "Using profile slurm" in out
-    assert resources_line(out, "deps")["slurm_account"] == "CHANGE_ME_account"
+    assert resources_line(out, "deps")["slurm_account"] == "hy3rl-test"
     # never replaces something that is not its own symlink
     subprocess.run([*py, "uninstall"], env=pyenv, check=True, capture_output=True)
     link.mkdir()
@@ -293,10 +307,20 @@ def test_profile_every_entry_commented_and_site_values_are_placeholders():
 
 def test_probe_outside_slurm_is_not_run_and_wrong_shape_fails(tmp_path, monkeypatch):
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
-    out = tmp_path / "probe.json"
-    assert probe_mod.main(["probe", "--nodes", "2", "--gpus-per-node", "8", "--out",
-                           str(out)]) == 0
-    assert json.loads(out.read_text())["status"] == "not run"
+    out = tmp_path / "cluster" / "probe.json"
+    probe_mod.run(make_config(cluster={"nodes": 2, "gpus_per_node": 8}).cluster, out=out)
+    probe = json.loads(out.read_text())
+    assert (probe["status"], probe["expected_nodes"], probe["expected_gpus_per_node"]) == \
+        ("not run", 2, 8)
+    assert probe["created"].endswith("+00:00")
+    # the same through `hy3rl cluster_probe` (layout paths under the working directory)
+    proc = subprocess.run([sys.executable, "-m", "hy3rl.cli", "cluster_probe", "--configfile",
+                           str(REPO_ROOT / "config" / "config.yaml")], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120,
+                          env={k: v for k, v in os.environ.items() if k != "SLURM_JOB_ID"})
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((tmp_path / "results/tiny-default/cluster/probe.json").read_text())[
+        "status"] == "not run"
     node = probe_mod.NodeReport(node="n1", hostname="h", cuda_visible_devices="0,1", gpus=2,
                                 job_gpus="0,1")
     result = probe_mod.evaluate(probe_mod.ProbeResult(
@@ -305,6 +329,13 @@ def test_probe_outside_slurm_is_not_run_and_wrong_shape_fails(tmp_path, monkeypa
     assert result.status == "fail"
     assert any("expected 2" in p for p in result.problems)
     assert any("2 GPUs visible" in p and "expected 8" in p for p in result.problems)
+    assert issubclass(probe_mod.ProbeFailed, StageError)
+    # run(): the failed probe is written (and printed), then the stage error
+    monkeypatch.setenv("SLURM_JOB_ID", "1")
+    monkeypatch.setattr(probe_mod, "probe", lambda job_id, nodes, gpus: result)
+    with pytest.raises(probe_mod.ProbeFailed, match="cluster probe FAILED: allocation has 1"):
+        probe_mod.run(make_config(cluster={"nodes": 2, "gpus_per_node": 8}).cluster, out=out)
+    assert json.loads(out.read_text())["status"] == "fail"
 
 
 def test_conf_backup_and_restore(tmp_path, monkeypatch):

@@ -12,8 +12,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from fixtures.common import REPO_ROOT, make_config
 from fixtures.trainer_double import launch_sh, partial_checkpoint, plan_json
-from hy3rl import launch, train
+from hy3rl import launch, train, verl_log
+from hy3rl.errors import StageError
+from hy3rl.layout import Layout
+from hy3rl.settings import Runtime
 
 
 @pytest.fixture
@@ -181,74 +185,152 @@ def test_metrics_merge_later_attempt_wins(tmp_path: Path) -> None:
 
 
 def test_metrics_bad_line_named(tmp_path: Path) -> None:
-    p = tmp_path / "attempt-1.metrics.jsonl"
+    """The train stage merges with hy3rl.verl_log: a bad line (not the last) is a stage
+    error naming file and line."""
+    a = tmp_path / "attempts"
+    a.mkdir()
+    p = a / "attempt-1.metrics.jsonl"
     p.write_text(_line(1, r=1) + "not json\n" + _line(2, r=2))
-    with pytest.raises(train.TrainError, match=r"attempt-1.metrics.jsonl:2"):
-        train.read_metrics(p)
+    with pytest.raises(StageError, match=r"attempt-1.metrics.jsonl:2"):
+        verl_log.read_metrics(p)
+    with pytest.raises(StageError, match=r"attempt-1.metrics.jsonl:2"):
+        train.write_merged(a, tmp_path / "metrics.jsonl")
 
 
 def test_stale_running_attempt_is_closed(tmp_path: Path) -> None:
-    a = tmp_path / "attempts"
-    a.mkdir()
-    (a / "attempt-1.metrics.jsonl").write_text(_line(1) + _line(2) + _line(3))
-    (a / "attempt-1.json").write_text(json.dumps(
+    layout = Layout(str(tmp_path / "results"), "r")
+    a = Path(layout.train_attempts)
+    a.mkdir(parents=True)
+    Path(layout.attempt_metrics(1)).write_text(_line(1) + _line(2) + _line(3))
+    Path(layout.attempt_record(1)).write_text(json.dumps(
         {"attempt": 1, "exit_reason": "running", "metrics_log": "attempt-1.metrics.jsonl",
          "started_at": "2026-12-02T10:00:00+00:00"}))
-    assert train.finalise_stale(a, end_step=2) == [1]
+    assert train.finalise_stale(layout, end_step=2) == [1]
     rec = json.loads((a / "attempt-1.json").read_text())
     assert rec["exit_reason"].startswith("killed")
     assert (rec["end_step"], rec["last_logged_step"], rec["steps_lost"]) == (2, 3, 1)
 
 
-# ---------------------------------------------------------------- CLI refusals (no Ray)
+def test_close_record_times_in_the_one_format(tmp_path: Path) -> None:
+    layout = Layout(str(tmp_path / "results"), "r")
+    rec = {"attempt": 1, "metrics_log": "", "started_at": "2026-12-02T10:00:00Z"}
+    train.close_record(rec, layout, 4, "succeeded", 0)
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\+00:00", rec["ended_at"])
+    assert rec["wall_s"] > 0 and rec["steps_lost"] == 0
 
 
-def _inputs(tmp_path: Path, ckpt_dir: Path) -> list[str]:
-    (tmp_path / "plan.json").write_text(json.dumps(plan_json(ckpt_dir, 4, 2, "run")))
-    (tmp_path / "launch.sh").write_text(launch_sh(ckpt_dir, 4, 2))
-    (tmp_path / "env.yaml").write_text("working_dir: /nonexistent\n")
-    cfg = {"run": {"name": "run"}, "cluster": {"nodes": 1, "gpus_per_node": 0,
-                                               "cpus_per_node": 1},
-           "train": {"checkpoint_root": str(ckpt_dir.parent)}}
-    return ["--config-json", json.dumps(cfg), "--plan", str(tmp_path / "plan.json"),
-            "--launch", str(tmp_path / "launch.sh"), "--runtime-env", str(tmp_path / "env.yaml"),
-            "--results-dir", str(tmp_path / "results")]
+# ---------------------------------------------------------------- refusals (no Ray)
 
 
-def test_cli_refuses_when_lock_held_by_live_process(tmp_path: Path, capsys) -> None:
+def _setup(tmp_path: Path) -> tuple:
+    """A run `run` whose checkpoint root is tmp_path/ckpt, with plan, launch and runtime env
+    where its layout puts them: (typed config, layout, run()'s path arguments)."""
+    ckpt_root = tmp_path / "ckpt"
+    cfg = make_config(run={"name": "run"},
+                      cluster={"nodes": 1, "gpus_per_node": 0, "cpus_per_node": 1},
+                      train={"checkpoint_root": str(ckpt_root)})
+    layout = Layout(str(tmp_path / "results"), "run", str(ckpt_root))
+    ckpt_dir = layout.checkpoint_dir
+    assert ckpt_dir == ckpt_root / "run"
+    paths = {"plan": Path(layout.preflight_plan), "launch_script": Path(layout.preflight_launch),
+             "runtime_env": Path(layout.deps_runtime_env), "sentinel": Path(layout.train_done),
+             "metrics": Path(layout.train_metrics)}
+    for p in paths.values():
+        p.parent.mkdir(parents=True, exist_ok=True)
+    paths["plan"].write_text(json.dumps(plan_json(ckpt_dir, 4, 2, "run")))
+    paths["launch_script"].write_text(launch_sh(ckpt_dir, 4, 2))
+    paths["runtime_env"].write_text("working_dir: /nonexistent\n")
+    return cfg, layout, paths
+
+
+def _run(cfg, layout: Layout, paths: dict) -> None:
+    train.run(cfg.train, cfg.cluster, layout, keep_steps=cfg.eval_keep_steps, **paths)
+
+
+def _live_lock(ckpt_dir: Path, live: subprocess.Popen) -> None:
     import socket
 
-    ckpt_dir = tmp_path / "ckpt" / "run"
-    ckpt_dir.mkdir(parents=True)
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    (ckpt_dir / train.LOCK_NAME).write_text(json.dumps({
+        "job_id": None, "executor": "local", "host": socket.gethostname(),
+        "pid": live.pid, "pid_create_time": train._pid_create_time(live.pid),
+        "attempt": 4, "acquired_at": "t"}))
+
+
+def test_run_refuses_when_lock_held_by_live_process(tmp_path: Path) -> None:
+    cfg, layout, paths = _setup(tmp_path)
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        (ckpt_dir / train.LOCK_NAME).write_text(json.dumps({
-            "job_id": None, "executor": "local", "host": socket.gethostname(),
-            "pid": live.pid, "pid_create_time": train._pid_create_time(live.pid),
-            "attempt": 4, "acquired_at": "t"}))
-        assert train.main(_inputs(tmp_path, ckpt_dir)) == 3
+        _live_lock(layout.checkpoint_dir, live)
+        with pytest.raises(train.LockHeld) as exc:
+            _run(cfg, layout, paths)
+        assert isinstance(exc.value, StageError)
+        with pytest.raises(train.LockHeld, match="second trainer"):
+            train.check_lock_free(layout.checkpoint_dir)  # what onstart: runs
     finally:
         live.kill()
         live.wait()
-    out = capsys.readouterr().out
-    assert f"local process {live.pid}" in out and "second trainer" in out
-    assert not (tmp_path / "results" / "attempts" / "attempt-1.json").exists()
+    assert f"local process {live.pid}" in str(exc.value)
+    assert "second trainer" in str(exc.value)
+    assert not Path(layout.attempt_record(1)).exists()
+    train.check_lock_free(layout.checkpoint_dir)  # the holder is gone: free
 
 
-def test_cli_checkpoint_dir_mismatch(tmp_path: Path, capsys) -> None:
-    args = _inputs(tmp_path, tmp_path / "ckpt" / "run")
-    plan = json.loads((tmp_path / "plan.json").read_text())
+def test_hy3rl_train_refusal_is_a_message_and_exit_1(tmp_path: Path) -> None:
+    """`hy3rl train` (the console script) on the layout's paths: a live lock is refused
+    with its message (no traceback), exit 1; so is a plan preflight did not launch."""
+    cfg, layout, paths = _setup(tmp_path)
+    conf = tmp_path / "c.yaml"
+    conf.write_text(json.dumps({"run": {"name": "run"},
+                                "train": {"checkpoint_root": str(tmp_path / "ckpt")}}))
+    cmd = [sys.executable, "-m", "hy3rl.cli", "train", "--configfile",
+           str(REPO_ROOT / "config" / "config.yaml"), "--configfile", str(conf)]
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        _live_lock(layout.checkpoint_dir, live)
+        proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    finally:
+        live.kill()
+        live.wait()
+    assert proc.returncode == 1, proc.stderr
+    assert f"is in use by local process {live.pid}" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    plan = json.loads(paths["plan"].read_text())
+    paths["plan"].write_text(json.dumps({**plan, "launched": False,
+                                         "not_launched_reason": "no GPU"}))
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "preflight did not plan a launch: no GPU" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_plan_checkpoint_dir_must_be_the_layouts(tmp_path: Path) -> None:
+    """The one checkpoint directory is Layout.checkpoint_dir; a plan rendered for another
+    (stale preflight output) is refused, naming both."""
+    cfg, layout, paths = _setup(tmp_path)
+    plan = json.loads(paths["plan"].read_text())
     plan["checkpoint"]["dir"] = "/elsewhere/run"
-    (tmp_path / "plan.json").write_text(json.dumps(plan))
-    assert train.main(args) == 1
-    assert "checkpoint.dir /elsewhere/run differs" in capsys.readouterr().out
+    paths["plan"].write_text(json.dumps(plan))
+    with pytest.raises(train.TrainError, match=rf"checkpoint.dir /elsewhere/run differs .*"
+                       rf"{re.escape(str(layout.checkpoint_dir))}.*rerun preflight"):
+        _run(cfg, layout, paths)
+    assert not (layout.checkpoint_dir / train.LOCK_NAME).exists()
 
 
-def test_checkpoint_dir_resolution(tmp_path: Path) -> None:
-    cfg = {"run": {"name": "r"}, "train": {"checkpoint_root": ""}}
-    assert train.checkpoint_dir(cfg, tmp_path) == tmp_path / "results" / "r" / "checkpoints"
-    cfg["train"]["checkpoint_root"] = "/shared/ckpt"
-    assert train.checkpoint_dir(cfg) == Path("/shared/ckpt/r")
+def test_nothing_to_launch_rewrites_done(tmp_path: Path, ckpt_writer) -> None:
+    """Training already at its last step (a forced rerun): no Ray, done.json from the
+    checkpoints, retention steps from the config."""
+    cfg, layout, paths = _setup(tmp_path)
+    for step in (2, 4):
+        ckpt_writer(layout.checkpoint_dir, step)
+    _run(cfg, layout, paths)
+    done = json.loads(paths["sentinel"].read_text())
+    assert done["final_step"] == 4 and done["total_training_steps"] == 4
+    assert done["checkpoint_dir"] == str(layout.checkpoint_dir)
+    assert done["hf_model"] == str(layout.checkpoint_hf_model(4))
+    assert done["metrics"] == str(paths["metrics"]) and paths["metrics"].exists()
+    assert done["kept_checkpoints"] == [2, 4] and done["attempts"] == []
+    assert done["written_at"].endswith("+00:00")
+    assert not (layout.checkpoint_dir / train.LOCK_NAME).exists()
 
 
 # ---------------------------------------------------------------- launcher pieces
@@ -282,7 +364,7 @@ def test_parse_job_detail_and_allocation_check() -> None:
 
 
 def test_port_plan_disjoint_for_cohosted_nodes() -> None:
-    ray = dict(launch.RAY_DEFAULTS)
+    ray = make_config().train.ray
     nodes = [launch.Node("n1", "host"), launch.Node("n2", "host"), launch.Node("n3", "other")]
     plan = launch.port_plan(1234, nodes, ray)
 
@@ -293,7 +375,7 @@ def test_port_plan_disjoint_for_cohosted_nodes() -> None:
     assert not ports(plan["n1"]) & ports(plan["n2"])  # same host: disjoint
     assert plan["n3"] == plan["n1"]  # another host may reuse the numbers
     for p in plan.values():
-        assert ray["port_base"] <= min(ports(p)) and max(ports(p)) < 32768
+        assert ray.port_base <= min(ports(p)) and max(ports(p)) < 32768
     assert launch.port_plan(1235, nodes, ray)["n1"].gcs != plan["n1"].gcs
 
 
@@ -331,12 +413,15 @@ def test_segment_steps_chain_in_the_dag(tmp_path: Path) -> None:
                          tmp_path)
     out = proc.stdout
     assert re.search(r"^train_segment\s+2$", out, re.M), out[-3000:]
-    assert "--until 2 --sentinel results/tiny-default/train/segments/step2.json" in out
-    assert "--until 4 --sentinel results/tiny-default/train/segments/step4.json" in out
+    for end in (2, 4):
+        assert re.search(rf"rule train_segment:\n(?:    .*\n)*?    output: results/tiny-default/"
+                         rf"train/segments/step{end}\.json\n(?:    .*\n)*?    wildcards: "
+                         rf"end={end}\n", out), out[-3000:]
     assert "results/tiny-default/train/segments/step4.json" in out.split("rule train:")[1]
+    assert "--config-json" not in out
 
 
-def _launcher(tmp_path: Path, runtime: dict, job_id: str | None):
+def _launcher(tmp_path: Path, runtime: Runtime | None, job_id: str | None):
     spec = launch.LaunchSpec("s1", tmp_path / "launch.sh", tmp_path / "re.yaml", tmp_path,
                              nodes=2, gpus_per_node=8, cpus_per_node=4, runtime=runtime)
     lr = launch.Launcher(spec)
@@ -347,7 +432,7 @@ def _launcher(tmp_path: Path, runtime: dict, job_id: str | None):
 
 def test_node_cmd_slurm_with_runtime_prefix(tmp_path: Path) -> None:
     prefix = "apptainer exec --nv --bind '/sh ared' docker://verlai/verl:vllm023.dev1"
-    lr, ports = _launcher(tmp_path, {"prefix": prefix}, "77")
+    lr, ports = _launcher(tmp_path, Runtime(prefix=prefix, python=""), "77")
     cmd = lr.node_cmd(launch.Node("n2", "n2"), "worker", ports["n2"], "10.0.0.1:20000")
     assert cmd[:8] == ["srun", "--overlap", "--jobid=77", "--nodes=1", "--ntasks=1",
                        "--nodelist=n2", "--kill-on-bad-exit=1", "--export=ALL"]
@@ -362,14 +447,14 @@ def test_node_cmd_slurm_with_runtime_prefix(tmp_path: Path) -> None:
 
 
 def test_node_cmd_local_default_and_python(tmp_path: Path) -> None:
-    lr, ports = _launcher(tmp_path, {}, None)
+    lr, ports = _launcher(tmp_path, None, None)
     cmd = lr.node_cmd(launch.Node("n1", "n1"), "head", ports["n1"], None)
     assert cmd[:4] == [sys.executable, "-m", "hy3rl.launch", "node"]
     assert "--ray-cli" not in cmd and "srun" not in cmd
     assert cmd[cmd.index("--publish") + 1] == str(tmp_path / "head.json")
 
-    lr, ports = _launcher(tmp_path, {"prefix": "conda run -n verl",
-                                             "python": "/opt/py/bin/python"}, None)
+    lr, ports = _launcher(tmp_path, Runtime(prefix="conda run -n verl",
+                                            python="/opt/py/bin/python"), None)
     cmd = lr.node_cmd(launch.Node("n1", "n1"), "head", ports["n1"], None)
     assert cmd[:7] == ["conda", "run", "-n", "verl", "env",
                        f"PYTHONPATH={launch.SCRIPTS_DIR}", "/opt/py/bin/python"]
@@ -378,9 +463,44 @@ def test_node_cmd_local_default_and_python(tmp_path: Path) -> None:
 
 def test_resolve_runtime_defaults_and_errors() -> None:
     assert launch.resolve_runtime(None) == {"prefix": "", "python": sys.executable}
-    assert launch.resolve_runtime({"prefix": " wrap "}) == {"prefix": "wrap",
-                                                             "python": "python3"}
+    assert launch.resolve_runtime(make_config().train.runtime) == \
+        {"prefix": "", "python": sys.executable}
+    assert launch.resolve_runtime(Runtime(prefix=" wrap ", python="")) == \
+        {"prefix": "wrap", "python": "python3"}
     with pytest.raises(launch.LaunchError, match="train.runtime.prefix"):
-        launch.resolve_runtime({"prefix": "apptainer exec 'unclosed"})
-    with pytest.raises(launch.LaunchError, match="unknown key"):
-        launch.resolve_runtime({"image": "x"})
+        launch.resolve_runtime(Runtime(prefix="apptainer exec 'unclosed", python=""))
+    assert issubclass(launch.LaunchError, StageError)
+    from hy3rl.config import ConfigError
+
+    with pytest.raises(ConfigError, match="unknown key train.runtime.image"):
+        make_config(train={"runtime": {"image": "x"}})
+
+
+def test_launcher_defaults_come_from_the_schema(tmp_path: Path) -> None:
+    """A launch given no Ray settings (evaluation's) gets train.ray's schema defaults."""
+    lr, _ = _launcher(tmp_path, None, None)
+    assert lr.ray == make_config().train.ray
+
+
+def test_runtime_env_secrets_redacted_in_logs(tmp_path: Path, monkeypatch, caplog) -> None:
+    """The merged runtime env keeps the passed-through values (0600); the launcher's log and
+    the streamed driver output show them as hy3rl.redact's [REDACTED]."""
+    import yaml
+
+    token = "hf_" + "a1B2" * 8
+    monkeypatch.setenv("HF_TOKEN", token)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    (tmp_path / "re.yaml").write_text("working_dir: /x\nenv_vars: {A: '1'}\n")
+    spec = launch.LaunchSpec("s1", tmp_path / "launch.sh", tmp_path / "re.yaml", tmp_path,
+                             env_vars={"VERL_FILE_LOGGER_PATH": "/m.jsonl"},
+                             passthrough_env=["HF_TOKEN", "WANDB_MODE", "UNSET_VAR"])
+    caplog.set_level(logging.INFO, "hy3rl.launch")
+    lr = launch.Launcher(spec)
+    path = lr.merged_runtime_env()
+    merged = yaml.safe_load(path.read_text())
+    assert merged["env_vars"] == {"A": "1", "VERL_FILE_LOGGER_PATH": "/m.jsonl",
+                                  "HF_TOKEN": token, "WANDB_MODE": "offline"}
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert token not in caplog.text and "'HF_TOKEN': '[REDACTED]'" in caplog.text
+    assert "'WANDB_MODE': 'offline'" in caplog.text
+    assert lr.redactor.text(f"login with {token} ok\n") == "login with [REDACTED] ok\n"

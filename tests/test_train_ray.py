@@ -1,6 +1,8 @@
 """The train stage with a real Ray cluster on this machine (the profiles/local path): the
 launcher starts a single-node Ray, submits launch.sh with `ray job submit`, and the trainer
-double writes verl's checkpoint layout and logs. Few launches: Ray is slow on 2 cores."""
+double writes verl's checkpoint layout and logs. The stage runs as `hy3rl train` (the
+console script) or through Snakemake's rules (their `script:` adapters). Few launches: Ray
+is slow on 2 cores."""
 
 from __future__ import annotations
 
@@ -22,12 +24,24 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 VENV_BIN = str(Path(sys.executable).parent)
 
 
-def run_train(setup, keep_steps=None, timeout=300) -> subprocess.CompletedProcess:
+def train_env(setup) -> dict[str, str]:
     env = {**os.environ, **setup.env(), "PATH": VENV_BIN + os.pathsep + os.environ["PATH"]}
     env.pop("SLURM_JOB_ID", None)
-    return subprocess.run([sys.executable, "-m", "hy3rl.train", *setup.train_args(keep_steps)],
-                          cwd=setup.root, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return env
+
+
+def run_train(setup, timeout=300) -> subprocess.CompletedProcess:
+    """`hy3rl train --configfile config/config.yaml --configfile <setup's>`."""
+    return subprocess.run(setup.cli(), cwd=setup.root, env=train_env(setup),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def run_rules(setup, *rules: str) -> None:
+    """Snakemake with profiles/local on the setup's config, only ``rules`` allowed."""
+    run_snakemake([f"results/{setup.run}/train/done.json", "--profile",
+                   str(REPO_ROOT / "profiles" / "local"), "--configfile",
+                   str(REPO_ROOT / "config" / "config.yaml"), str(setup.config_file()),
+                   "--allowed-rules", *rules], setup.root, env=train_env(setup), timeout=300)
 
 
 def attempt(setup, k: int) -> dict:
@@ -36,10 +50,12 @@ def attempt(setup, k: int) -> dict:
 
 def test_die_mid_save_then_resume_to_done(train_setup) -> None:
     setup = train_setup(total=6, save_freq=2, keep=1)
+    setup.config["eval"] = {"steps": [2]}  # retention keeps eval.steps (Config.eval_keep_steps)
     setup.set_faults(die_mid_save=4)
 
-    first = run_train(setup, keep_steps=[2])
-    assert first.returncode != 0, first.stdout[-3000:]
+    first = run_train(setup)
+    assert first.returncode == 1, first.stdout[-3000:] + first.stderr[-3000:]
+    assert "error: attempt 1: trainer failed (FAILED" in first.stderr, first.stderr[-3000:]
     a1 = attempt(setup, 1)
     assert a1["exit_reason"].startswith("trainer failed (FAILED"), a1
     assert (a1["start_step"], a1["end_step"], a1["last_logged_step"], a1["steps_lost"]) == \
@@ -55,16 +71,7 @@ def test_die_mid_save_then_resume_to_done(train_setup) -> None:
     assert not leftover("t-local-1"), "Ray processes left after attempt 1"
 
     # The rerun goes through Snakemake with profiles/local: the same launcher, one machine.
-    override = setup.root / "override.yaml"
-    override.write_text(json.dumps({
-        "run": {"name": setup.run}, "cluster": setup.config["cluster"],
-        "train": setup.config["train"], "eval": {"steps": [2]}}))
-    run_snakemake([f"results/{setup.run}/train/done.json", "--profile",
-                   str(REPO_ROOT / "profiles" / "local"), "--configfile",
-                   str(REPO_ROOT / "config" / "config.yaml"), str(override),
-                   "--allowed-rules", "train"], setup.root,
-                  env={**setup.env(), "PATH": VENV_BIN + os.pathsep + os.environ["PATH"]},
-                  timeout=300)
+    run_rules(setup, "train")
     a2 = attempt(setup, 2)
     assert a2["exit_reason"] == "succeeded"
     assert a2["start_step"] == 2 and a2["end_step"] == 6 and a2["steps_lost"] == 0
@@ -88,17 +95,18 @@ def test_die_mid_save_then_resume_to_done(train_setup) -> None:
     assert merged[3] == logs2[3]  # redone step: the later attempt's line
     assert "critic/rewards/mean" in merged[2]["data"]  # resume validation merged in, not
     assert "val-core/math_dapo/acc/mean@1" in merged[2]["data"]  # replacing training keys
+    rule_log = (setup.results / "logs" / "train.log").read_text()  # the adapter's triggers
+    assert f"  train.checkpoint_root={json.dumps(str(setup.ckpt_root))}" in rule_log
+    assert "  train.ray." not in rule_log and "  train.checkpoint_keep" not in rule_log
     assert not leftover("t-local-2")
 
 
 def test_sigterm_stops_job_and_ray(train_setup) -> None:
     setup = train_setup(total=50, save_freq=2)
     setup.set_faults(hang_at=3)
-    env = {**os.environ, **setup.env(), "PATH": VENV_BIN + os.pathsep + os.environ["PATH"]}
-    env.pop("SLURM_JOB_ID", None)
     out = open(setup.root / "train.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "hy3rl.train", *setup.train_args()],
-                            cwd=setup.root, env=env, stdout=out, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(setup.cli(), cwd=setup.root, env=train_env(setup), stdout=out,
+                            stderr=subprocess.STDOUT)
     metrics = setup.results / "train" / "attempts" / "attempt-1.metrics.jsonl"
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and proc.poll() is None:
@@ -111,7 +119,8 @@ def test_sigterm_stops_job_and_ray(train_setup) -> None:
     code = proc.wait(timeout=120)
     out.close()
     log = (setup.root / "train.log").read_text()
-    assert code != 0, log[-3000:]
+    assert code == 1, log[-3000:]
+    assert "error: attempt 1: signal SIGTERM (exit 143)" in log, log[-3000:]
     a1 = attempt(setup, 1)
     assert a1["exit_reason"] == "signal SIGTERM", a1
     assert a1["end_step"] == 2
@@ -121,29 +130,24 @@ def test_sigterm_stops_job_and_ray(train_setup) -> None:
 
 
 def test_segments_chain_to_done(train_setup) -> None:
-    """train.segment_steps: a job stops at its segment's end (verl saves at its last step),
-    the next job resumes there."""
+    """train.segment_steps, through the rules: train_segment stops at its segment's end
+    (verl saves at its last step, though save_freq is 3), rule train resumes there."""
     setup = train_setup(total=4, save_freq=3)
+    setup.config["train"].update(segment_steps=2, total_training_steps=4)
+    run_rules(setup, "train_segment", "train")
     seg = setup.results / "train" / "segments" / "step2.json"
-    env = {**os.environ, **setup.env(), "PATH": VENV_BIN + os.pathsep + os.environ["PATH"]}
-    env.pop("SLURM_JOB_ID", None)
-    first = subprocess.run([sys.executable, "-m", "hy3rl.train", *setup.train_args(),
-                            "--until", "2", "--sentinel", str(seg)], cwd=setup.root, env=env,
-                           capture_output=True, text=True, timeout=300)
-    assert first.returncode == 0, first.stdout[-3000:]
     assert json.loads(seg.read_text())["final_step"] == 2
-    assert train.read_tracker(setup.ckpt) == 2 and train.check_complete(
-        setup.ckpt / "global_step_2", 2)[0]
-    assert not (setup.results / "train" / "done.json").exists()
+    a1, a2 = attempt(setup, 1), attempt(setup, 2)
+    assert (a1["start_step"], a1["end_step"], a1["exit_reason"]) == (0, 2, "succeeded")
     assert "trainer.total_training_steps=2" in (
         setup.results / "train" / "attempts" / "attempt-1" / "launcher.log").read_text()
-
-    second = run_train(setup)
-    assert second.returncode == 0, second.stdout[-3000:]
     done = json.loads((setup.results / "train" / "done.json").read_text())
-    assert done["final_step"] == 4 and attempt(setup, 2)["start_step"] == 2
+    assert done["final_step"] == 4 and a2["start_step"] == 2
+    assert done["kept_checkpoints"] == [3, 4]  # step 2 (complete, resumed from) then pruned
     assert [m["step"] for m in map(json.loads, (setup.results / "train" / "metrics.jsonl")
                                    .read_text().splitlines())] == [0, 1, 2, 3, 4]
+    assert "  train.segment_steps=2" in (
+        setup.results / "logs" / "train_segment_step2.log").read_text()
 
 
 def test_runtime_prefix_wraps_node_and_uses_its_ray(train_setup) -> None:
@@ -164,7 +168,7 @@ def test_runtime_prefix_wraps_node_and_uses_its_ray(train_setup) -> None:
         f.chmod(0o755)
     setup.config["train"]["runtime"] = {"prefix": str(wrap), "python": sys.executable}
     res = run_train(setup)
-    assert res.returncode == 0, res.stdout[-3000:]
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     a1 = attempt(setup, 1)
     assert a1["runtime"] == {"prefix": str(wrap), "python": sys.executable}
     logs = setup.results / "train" / "attempts" / "attempt-1"

@@ -4,6 +4,8 @@ real 2-node SLURM test cluster (tests/slurm_cluster.py): Ray head and worker sta
 the Ray job. The preflight outputs the rule reads (plan.json, launch.sh) and the deps
 runtime_env.yaml are written by the test (docs/formats/preflight.md shape) and only the
 train rule may run (`--allowed-rules train`), so that these tests depend on this stage only.
+The rule runs its `script:` adapter (scripts/adapters/train.py) as a child of the job's own
+Snakemake: SLURM's signals (time limit, scancel) must still reach the launcher there.
 """
 
 from __future__ import annotations
@@ -219,6 +221,8 @@ def test_time_limit_then_resume(slurm_train) -> None:
     assert first.returncode != 0
     a1 = st.attempt(1)
     assert a1["exit_reason"] == "signal SIGTERM", a1
+    log = st.train_log()  # the adapter's process got SLURM's SIGTERM and stopped Ray
+    assert "stop requested: signal SIGTERM" in log, log[-3000:]
     assert a1["end_step"] and a1["end_step"] % 5 == 0 and a1["end_step"] < 200
     assert a1["steps_lost"] is not None and a1["steps_lost"] <= 5
     wait_for(lambda: a1["slurm_job_id"] not in squeue_ids(), 60, "the job to end")

@@ -70,19 +70,23 @@ def test_default_pipeline_runs_end_to_end_offline(tmp_path: Path):
 def test_paper_config_dry_run_with_slurm_profile(tmp_path: Path, tiny_hy3_dir: Path):
     site = tmp_path / "site.yaml"
     site.write_text(yaml.safe_dump({
-        "model": {"path": str(tiny_hy3_dir)},
-        "train": {"checkpoint_root": str(tmp_path / "ckpt")},
+        # a local copy: clears the paper file's hub revision and download dir placeholders
+        "model": {"source": str(tiny_hy3_dir), "revision": None, "dir": ""},
+        "train": {"checkpoint_root": str(tmp_path / "ckpt"), "runtime": {
+            "prefix": "apptainer exec --nv --bind /shared docker://verlai/verl:vllm023.dev1"}},
     }))
+    # The site's partition and account (profiles/slurm ships CHANGE_ME_ placeholders).
     proc = run_snakemake(
-        ["-n", "--profile", str(REPO_ROOT / "profiles/slurm"), "--configfile",
+        ["-n", "--profile", str(REPO_ROOT / "profiles/slurm"), "--profile",
+         str(REPO_ROOT / "tests/slurm/profile"), "--configfile",
          str(REPO_ROOT / "config/config.yaml"), str(REPO_ROOT / "config/paper.yaml"), str(site)],
         tmp_path,
     )
     out = proc.stdout + proc.stderr
-    for rule in ["deps", "data", "check_checkpoint", "check_bridge", "preflight", "train",
+    for rule in ["deps", "data", "model", "check_checkpoint", "check_bridge", "preflight", "train",
                  "eval_generate", "eval_score", "eval_metrics", "evaluate", "report"]:
         assert f"rule {rule}:" in out or f"localrule {rule}:" in out, f"{rule} not in DAG"
-    assert "rule tiny_model:" not in out  # model.path points at an existing checkpoint
+    assert "rule tiny_model:" not in out  # model.source is an existing checkpoint
     # Both checkpoint checks gate preflight (and so the 128-GPU job).
     preflight_inputs = out.split("rule preflight:", 1)[1].split("\n", 2)[1]
     assert preflight_inputs.strip().startswith("input:"), preflight_inputs

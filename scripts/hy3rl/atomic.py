@@ -18,14 +18,19 @@ os.umask(_UMASK)
 
 
 def write_text_atomic(path: Path, text: str, mode: int | None = None) -> None:
-    """Write ``text`` to ``path`` atomically; ``mode`` sets the file's permissions (default:
-    0666 less the umask, as for a plain open())."""
+    """Write ``text`` (UTF-8) to ``path`` atomically; ``mode`` sets the file's permissions
+    (default: 0666 less the umask, as for a plain open())."""
+    write_bytes_atomic(path, text.encode(), mode)
+
+
+def write_bytes_atomic(path: Path, data: bytes, mode: int | None = None) -> None:
+    """Write ``data`` to ``path`` atomically (binary outputs: the report's PNGs)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
         os.chmod(tmp, mode if mode is not None else 0o666 & ~_UMASK)

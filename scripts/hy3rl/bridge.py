@@ -1,30 +1,22 @@
-"""Megatron-Bridge HYV3: the mapping table read from source, and the GPU round-trip check.
+"""check_bridge: HF -> Megatron -> HF through the pinned Megatron-Bridge on one GPU node.
 
-Two parts:
+``run(bridge, model, runtime, lock=, out=)`` (rule check_bridge's adapter, on the host of the
+GPU job) starts this module's internal entry point in the training runtime, as the
+trainer's nodes run (``train.runtime``: ``<prefix> <python> -m hy3rl.bridge --out ...``,
+with ``PYTHONPATH`` naming this package), and fails when the report has a failed check.
 
-1. ``read_mapping_table(source, hf_config)``: the pinned ``hy_v3_bridge.py`` is parsed with
-   Python's ``ast`` (never imported: the bridge imports only where Transformer Engine is
-   installed) and its ``mapping_registry()`` body is *evaluated* by a small interpreter
-   that understands exactly the constructs such a function is made of: a dict of
-   Megatron -> HF name patterns, ``AutoMapping`` / ``QKVMapping(q=, k=, v=)`` /
-   ``GatedMLPMapping(gate=, up=)`` calls, list comprehensions over ``.items()``, ``for``
-   loops over ``range(...)`` (the MTP loop), ``if ...: continue``, ``str.replace``,
-   f-strings, ``getattr(hf_config, ...)``. Anything else raises ``TableFormatError``, so a
-   changed file yields a check that is ``not run`` with the reason, never a silent pass.
-   ``registry_from_import`` gets the same table from the imported bridge where it imports.
-
-2. ``check_bridge`` (``python -m hy3rl.bridge check ...``): run on one GPU node in the verl
-   runtime environment. Loads the tiny Hy3 (and optionally the real checkpoint truncated to
-   N layers) through ``AutoBridge``, converts HF -> Megatron -> HF with a strict save and
-   compares every tensor, the expert biases, and full-sequence logits; any bridge warning
-   about a missing mapping or key is a failure. Without a GPU / Transformer Engine /
-   importable bridge every check is ``not run`` with the reason.
+Inside the runtime (``main``), :func:`check_bridge` loads the tiny Hy3 (and optionally the
+real checkpoint truncated to N layers) through ``AutoBridge``, converts HF -> Megatron ->
+HF with a strict save and compares every tensor, the expert biases, and full-sequence
+logits; any bridge warning about a missing mapping or key is a failure. It first checks
+that the mapping table read from the pinned source (:mod:`hy3rl.bridge_source`, as
+check_checkpoint reads it) agrees with the imported bridge's own. Without a GPU /
+Transformer Engine / importable bridge every check is ``not run`` with the reason.
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
 import contextlib
 import importlib.util
 import io
@@ -33,6 +25,7 @@ import logging
 import os
 import platform
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -40,404 +33,22 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-BRIDGE_RELPATH = "src/megatron/bridge/models/hy_v3/hy_v3_bridge.py"
-BRIDGE_MODULE = "megatron.bridge.models.hy_v3.hy_v3_bridge"
-MAPPING_ARGS = {
-    "AutoMapping": ("megatron_param", "hf_param"),
-    "QKVMapping": ("megatron_param", "q", "k", "v"),
-    "GatedMLPMapping": ("megatron_param", "gate", "up"),
-}
-MAX_LOOP = 100_000
-REGISTRY_MARKER = "HY3RL_REGISTRY "  # prefix of dump-registry's output line
+from hy3rl.bridge_source import (
+    BRIDGE_RELPATH,
+    bridge_source_from_lock,
+    compare_tables,
+    import_blocker,
+    imported_registry_subprocess,
+    read_mapping_table,
+    read_pinned_source,
+)
+from hy3rl.checkpoint import CheckResult, failure_message, summary_lines, write_report
+from hy3rl.errors import StageError
 
-
-class TableFormatError(ValueError):
-    """The bridge source is not in the shape this reader understands (file moved/changed)."""
-
-
-@dataclass(frozen=True)
-class BridgeMapping:
-    """One Megatron parameter pattern and the HF tensor pattern(s) it reads/writes."""
-
-    kind: str  # AutoMapping | QKVMapping | GatedMLPMapping
-    megatron: str
-    hf: tuple[tuple[str, str], ...]  # (role, pattern); role "param" for AutoMapping
-    line: int = 0
-
-    @property
-    def hf_patterns(self) -> tuple[str, ...]:
-        return tuple(p for _, p in self.hf)
-
-    def key(self) -> tuple[str, tuple[tuple[str, str], ...]]:
-        return (self.megatron, tuple(sorted(self.hf)))
-
-
-def pattern_regex(pattern: str) -> re.Pattern[str]:
-    """Megatron-Bridge's wildcard rule: ``**`` any characters, ``*`` digits only."""
-    rx = re.escape(pattern).replace(r"\*\*", "(.*)").replace(r"\*", r"(\d+)")
-    return re.compile(f"^{rx}$")
-
-
-# --------------------------------------------------------------------------- interpreter
-
-
-class _Continue(Exception):
-    pass
-
-
-class _Break(Exception):
-    pass
-
-
-class _Return(Exception):
-    def __init__(self, value: Any):
-        self.value = value
-
-
-class _Interp:
-    """Evaluates the body of ``mapping_registry()``: a tiny, closed subset of Python."""
-
-    def __init__(self, hf_config: Any, filename: str):
-        self.self_ns = SimpleNamespace(hf_config=hf_config)
-        self.env: dict[str, Any] = {"self": self.self_ns}
-        self.filename = filename
-
-    def fail(self, node: ast.AST, what: str) -> TableFormatError:
-        line = getattr(node, "lineno", "?")
-        return TableFormatError(f"{self.filename}:{line}: {what} (mapping_registry() is not in "
-                                "the shape this reader understands)")
-
-    # statements
-    def run(self, body: Sequence[ast.stmt]) -> None:
-        for stmt in body:
-            self.stmt(stmt)
-
-    def stmt(self, node: ast.stmt) -> None:
-        if isinstance(node, ast.Assign):
-            value = self.expr(node.value)
-            for target in node.targets:
-                self.assign(target, value)
-        elif isinstance(node, ast.Expr):
-            if isinstance(node.value, ast.Constant):  # docstring / comment string
-                return
-            self.expr(node.value)
-        elif isinstance(node, ast.For):
-            if node.orelse:
-                raise self.fail(node, "for/else")
-            items = list(self.expr(node.iter))
-            if len(items) > MAX_LOOP:
-                raise self.fail(node, f"loop over {len(items)} items")
-            for item in items:
-                self.assign(node.target, item)
-                try:
-                    self.run(node.body)
-                except _Continue:
-                    continue
-                except _Break:
-                    break
-        elif isinstance(node, ast.If):
-            self.run(node.body if self.expr(node.test) else node.orelse)
-        elif isinstance(node, ast.Continue):
-            raise _Continue
-        elif isinstance(node, ast.Break):
-            raise _Break
-        elif isinstance(node, ast.Pass):
-            return
-        elif isinstance(node, ast.Return):
-            raise _Return(self.ret(node.value))
-        else:
-            raise self.fail(node, f"unsupported statement {type(node).__name__}")
-
-    def assign(self, target: ast.expr, value: Any) -> None:
-        if isinstance(target, ast.Name):
-            self.env[target.id] = value
-        elif isinstance(target, ast.Tuple | ast.List):
-            values = list(value)
-            if len(values) != len(target.elts):
-                raise self.fail(target, "unpacking mismatch")
-            for t, v in zip(target.elts, values, strict=True):
-                self.assign(t, v)
-        else:
-            raise self.fail(target, f"unsupported assignment target {type(target).__name__}")
-
-    def ret(self, node: ast.expr | None) -> list[BridgeMapping]:
-        # return MegatronMappingRegistry(*mapping_list)   or   return [..mappings..]
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.keywords:
-            out: list[Any] = []
-            for arg in node.args:
-                if isinstance(arg, ast.Starred):
-                    out.extend(self.expr(arg.value))
-                else:
-                    out.append(self.expr(arg))
-        elif node is not None:
-            value = self.expr(node)
-            out = list(value) if isinstance(value, list | tuple) else [value]
-        else:
-            raise self.fail(ast.Pass(), "bare return: not a list of mappings")
-        if not out or not all(isinstance(m, BridgeMapping) for m in out):
-            raise self.fail(node, "return value is not a list of mappings")
-        return out
-
-    # expressions
-    def expr(self, node: ast.expr) -> Any:  # noqa: C901 - one branch per construct
-        if isinstance(node, ast.Constant):
-            return node.value
-        if isinstance(node, ast.JoinedStr):
-            parts = []
-            for v in node.values:
-                if isinstance(v, ast.Constant):
-                    parts.append(str(v.value))
-                elif isinstance(v, ast.FormattedValue) and v.format_spec is None \
-                        and v.conversion == -1:
-                    parts.append(str(self.expr(v.value)))
-                else:
-                    raise self.fail(node, "unsupported f-string part")
-            return "".join(parts)
-        if isinstance(node, ast.Name):
-            if node.id in self.env:
-                return self.env[node.id]
-            raise self.fail(node, f"unknown name {node.id!r}")
-        if isinstance(node, ast.Attribute):
-            obj = self.expr(node.value)
-            if isinstance(obj, SimpleNamespace):
-                if not hasattr(obj, node.attr):
-                    raise self.fail(node, f"config has no attribute {node.attr!r}")
-                return getattr(obj, node.attr)
-            raise self.fail(node, f"attribute {node.attr!r} of a {type(obj).__name__}")
-        if isinstance(node, ast.Dict):
-            if any(k is None for k in node.keys):
-                raise self.fail(node, "dict unpacking")
-            return {self.expr(k): self.expr(v) for k, v in zip(node.keys, node.values,
-                                                                strict=True)}
-        if isinstance(node, ast.List | ast.Tuple):
-            values = [self.expr(e) for e in node.elts]
-            return values if isinstance(node, ast.List) else tuple(values)
-        if isinstance(node, ast.ListComp):
-            return self.listcomp(node)
-        if isinstance(node, ast.Call):
-            return self.call(node)
-        if isinstance(node, ast.Compare):
-            return self.compare(node)
-        if isinstance(node, ast.BoolOp):
-            values = [self.expr(v) for v in node.values]
-            return all(values) if isinstance(node.op, ast.And) else any(values)
-        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
-            return not self.expr(node.operand)
-        if isinstance(node, ast.BinOp):
-            a, b = self.expr(node.left), self.expr(node.right)
-            ops: dict[type, Callable[[Any, Any], Any]] = {
-                ast.Add: lambda x, y: x + y, ast.Sub: lambda x, y: x - y,
-                ast.Mult: lambda x, y: x * y,
-            }
-            if type(node.op) in ops and isinstance(a, int | str) and isinstance(b, int | str):
-                return ops[type(node.op)](a, b)
-            raise self.fail(node, f"unsupported operator {type(node.op).__name__}")
-        raise self.fail(node, f"unsupported expression {type(node).__name__}")
-
-    def listcomp(self, node: ast.ListComp) -> list[Any]:
-        if len(node.generators) != 1 or node.generators[0].is_async:
-            raise self.fail(node, "list comprehension with several generators")
-        gen = node.generators[0]
-        saved = dict(self.env)
-        out = []
-        try:
-            for item in list(self.expr(gen.iter)):
-                self.assign(gen.target, item)
-                if all(self.expr(cond) for cond in gen.ifs):
-                    out.append(self.expr(node.elt))
-        finally:
-            self.env = saved
-        return out
-
-    def compare(self, node: ast.Compare) -> bool:
-        left = self.expr(node.left)
-        for op, right_node in zip(node.ops, node.comparators, strict=True):
-            right = self.expr(right_node)
-            table: dict[type, Callable[[Any, Any], bool]] = {
-                ast.In: lambda a, b: a in b, ast.NotIn: lambda a, b: a not in b,
-                ast.Eq: lambda a, b: a == b, ast.NotEq: lambda a, b: a != b,
-                ast.Lt: lambda a, b: a < b, ast.LtE: lambda a, b: a <= b,
-                ast.Gt: lambda a, b: a > b, ast.GtE: lambda a, b: a >= b,
-            }
-            if type(op) not in table:
-                raise self.fail(node, f"unsupported comparison {type(op).__name__}")
-            if not table[type(op)](left, right):
-                return False
-            left = right
-        return True
-
-    def call(self, node: ast.Call) -> Any:
-        func = node.func
-        if isinstance(func, ast.Name):
-            name = func.id
-            if name in MAPPING_ARGS:
-                return self.mapping(node, name)
-            args = [self.expr(a) for a in node.args]
-            if node.keywords:
-                raise self.fail(node, f"keyword arguments to {name}()")
-            if name == "range" and all(isinstance(a, int) for a in args) and 1 <= len(args) <= 3:
-                return range(*args)
-            if name == "getattr" and len(args) in (2, 3) and isinstance(args[1], str):
-                return getattr(args[0], args[1], *args[2:])
-            if name in ("int", "str", "len") and len(args) == 1:
-                return {"int": int, "str": str, "len": len}[name](args[0])
-            raise self.fail(node, f"call of {name}()")
-        if isinstance(func, ast.Attribute):
-            method = func.attr
-            obj = self.expr(func.value)
-            args = [self.expr(a) for a in node.args]
-            if node.keywords:
-                raise self.fail(node, f"keyword arguments to .{method}()")
-            if isinstance(obj, str) and method == "replace" and len(args) in (2, 3):
-                return obj.replace(*args)
-            if isinstance(obj, dict) and method in ("items", "keys", "values") and not args:
-                return list(getattr(obj, method)())
-            if isinstance(obj, list) and method in ("append", "extend") and len(args) == 1:
-                getattr(obj, method)(args[0])
-                return None
-            raise self.fail(node, f"call of .{method}() on a {type(obj).__name__}")
-        raise self.fail(node, "unsupported call")
-
-    def mapping(self, node: ast.Call, cls: str) -> BridgeMapping:
-        names = MAPPING_ARGS[cls]
-        values: dict[str, Any] = {}
-        if len(node.args) > len(names):
-            raise self.fail(node, f"{cls} with {len(node.args)} positional arguments")
-        for name, arg in zip(names, node.args, strict=False):
-            values[name] = self.expr(arg)
-        for kw in node.keywords:
-            if kw.arg is None or kw.arg not in names:
-                raise self.fail(node, f"{cls} keyword {kw.arg!r}")
-            values[kw.arg] = self.expr(kw.value)
-        if set(values) != set(names) or not all(isinstance(v, str) for v in values.values()):
-            raise self.fail(node, f"{cls} needs string arguments {names}")
-        if cls == "AutoMapping":
-            hf = (("param", values["hf_param"]),)
-        else:
-            hf = tuple((n, values[n]) for n in names[1:])
-        return BridgeMapping(cls, values["megatron_param"], hf, getattr(node, "lineno", 0))
-
-
-def read_mapping_table(source: str, hf_config: dict[str, Any] | SimpleNamespace,
-                       filename: str = "hy_v3_bridge.py") -> list[BridgeMapping]:
-    """Evaluate ``mapping_registry()`` of a bridge source for ``hf_config`` (no import)."""
-    try:
-        tree = ast.parse(source, filename=filename)
-    except SyntaxError as exc:
-        raise TableFormatError(f"{filename}: not valid Python: {exc}") from exc
-    funcs = [n for n in ast.walk(tree)
-             if isinstance(n, ast.FunctionDef) and n.name == "mapping_registry"]
-    if len(funcs) != 1:
-        raise TableFormatError(f"{filename}: expected one function mapping_registry(), found "
-                               f"{len(funcs)}")
-    cfg = hf_config if isinstance(hf_config, SimpleNamespace) else SimpleNamespace(**hf_config)
-    interp = _Interp(cfg, filename)
-    try:
-        interp.run(funcs[0].body)
-    except _Return as ret:
-        return ret.value
-    except (_Continue, _Break) as exc:
-        raise TableFormatError(f"{filename}: continue/break outside a loop") from exc
-    except (TypeError, AttributeError) as exc:
-        raise TableFormatError(f"{filename}: mapping_registry(): {exc}") from exc
-    raise TableFormatError(f"{filename}: mapping_registry() returns nothing")
-
-
-def read_pinned_source(clone: Path, commit: str) -> str:
-    """``hy_v3_bridge.py`` exactly as committed at ``commit`` (not the working tree)."""
-    proc = subprocess.run(["git", "-C", str(clone), "show", f"{commit}:{BRIDGE_RELPATH}"],
-                          capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise TableFormatError(f"{clone}: {BRIDGE_RELPATH} not found at {commit[:12]}: "
-                               f"{proc.stderr.strip().splitlines()[-1:] or ['git failed']}")
-    return proc.stdout
-
-
-# --------------------------------------------------------------------- imported registry
-
-
-def import_blocker() -> str | None:
-    """Why the pinned bridge cannot import here (cheap checks, nothing imported), or None."""
-    if sys.version_info < (3, 12):
-        return (f"Python {platform.python_version()}: the pinned Megatron-Bridge needs "
-                "Python >= 3.12 (typing.override)")
-    if importlib.util.find_spec("transformer_engine") is None:
-        return ("Transformer Engine is not installed: the pinned Megatron-Bridge imports "
-                "transformer_engine.pytorch unconditionally (peft/lora_layers.py)")
-    return None
-
-
-def registry_from_import(src_dir: Path, config_json: Path) -> list[BridgeMapping]:
-    """THE MEGATRON CALL (import): the table from the imported bridge's mapping_registry()."""
-    sys.path.insert(0, str(src_dir))
-    from transformers import AutoConfig  # noqa: PLC0415
-
-    module = importlib.import_module(BRIDGE_MODULE)  # needs TE, CUDA-capable torch, py3.12
-    bridge = module.HYV3Bridge()
-    bridge.hf_config = AutoConfig.from_pretrained(str(config_json.parent))
-    registry = bridge.mapping_registry()
-    out = []
-    for m in registry.mappings:
-        if isinstance(m.hf_param, str):
-            hf = (("param", m.hf_param),)
-        else:
-            hf = tuple((str(k), str(v)) for k, v in m.hf_param.items())
-        out.append(BridgeMapping(type(m).__name__, m.megatron_param, hf))
-    return out
-
-
-def imported_registry_subprocess(src_dir: Path, config_json: Path,
-                                 timeout: int = 300) -> tuple[list[BridgeMapping] | None, str]:
-    """Run ``registry_from_import`` in a child process; (mappings or None, message)."""
-    blocker = import_blocker()
-    if blocker:
-        return None, blocker
-    try:
-        proc = subprocess.run(
-            [sys.executable, "-m", "hy3rl.bridge", "dump-registry", "--src", str(src_dir),
-             "--config", str(config_json)],
-            capture_output=True, text=True, timeout=timeout,
-            env={**os.environ, "PYTHONPATH": os.pathsep.join(
-                [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")])},
-        )
-    except subprocess.TimeoutExpired:
-        return None, f"importing the pinned bridge took over {timeout} s"
-    if proc.returncode != 0:
-        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        return None, f"the pinned bridge did not import: {last}"
-    # The bridge may print while importing: the table is the last line with our marker.
-    marked = [ln[len(REGISTRY_MARKER):] for ln in proc.stdout.splitlines()
-              if ln.startswith(REGISTRY_MARKER)]
-    try:
-        rows = json.loads(marked[-1])
-        return [BridgeMapping(r["kind"], r["megatron"], tuple(map(tuple, r["hf"])))
-                for r in rows], ""
-    except (IndexError, ValueError, KeyError, TypeError) as exc:
-        return None, f"dump-registry printed no readable mapping table ({exc!r})"
-
-
-def compare_tables(parsed: list[BridgeMapping], imported: list[BridgeMapping]) -> list[str]:
-    """Problems where the parsed table and the imported registry disagree.
-
-    The imported registry may hold extra aliases that Megatron-Bridge adds itself
-    (separate-layernorm names); they must map to HF patterns the parsed table has.
-    """
-    problems = []
-    imp_keys = {m.key() for m in imported}
-    for m in parsed:
-        if m.key() not in imp_keys:
-            problems.append(f"parsed mapping {m.megatron} -> {m.hf_patterns} is not in the "
-                            "imported mapping_registry()")
-    parsed_hf = {p for m in parsed for p in m.hf_patterns}
-    for m in imported:
-        for p in m.hf_patterns:
-            if p not in parsed_hf:
-                problems.append(f"imported mapping {m.megatron} -> {p}: HF pattern not in the "
-                                "parsed table")
-    return problems
+if TYPE_CHECKING:
+    from hy3rl.settings import BridgeCheck, Model, Runtime
 
 
 # ----------------------------------------------------------------------- check_bridge (GPU)
@@ -450,21 +61,6 @@ WARNING_PATTERNS = (
     re.compile(r"not (?:found|loaded)", re.I),
     re.compile(r"uninitiali[sz]ed", re.I),
 )
-
-
-@dataclass
-class CheckResult:
-    name: str
-    status: str  # pass | fail | not run
-    details: str
-    problems: list[str] = field(default_factory=list)
-    problem_count: int = 0
-
-    def __post_init__(self) -> None:
-        if self.status not in ("pass", "fail", "not run"):
-            raise ValueError(f"bad status {self.status!r}")
-        self.problem_count = max(self.problem_count, len(self.problems))
-        self.problems = self.problems[:200]
 
 
 @dataclass
@@ -703,45 +299,6 @@ def not_run_results(labels: Sequence[str], why: str) -> list[CheckResult]:
             for n in ("roundtrip_tensors", "expert_bias", "logits", "bridge_warnings")]
 
 
-def write_report(path: Path, results: list[CheckResult], extra: dict[str, Any]) -> dict[str, Any]:
-    """Write the checks JSON atomically (temp file + os.replace); return the document."""
-    from datetime import UTC, datetime
-
-    counts = {s: sum(r.status == s for r in results) for s in ("pass", "fail", "not run")}
-    doc = {
-        "schema_version": 1,
-        "created": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "ok": counts["fail"] == 0,
-        "counts": counts,
-        **extra,
-        "checks": [asdict(r) for r in results],
-    }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(doc, fh, indent=2)
-            fh.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    return doc
-
-
-def summary_lines(results: list[CheckResult]) -> list[str]:
-    width = max((len(r.name) for r in results), default=4)
-    lines = []
-    for r in results:
-        lines.append(f"  {r.status.upper():8} {r.name:{width}}  {r.details}")
-        for p in r.problems[:10]:
-            lines.append(f"           - {p}")
-        if r.problem_count > 10:
-            lines.append(f"           ... {r.problem_count - 10} more (see the JSON)")
-    return lines
-
-
 AGREEMENT = "mapping_table_agreement"
 
 
@@ -750,15 +307,16 @@ def check_table_agreement(lock: Path | None, config_json: Path) -> CheckResult:
     it) must agree with the imported bridge's own mapping_registry() for this config."""
     if lock is None:
         return CheckResult(AGREEMENT, "not run", "not run: no --lock (pinned Megatron-Bridge)")
+    source, why = bridge_source_from_lock(Path(lock))
+    if source is None:
+        return CheckResult(AGREEMENT, "not run", f"not run: cannot read the parsed table: {why}")
     try:
-        entry = json.loads(Path(lock).read_text())["repos"]["megatron_bridge"]
-        clone, commit = Path(entry["path"]), entry.get("head") or entry["commit"]
-        parsed = read_mapping_table(read_pinned_source(clone, commit),
+        parsed = read_mapping_table(read_pinned_source(source.clone, source.commit),
                                     json.loads(config_json.read_text()),
-                                    filename=str(clone / BRIDGE_RELPATH))
-    except (OSError, ValueError, KeyError, TypeError) as exc:  # TableFormatError included
+                                    filename=str(source.file))
+    except (OSError, ValueError) as exc:  # TableFormatError included
         return CheckResult(AGREEMENT, "not run", f"not run: cannot read the parsed table: {exc}")
-    imported, why = imported_registry_subprocess(clone / "src", config_json)
+    imported, why = imported_registry_subprocess(source.clone / "src", config_json)
     if imported is None:
         return CheckResult(AGREEMENT, "not run", f"not run: {why}")
     problems = compare_tables(parsed, imported)
@@ -766,12 +324,17 @@ def check_table_agreement(lock: Path | None, config_json: Path) -> CheckResult:
                        f"{len(problems)} disagreements between the parsed table and the "
                        "imported mapping_registry()" if problems else
                        f"imported mapping_registry() agrees with the table parsed from "
-                       f"{BRIDGE_RELPATH}@{commit[:12]} ({len(imported)} mappings)", problems)
+                       f"{BRIDGE_RELPATH}@{source.commit[:12]} ({len(imported)} mappings)",
+                       problems)
 
 
 def check_bridge(out: Path, tiny: dict[str, Any], cosine_min: float, real_path: str | None,
                  real_layers: int, env: dict[str, Any] | None = None,
                  lock: Path | None = None) -> dict[str, Any]:
+    """Every check of the report ``out``: the table agreement (``lock``: deps/lock.json),
+    then the round trip of the tiny Hy3 built from ``tiny`` (model.tiny's seed and sizes)
+    and, with ``real_path`` and ``real_layers`` > 0, of the truncated real checkpoint.
+    ``env``: this machine's (``environment_report()``), or a test's."""
     env = env if env is not None else environment_report()
     labels = ["tiny"] + (["real_truncated"] if real_path and real_layers > 0 else [])
     blocker = gpu_blocker(env)
@@ -784,9 +347,7 @@ def check_bridge(out: Path, tiny: dict[str, Any], cosine_min: float, real_path: 
     results = []
     with tempfile.TemporaryDirectory(prefix="hy3rl-bridge-") as tmp:
         work = Path(tmp)
-        seed = int(tiny.get("seed", 0))
-        sizes = {k: v for k, v in tiny.items() if k != "seed"}
-        tiny_dir = build_tiny_model(work / "tiny", seed=seed, **sizes)
+        tiny_dir = build_tiny_model(work / "tiny", **tiny)
         results.append(check_table_agreement(lock, tiny_dir / "config.json"))
         results += check_one_model("tiny", tiny_dir, work, cosine_min)
         if "real_truncated" in labels:
@@ -796,40 +357,92 @@ def check_bridge(out: Path, tiny: dict[str, Any], cosine_min: float, real_path: 
     return write_report(out, results, {"environment": env})
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hy3rl.bridge", description=__doc__.split("\n")[0])
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    chk = sub.add_parser("check", help="HF -> Megatron -> HF round trip on a GPU node")
-    chk.add_argument("--config-json", required=True,
-                     help='config slices {"model": {...}, "checks": {...}} as JSON')
-    chk.add_argument("--out", required=True, help="results/<run>/checks/bridge.json")
-    chk.add_argument("--lock", help="results/<run>/deps/lock.json: the pinned Megatron-Bridge "
-                     "clone, whose src/ goes first on sys.path")
-    dump = sub.add_parser("dump-registry", help="print the imported bridge's mapping table")
-    dump.add_argument("--src", required=True, help="Megatron-Bridge src/ directory")
-    dump.add_argument("--config", required=True, help="a Hy3 config.json")
-    args = ap.parse_args(argv)
-    if args.cmd == "dump-registry":
-        rows = registry_from_import(Path(args.src), Path(args.config))
-        print(REGISTRY_MARKER
-              + json.dumps([{"kind": m.kind, "megatron": m.megatron, "hf": m.hf} for m in rows]))
-        return 0
-    cfg = json.loads(args.config_json)
-    if args.lock:
-        clone = json.loads(Path(args.lock).read_text())["repos"]["megatron_bridge"]["path"]
-        sys.path.insert(0, str(Path(clone) / "src"))
-    bridge_cfg = cfg.get("checks", {}).get("bridge", {})
-    model_path = cfg.get("model", {}).get("path")
-    from hy3rl.model import TINY_DEFAULT_PATH
+# ------------------------------------------------------------ the rule's side (the host)
 
-    real = model_path if model_path and model_path != TINY_DEFAULT_PATH else None
-    doc = check_bridge(Path(args.out), cfg.get("model", {}).get("tiny", {}),
-                       float(bridge_cfg.get("logits_cosine_min", 0.9999)), real,
-                       int(bridge_cfg.get("real_layers", 0)),
-                       lock=Path(args.lock) if args.lock else None)
+
+class BridgeCheckFailed(StageError):
+    """The bridge check failed, or could not run in the training runtime."""
+
+
+def runtime_command(runtime: Runtime) -> list[str]:
+    """``<train.runtime.prefix> <python>``: the training runtime's interpreter, resolved as
+    the launcher resolves it for every node (``hy3rl.launch.resolve_runtime``)."""
+    from hy3rl.launch import LaunchError, resolve_runtime
+
+    try:
+        rt = resolve_runtime(runtime)
+    except LaunchError as exc:
+        raise BridgeCheckFailed(str(exc)) from None
+    return [*shlex.split(rt["prefix"]), rt["python"]]
+
+
+def run(bridge: BridgeCheck, model: Model, runtime: Runtime, *, lock: Path, out: Path) -> None:
+    """Run the bridge check in the training runtime (``train.runtime``) on this node,
+    writing ``out`` (``checks/bridge.json``); ``lock`` is ``deps/lock.json`` (the pinned
+    Megatron-Bridge clone). Raises :class:`BridgeCheckFailed` when a check failed or the
+    runtime did not run it. Checks that cannot run here are ``not run``, not a failure."""
+    from hy3rl.launch import SCRIPTS_DIR
+    from hy3rl.layout import TINY_MODEL_DIR
+
+    out = Path(out).resolve()
+    out.unlink(missing_ok=True)  # the report read below is this run's
+    interpreter = runtime_command(runtime)
+    cmd = [*interpreter, "-m", "hy3rl.bridge", "--out", str(out),
+           "--lock", str(Path(lock).resolve()),
+           "--cosine-min", repr(bridge.logits_cosine_min),
+           "--real-layers", str(bridge.real_layers)]
+    if model.path != TINY_MODEL_DIR and bridge.real_layers > 0:
+        cmd += ["--real-path", str(Path(model.path).resolve())]
+    cmd += [f"--tiny={k}={v}" for k, v in asdict(model.tiny).items()]
+    # The runtime has no hy3rl installed: it imports this checkout's package.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (str(SCRIPTS_DIR), os.environ.get("PYTHONPATH", "")) if p)}
+    print(f"check_bridge: {shlex.join(cmd)}", flush=True)
+    try:
+        code = subprocess.run(cmd, env=env).returncode
+    except OSError as exc:
+        raise BridgeCheckFailed(f"cannot start the training runtime (train.runtime "
+                                f"{cmd[0]!r}): {exc}") from None
+    if code == 0:
+        return
+    try:
+        doc = json.loads(out.read_text())
+    except (OSError, ValueError):
+        doc = None
+    if doc is None or doc.get("ok", True):
+        raise BridgeCheckFailed(f"the bridge check exited {code} in the training runtime "
+                                f"({shlex.join(interpreter)}) without a report of failed checks; "
+                                "its output is above")
+    raise BridgeCheckFailed(failure_message(doc, "check_bridge", out))
+
+
+# ------------------------------------------------- the entry point inside the runtime
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Internal entry point, run by :func:`run` in the training runtime: exit 0 when no
+    check failed (``not run`` included), 1 otherwise."""
+    ap = argparse.ArgumentParser(prog="python -m hy3rl.bridge",
+                                 description="HF -> Megatron -> HF round trip on a GPU node")
+    ap.add_argument("--out", required=True, type=Path, help="checks/bridge.json")
+    ap.add_argument("--lock", type=Path, help="deps/lock.json: the pinned Megatron-Bridge "
+                    "clone, whose src/ goes first on sys.path")
+    ap.add_argument("--cosine-min", required=True, type=float)
+    ap.add_argument("--real-layers", type=int, default=0)
+    ap.add_argument("--real-path", help="the real checkpoint to truncate (model.path)")
+    ap.add_argument("--tiny", action="append", default=[], metavar="KEY=INT",
+                    help="model.tiny.<KEY> (repeated)")
+    args = ap.parse_args(argv)
+    tiny = {k: int(v) for k, v in (t.split("=", 1) for t in args.tiny)}
+    if args.lock:
+        source, _ = bridge_source_from_lock(args.lock)
+        if source is not None:
+            sys.path.insert(0, str(source.clone / "src"))
+    doc = check_bridge(args.out, tiny, args.cosine_min, args.real_path, args.real_layers,
+                       lock=args.lock)
     results = [CheckResult(**c) for c in doc["checks"]]
     print(f"check_bridge: {doc['counts']} -> {args.out}")
-    print("\n".join(summary_lines(results)))
+    print("\n".join(summary_lines(results)), flush=True)
     return 0 if doc["ok"] else 1
 
 

@@ -5,44 +5,48 @@ Reads each shard's header (8-byte little-endian length + JSON) with ``struct``/`
 never reads weights, except the small ``mlp.expert_bias`` tensors (through safetensors'
 ``safe_open``). Checks, in order (see docs/formats/checkpoint.md): config, index, headers,
 index_vs_shards, total_size, format, inventory, expert_bias, bridge_mapping,
-bridge_mapping_import, sha256. Writes ``checks/checkpoint.json`` (one entry per check,
-status pass | fail | not run) and a readable summary; exits 1 on any fail.
+bridge_mapping_import, manifest (the files against rule model's manifest,
+:func:`hy3rl.hub.verify`: sizes always, hashes with ``checks.checkpoint.sha256``). The
+mapping table comes from :mod:`hy3rl.bridge_source`.
 
-CLI::
-
-    python -m hy3rl.checkpoint --model-path resources/tiny-hy3 \
-        --lock results/<run>/deps/lock.json --out results/<run>/checks/checkpoint.json \
-        [--config-json '{"checks": {...}}'] [--threads 2]
+``run(checks, model=, manifest=, lock=, out=, threads=)`` writes ``checks/checkpoint.json``
+(one entry per check, status pass | fail | not run; the report record below, which
+``hy3rl.bridge`` writes too) and a readable summary, and raises :class:`ChecksFailed` on
+any fail.
 """
 
 from __future__ import annotations
 
-import argparse
-import hashlib
 import json
 import re
 import struct
-import sys
 import time
 from collections import defaultdict
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from hy3rl.bridge import (
+from hy3rl import hub
+from hy3rl.atomic import write_json_atomic
+from hy3rl.bridge_source import (
     BRIDGE_RELPATH,
     BridgeMapping,
-    CheckResult,
+    BridgeSource,
     TableFormatError,
+    bridge_source_from_lock,
     compare_tables,
     imported_registry_subprocess,
+    pattern_regex,
     read_mapping_table,
     read_pinned_source,
-    summary_lines,
-    write_report,
 )
+from hy3rl.errors import StageError
+from hy3rl.timefmt import utc_now
+
+if TYPE_CHECKING:
+    from hy3rl.settings import CheckpointCheck
 
 INDEX_FILE = "model.safetensors.index.json"
 DTYPE_SIZES = {
@@ -70,6 +74,63 @@ OUTER_HELP = (
     "tensors over, since transformers drops them)"
 )
 LAYER_RX = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+class ChecksFailed(StageError):
+    """At least one check failed; the report is written and names every problem."""
+
+
+# ---------------------------------------------------------------------------- the report
+# One record for checks/checkpoint.json and checks/bridge.json (docs/formats/checkpoint.md).
+
+
+@dataclass
+class CheckResult:
+    name: str
+    status: str  # pass | fail | not run
+    details: str
+    problems: list[str] = field(default_factory=list)
+    problem_count: int = 0
+
+    def __post_init__(self) -> None:
+        if self.status not in ("pass", "fail", "not run"):
+            raise ValueError(f"bad status {self.status!r}")
+        self.problem_count = max(self.problem_count, len(self.problems))
+        self.problems = self.problems[:200]
+
+
+def write_report(path: Path, results: list[CheckResult], extra: dict[str, Any]) -> dict[str, Any]:
+    """Write the checks JSON atomically; return the document."""
+    counts = {s: sum(r.status == s for r in results) for s in ("pass", "fail", "not run")}
+    doc = {
+        "schema_version": 1,
+        "created": utc_now(),
+        "ok": counts["fail"] == 0,
+        "counts": counts,
+        **extra,
+        "checks": [asdict(r) for r in results],
+    }
+    write_json_atomic(Path(path), doc)
+    return doc
+
+
+def summary_lines(results: list[CheckResult]) -> list[str]:
+    width = max((len(r.name) for r in results), default=4)
+    lines = []
+    for r in results:
+        lines.append(f"  {r.status.upper():8} {r.name:{width}}  {r.details}")
+        for p in r.problems[:10]:
+            lines.append(f"           - {p}")
+        if r.problem_count > 10:
+            lines.append(f"           ... {r.problem_count - 10} more (see the JSON)")
+    return lines
+
+
+def failure_message(doc: dict[str, Any], what: str, out: Path) -> str:
+    """The error message of a report with failed checks, naming them."""
+    names = [c["name"] for c in doc["checks"] if c["status"] == "fail"]
+    return (f"{what}: {len(names)} check(s) failed ({', '.join(names)}); details in {out} "
+            "and above")
 
 
 class HeaderError(ValueError):
@@ -540,8 +601,6 @@ class Claim:
 
 
 def build_claims(mappings: list[BridgeMapping]) -> list[Claim]:
-    from hy3rl.bridge import pattern_regex
-
     claims: dict[tuple[str, tuple[str, ...]], Claim] = {}
     for m in mappings:
         kinds = tuple(_wildcard_kinds(m.megatron))
@@ -626,25 +685,6 @@ def bridge_coverage(names: Iterable[str], expected: dict[str, Expected], ms: Mod
     return problems, summary
 
 
-@dataclass
-class BridgeSource:
-    clone: Path
-    commit: str
-
-    @property
-    def file(self) -> Path:
-        return self.clone / BRIDGE_RELPATH
-
-
-def bridge_source_from_lock(lock_path: Path) -> tuple[BridgeSource | None, str]:
-    try:
-        lock = json.loads(lock_path.read_text())
-        entry = lock["repos"]["megatron_bridge"]
-        return BridgeSource(Path(entry["path"]), entry.get("head") or entry["commit"]), ""
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        return None, f"{lock_path}: no repos.megatron_bridge.path/head ({exc!r})"
-
-
 def check_bridge_mapping(st: State, source: BridgeSource | None, why: str
                          ) -> tuple[CheckResult, list[BridgeMapping] | None]:
     name = "bridge_mapping"
@@ -680,86 +720,40 @@ def check_bridge_import(st: State, source: BridgeSource | None,
                   f"({len(imported)} mappings)", f"{len(problems)} disagreements")
 
 
-# ---------------------------------------------------------------------------- sha256
+# ---------------------------------------------------------------------------- manifest
 
 
-def read_manifest(path: Path) -> dict[str, str]:
-    """``sha256sum`` format: ``<64 hex>  <file>`` per line."""
-    out = {}
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        m = re.fullmatch(r"([0-9a-fA-F]{64})\s+\*?(.+)", line.strip())
-        if not m:
-            raise ValueError(f"{path}:{n}: not '<sha256>  <file>': {line!r}")
-        out[Path(m.group(2)).name] = m.group(1).lower()
-    return out
-
-
-def sha256_files(files: list[Path], threads: int, progress: bool = True) -> dict[str, str]:
-    """sha256 of every file, ``threads`` at a time, with a rich progress bar over bytes."""
-    from rich.progress import (
-        BarColumn,
-        DownloadColumn,
-        Progress,
-        TimeRemainingColumn,
-        TransferSpeedColumn,
-    )
-
-    total = sum(f.stat().st_size for f in files)
-    results: dict[str, str] = {}
-    with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
-                  TransferSpeedColumn(), TimeRemainingColumn(), disable=not progress,
-                  transient=False) as bar:
-        task = bar.add_task(f"sha256 of {len(files)} shards", total=total)
-
-        def one(path: Path) -> None:
-            h = hashlib.sha256()
-            with open(path, "rb") as fh:
-                while chunk := fh.read(8 << 20):
-                    h.update(chunk)
-                    bar.advance(task, len(chunk))
-            results[path.name] = h.hexdigest()
-
-        with ThreadPoolExecutor(max(1, threads)) as pool:
-            list(pool.map(one, files))
-    return dict(sorted(results.items()))
-
-
-def check_sha256(st: State, enabled: bool, manifest: str, threads: int
-                 ) -> tuple[CheckResult, dict[str, str] | None]:
-    name = "sha256"
-    if not enabled:
-        return CheckResult(name, "not run", "not run: checks.checkpoint.sha256 is false "
-                           "(headers only)"), None
-    files = [st.model_dir / f for f in sorted(st.shards)]
-    hashes = sha256_files(files, threads)
-    if not manifest:
-        return CheckResult(name, "not run", f"not run: {len(hashes)} shards hashed, but no "
-                           "checks.checkpoint.manifest to compare with"), hashes
+def check_manifest(st: State, manifest: Path | None, sha256: bool, threads: int) -> CheckResult:
+    """The directory against rule ``model``'s manifest (hy3rl.hub.verify): sizes always,
+    hashes with ``sha256``; every file missing, extra or different named, a hash mismatch
+    with both hashes."""
+    name = "manifest"
+    if manifest is None:
+        return CheckResult(name, "not run", "not run: no model manifest given")
     try:
-        want = read_manifest(Path(manifest))
-    except (OSError, ValueError) as exc:
-        return CheckResult(name, "fail", f"manifest unusable: {exc}", [str(exc)], 1), hashes
-    problems = []
-    for f, digest in hashes.items():
-        if f not in want:
-            problems.append(f"{f}: not in the manifest {manifest}")
-        elif want[f] != digest:
-            problems.append(f"{f}: sha256 {digest} != manifest {want[f]}")
-    for f in sorted(set(want) - set(hashes)):
-        problems.append(f"{f}: in the manifest but not a shard here")
-    return _check(name, problems, f"{len(hashes)} shards match {manifest}",
-                  f"{len(problems)} shards differ from {manifest}"), hashes
+        m = hub.read_manifest(manifest)
+        problems = []
+        if Path(m.dir).resolve() != st.model_dir:
+            problems.append(f"the manifest {manifest} describes {m.dir}, not {st.model_dir} "
+                            "(rerun rule model)")
+        problems += hub.verify(manifest, st.model_dir, sha256=sha256, threads=threads)
+    except hub.ManifestError as exc:
+        return CheckResult(name, "fail", str(exc), [str(exc)], 1)
+    what = ("sizes and hashes (sha256 / git blob id)" if sha256 else
+            "sizes (hashes not compared: checks.checkpoint.sha256 is false)")
+    return _check(name, problems, f"{len(m.files)} files ({m.total_size} bytes) match "
+                  f"{manifest}: {what}",
+                  f"{len(problems)} problem(s) against {manifest}, comparing {what}")
 
 
 # ---------------------------------------------------------------------------- driver
 
 
 def check_checkpoint(model_dir: Path, source: BridgeSource | None = None, source_why: str = "",
-                     sha256: bool = False, manifest: str = "", threads: int = 2,
+                     sha256: bool = False, manifest: Path | None = None, threads: int = 2,
                      try_import: bool = True) -> tuple[list[CheckResult], dict[str, Any]]:
-    """Run every check; return the results and the extra top-level fields of the report."""
+    """Run every check; return the results and the extra top-level fields of the report.
+    ``manifest``: rule model's manifest (None: the manifest check is ``not run``)."""
     st = State(Path(model_dir).resolve())
     results = [check_config(st), check_index(st), check_headers(st, threads),
                check_index_vs_shards(st), check_total_size(st), check_format(st),
@@ -767,8 +761,7 @@ def check_checkpoint(model_dir: Path, source: BridgeSource | None = None, source
     bridge_result, parsed = check_bridge_mapping(st, source, source_why)
     results.append(bridge_result)
     results.append(check_bridge_import(st, source, parsed, try_import))
-    sha_result, hashes = check_sha256(st, sha256, manifest, threads)
-    results.append(sha_result)
+    results.append(check_manifest(st, manifest, sha256, threads))
     extra: dict[str, Any] = {
         "model_path": str(st.model_dir),
         "inventory": {
@@ -780,41 +773,32 @@ def check_checkpoint(model_dir: Path, source: BridgeSource | None = None, source
         "bridge_source": ({"path": str(source.file), "commit": source.commit}
                           if source else None),
     }
-    if hashes is not None:
-        extra["sha256"] = hashes
+    if manifest is not None:
+        extra["manifest"] = str(manifest)
     return results, extra
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hy3rl.checkpoint",
-                                 description=__doc__.split("\n")[0])
-    ap.add_argument("--model-path", required=True, help="HF checkpoint directory")
-    ap.add_argument("--out", required=True, help="results/<run>/checks/checkpoint.json")
-    ap.add_argument("--lock", help="results/<run>/deps/lock.json (pinned Megatron-Bridge)")
-    ap.add_argument("--config-json", default="{}", help='config slice {"checks": {...}}')
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--no-import", action="store_true",
-                    help="skip the attempt to import the pinned bridge")
-    args = ap.parse_args(argv)
-    cfg = json.loads(args.config_json).get("checks", {}).get("checkpoint", {})
-    if args.lock:
-        source, why = bridge_source_from_lock(Path(args.lock))
+def run(checks: CheckpointCheck, *, model: Path, manifest: Path, lock: Path | None, out: Path,
+        threads: int) -> dict[str, Any]:
+    """Check the checkpoint in ``model`` against rule model's ``manifest`` (sizes always,
+    hashes with ``checks.sha256``) and the pinned bridge of ``lock`` (``deps/lock.json``;
+    None: the bridge checks are ``not run``), write the report to ``out`` and print the
+    summary; raise :class:`ChecksFailed` when any check failed (the report is written
+    first). Returns the report."""
+    if lock is not None:
+        source, why = bridge_source_from_lock(Path(lock))
     else:
-        source, why = None, "no --lock given"
+        source, why = None, "no deps lock given"
     t0 = time.perf_counter()
-    results, extra = check_checkpoint(
-        Path(args.model_path), source, why, sha256=bool(cfg.get("sha256", False)),
-        manifest=str(cfg.get("manifest", "") or ""), threads=args.threads,
-        try_import=not args.no_import)
-    doc = write_report(Path(args.out), results, extra)
-    print(f"check_checkpoint: {args.model_path}: {extra['inventory']['tensors']} tensors in "
+    results, extra = check_checkpoint(Path(model), source, why, sha256=checks.sha256,
+                                      manifest=Path(manifest), threads=threads)
+    doc = write_report(Path(out), results, extra)
+    print(f"check_checkpoint: {model}: {extra['inventory']['tensors']} tensors in "
           f"{extra['inventory']['shards']} shards, {time.perf_counter() - t0:.2f} s")
     print("\n".join(summary_lines(results)))
     c = doc["counts"]
     print(f"check_checkpoint: {c['pass']} pass, {c['fail']} fail, {c['not run']} not run "
-          f"-> {args.out}")
-    return 0 if doc["ok"] else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+          f"-> {out}", flush=True)
+    if not doc["ok"]:
+        raise ChecksFailed(failure_message(doc, f"check_checkpoint of {model}", Path(out)))
+    return doc

@@ -1,13 +1,14 @@
 """``hy3rl``: run one stage by hand, outside Snakemake, on the paths of the run's layout.
 
     hy3rl preflight --configfile config/config.yaml [--configfile site.yaml]
-    hy3rl config --configfile config/paper.yaml      # print the resolved config
+    hy3rl config --configfile config/config.yaml config/paper.yaml   # the resolved config
     hy3rl profile install                            # ~/.config/snakemake/slurm -> profiles/slurm
 
 Each subcommand loads and validates the config files (merged in order, as Snakemake merges
 ``--configfile``), takes every input and output path from :class:`hy3rl.layout.Layout`, and
 calls the stage's ``run(...)``, exactly what the rule's adapter (``scripts/adapters/``) does
-with Snakemake's paths. Errors print their message and exit 1.
+with Snakemake's paths. A stage's error prints its message and exits 1; an invalid config
+exits 2, naming every key at fault.
 """
 
 from __future__ import annotations
@@ -39,9 +40,127 @@ def _deps(cfg: Config, layout: Layout, args: argparse.Namespace) -> None:
     deps.run(cfg.deps, lock=Path(layout.deps_lock), runtime_env=Path(layout.deps_runtime_env))
 
 
+def _data(cfg: Config, layout: Layout, args: argparse.Namespace) -> None:
+    from hy3rl import data
+
+    data.run(cfg.data, tokenizer=cfg.model.path, train=Path(layout.data_train),
+             val=Path(layout.data_val), summary=Path(layout.data_summary))
+
+
+def _tiny_model(cfg: Config, layout: Layout, args: argparse.Namespace) -> None:
+    from hy3rl import model
+    from hy3rl.layout import TINY_MODEL_DIR
+
+    model.run(cfg.model.tiny, out=Path(TINY_MODEL_DIR))
+
+
+def _model(cfg: Config, layout: Layout, args: argparse.Namespace) -> None:
+    from hy3rl import hub
+
+    hub.run(cfg.model.source, cfg.model.revision, cfg.model.dir,
+            manifest=Path(layout.model_manifest), threads=args.threads)
+
+
+def _check_checkpoint(cfg: Config, layout: Layout, args: argparse.Namespace) -> None:
+    from hy3rl import checkpoint
+
+    checkpoint.run(cfg.checks.checkpoint, model=Path(cfg.model.path),
+                   manifest=Path(layout.model_manifest), lock=Path(layout.deps_lock),
+                   out=Path(layout.checks_checkpoint), threads=cfg.checks.checkpoint.threads)
+
+
+def _check_bridge(cfg: Config, layout: Layout, args: argparse.Namespace) -> None:
+    from hy3rl import bridge
+
+    bridge.run(cfg.checks.bridge, cfg.model, cfg.train.runtime, lock=Path(layout.deps_lock),
+               out=Path(layout.checks_bridge))
+
+
+def _preflight(cfg: Config, layout: Layout, args: argparse.Namespace) -> None:
+    from hy3rl import preflight
+
+    preflight.run(cfg, lock=Path(layout.deps_lock), data_summary=Path(layout.data_summary),
+                  train_files=Path(layout.data_train), val_files=Path(layout.data_val),
+                  checkpoint_check=Path(layout.checks_checkpoint),
+                  bridge_check=Path(layout.checks_bridge) if cfg.cluster.gpu else None,
+                  plan=Path(layout.preflight_plan), launch=Path(layout.preflight_launch),
+                  reward_fn=Path(layout.preflight_reward_fn))
+
+
+def _cluster_probe(cfg: Config, layout: Layout, args: argparse.Namespace) -> None:
+    from hy3rl import cluster
+
+    cluster.run(cfg.cluster, out=Path(layout.cluster_probe))
+
+
+def _train(cfg: Config, layout: Layout, args: argparse.Namespace) -> None:
+    from hy3rl import train
+
+    train.run(cfg.train, cfg.cluster, layout, keep_steps=cfg.eval_keep_steps,
+              plan=Path(layout.preflight_plan), launch_script=Path(layout.preflight_launch),
+              runtime_env=Path(layout.deps_runtime_env), sentinel=Path(layout.train_done),
+              metrics=Path(layout.train_metrics))
+
+
+def _evaluate(cfg: Config, layout: Layout, args: argparse.Namespace) -> None:
+    from hy3rl import evaluate
+
+    t = args.tag
+    evaluate.run(cfg.eval, tag=t, model=evaluate.model_for_tag(cfg, t, layout.train_done),
+                 val=Path(layout.data_val), samples=Path(layout.eval_samples(t)),
+                 meta=Path(layout.eval_samples_meta(t)),
+                 runtime_env=Path(layout.deps_runtime_env), ray_dir=Path(layout.eval_ray_dir(t)),
+                 cpus_per_node=cfg.cluster.cpus_per_node)
+
+
+def _score(cfg: Config, layout: Layout, args: argparse.Namespace) -> None:
+    from hy3rl import graders
+
+    t = args.tag
+    graders.run(cfg.eval.graders, samples=Path(layout.eval_samples(t)),
+                val=Path(layout.data_val), lock=Path(layout.deps_lock),
+                out=Path(layout.eval_scores(t)), meta=Path(layout.eval_scores_meta(t)))
+
+
+def _metrics(cfg: Config, layout: Layout, args: argparse.Namespace) -> None:
+    from hy3rl import metrics
+
+    t = args.tag
+    metrics.run(cfg.eval.bootstrap, tag=t, scores=Path(layout.eval_scores(t)),
+                scores_meta=Path(layout.eval_scores_meta(t)), out=Path(layout.eval_metrics(t)),
+                base_scores=None if t == "base" else Path(layout.eval_scores("base")))
+
+
+def _report(cfg: Config, layout: Layout, args: argparse.Namespace) -> None:
+    from hy3rl import report
+    from hy3rl.layout import REPORT_FILES
+
+    report.run(cfg, results=layout,
+               outputs={n: Path(layout.report_file(n)) for n, _ in REPORT_FILES})
+
+
 STAGES: dict[str, tuple[Stage, str]] = {
     "config": (_config, "validate the config files and print the resolved config"),
     "deps": (_deps, "clone and verify the pinned repositories (deps/lock.json)"),
+    "data": (_data, "build the train/val parquet and data/summary.json"),
+    "tiny_model": (_tiny_model, "build the tiny random Hy3 checkpoint (resources/tiny-hy3)"),
+    "model": (_model, "download model.source at model.revision into model.dir (hub), or "
+              "describe a local model.source; write model/manifest.json"),
+    "check_checkpoint": (_check_checkpoint, "check the model checkpoint on CPU "
+                         "(checks/checkpoint.json)"),
+    "check_bridge": (_check_bridge, "HF -> Megatron -> HF round trip in the training runtime "
+                     "on this GPU node (checks/bridge.json)"),
+    "preflight": (_preflight, "resolve, compose and check the verl launch on CPU "
+                  "(preflight/plan.json, launch.sh)"),
+    "cluster_probe": (_cluster_probe, "inside a SLURM job of the training shape: what every "
+                      "node sees (cluster/probe.json)"),
+    "train": (_train, "train on this job's nodes (or this machine), resuming from the "
+              "checkpoints (train/done.json)"),
+    "evaluate": (_evaluate, "generate one tag's samples (eval/<tag>/samples.jsonl; --tag)"),
+    "score": (_score, "grade one tag's samples with both graders (eval/<tag>/scores.jsonl)"),
+    "metrics": (_metrics, "one tag's metrics (eval/<tag>/metrics.json; --tag)"),
+    "report": (_report, "render whatever the run produced into report/index.html "
+               "(+ figures, tables)"),
 }
 
 
@@ -55,10 +174,13 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="stage", required=True)
     for name, (_, help_text) in STAGES.items():
         p = sub.add_parser(name, help=help_text)
-        p.add_argument("--configfile", action="append", type=Path, default=None,
+        p.add_argument("--configfile", action="extend", nargs="+", type=Path, default=None,
                        help="config file(s), merged in order (default: config/config.yaml)")
         p.add_argument("--tag", default="base", help="evaluation tag (evaluate, score, "
                        "metrics): base, step<N> or final")
+        if name == "model":
+            p.add_argument("--threads", type=int, default=8, help="files transferred or "
+                           "hashed in parallel (default 8, as the rule)")
     args = ap.parse_args(argv)
     try:
         cfg = Config.load(*(args.configfile or [Path("config/config.yaml")]))

@@ -8,20 +8,31 @@ node reports (logical node name, hostname, ``CUDA_VISIBLE_DEVICES``, GPUs) to
 ``probe.json`` (docs/formats/cluster.md). Exit 1 if the allocation does not have the
 expected nodes and GPUs per node.
 
-    python -m hy3rl.cluster probe --nodes 2 --gpus-per-node 2 --out probe.json
+:func:`run` is the stage (rule ``cluster_probe``; ``hy3rl cluster_probe``). Each node's task
+runs this module's internal entry point ``python -m hy3rl.cluster node-report``.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import socket
 import subprocess
 import sys
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from hy3rl.atomic import write_json_atomic
+from hy3rl.errors import StageError
+from hy3rl.timefmt import utc_now
+
+if TYPE_CHECKING:
+    from hy3rl.settings import Cluster
+
+
+class ProbeFailed(StageError):
+    """The allocation does not have the expected nodes and GPUs per node."""
 
 
 @dataclass
@@ -47,7 +58,7 @@ class ProbeResult:
     allocation: list[str] = field(default_factory=list)
     nodes: list[NodeReport] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
-    created: str = field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+    created: str = field(default_factory=utc_now)
 
 
 def node_report(env: dict[str, str] | None = None) -> NodeReport:
@@ -68,7 +79,7 @@ def allocation_nodes(job_id: str) -> list[str]:
         ["squeue", "-h", "-j", job_id, "-o", "%N"], check=True, capture_output=True, text=True
     ).stdout.strip()
     if not nodelist:
-        raise RuntimeError(f"squeue shows no nodes for job {job_id}")
+        raise ProbeFailed(f"squeue shows no nodes for job {job_id}")
     return subprocess.run(
         ["scontrol", "show", "hostnames", nodelist], check=True, capture_output=True, text=True
     ).stdout.split()
@@ -125,42 +136,29 @@ def probe(job_id: str, nodes: int, gpus_per_node: int, timeout_s: int = 120) -> 
     return evaluate(result)
 
 
-def write_json(path: Path, result: ProbeResult) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(asdict(result), indent=2) + "\n")
-    os.replace(tmp, path)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("probe", help="probe the allocation of the current SLURM job")
-    p.add_argument("--nodes", type=int, required=True, help="expected number of nodes")
-    p.add_argument("--gpus-per-node", type=int, required=True, help="expected GPUs per node")
-    p.add_argument("--out", type=Path, required=True, help="probe.json to write")
-    sub.add_parser("node-report", help="print this node's report as one JSON line")
-    args = parser.parse_args(argv)
-
-    if args.cmd == "node-report":
-        print(json.dumps(asdict(node_report())), flush=True)
-        return 0
+def run(cluster: Cluster, *, out: Path) -> None:
+    """Probe the allocation of the current SLURM job against ``cluster.nodes`` x
+    ``cluster.gpus_per_node`` and write ``out`` (probe.json, docs/formats/cluster.md); its
+    JSON is also printed (Snakemake removes ``out`` when the job fails). Outside a SLURM job
+    the result is ``not run``. Raises :class:`ProbeFailed` when the shape is wrong."""
+    out = Path(out)
     job_id = os.environ.get("SLURM_JOB_ID", "")
     if not job_id:
         result = ProbeResult(status="not run", reason="not inside a SLURM job (no SLURM_JOB_ID);"
-                             " run with --profile slurm", job_id="", expected_nodes=args.nodes,
-                             expected_gpus_per_node=args.gpus_per_node)
-        write_json(args.out, result)
-        print(f"cluster probe: not run: {result.reason}")
-        return 0
-    result = probe(job_id, args.nodes, args.gpus_per_node)
-    write_json(args.out, result)
-    print(json.dumps(asdict(result), indent=2))
+                             " run with --profile slurm", job_id="",
+                             expected_nodes=cluster.nodes,
+                             expected_gpus_per_node=cluster.gpus_per_node)
+        write_json_atomic(out, asdict(result))
+        print(f"cluster probe: not run: {result.reason}", flush=True)
+        return
+    result = probe(job_id, cluster.nodes, cluster.gpus_per_node)
+    write_json_atomic(out, asdict(result))
+    print(json.dumps(asdict(result), indent=2), flush=True)
     if result.status != "pass":
-        print(f"cluster probe FAILED: {result.reason}", file=sys.stderr)
-        return 1
-    return 0
+        raise ProbeFailed(f"cluster probe FAILED: {result.reason}")
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # the per-node task of probe(): print this node's report
+    if sys.argv[1:] != ["node-report"]:
+        sys.exit("usage: python -m hy3rl.cluster node-report (internal; use hy3rl cluster_probe)")
+    print(json.dumps(asdict(node_report())), flush=True)

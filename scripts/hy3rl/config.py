@@ -117,17 +117,26 @@ def placeholders(value: Any, path: str = "") -> list[str]:
     return [path] if isinstance(value, str) and PLACEHOLDER in value else []
 
 
-def refuse_placeholders(config: Mapping[str, Any], resources: Mapping[str, Any] | None = None,
-                        ) -> None:
+def refuse_placeholders(config: Mapping[str, Any], resources: Any = None) -> None:
     """Stop before the DAG is built while a site value is still a placeholder: in the
-    effective config, or in the profile's ``default-resources`` (partition, account)."""
+    effective config, or in the profile's ``default-resources`` (partition, account), given
+    as a mapping or as Snakemake's own resources object."""
     found = [f"config {p}: {_get(config, p)!r}" for p in placeholders(config)]
-    found += [f"profile default-resources {k}: {v!r}" for k, v in (resources or {}).items()
+    found += [f"profile default-resources {k}: {v!r}" for k, v in _resource_values(resources)
               if isinstance(v, str) and PLACEHOLDER in v]
     if found:
         raise ConfigError(
             "site values still hold the CHANGE_ME placeholder; set them (a site config file "
             "after the others, or your own profile) before running:\n  " + "\n  ".join(found))
+
+
+def _resource_values(resources: Any) -> list[tuple[str, Any]]:
+    if resources is None:
+        return []
+    items = resources.items() if hasattr(resources, "items") else \
+        getattr(resources, "_data", {}).items()
+    # Snakemake's Resource objects keep the profile's value as `raw`.
+    return [(k, getattr(v, "raw", v)) for k, v in items]
 
 
 def _get(config: Mapping[str, Any], path: str) -> Any:

@@ -9,15 +9,17 @@ will consume it, optionally de-duplicates by prompt and samples a seeded subset,
 The core works on Arrow tables column by column; only the unique prompts go through the
 tokenizer (batched), weighted by how often they occur. docs/formats/data.md describes the
 outputs.
+
+Entry point: :func:`run` (rule ``data`` through ``scripts/adapters/data.py``; by hand,
+``hy3rl data --configfile ...``).
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
+import logging
 import os
-import sys
 import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -28,6 +30,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
+
+from hy3rl.errors import StageError
+from hy3rl.settings import Convert, Data, DataSource, ValSource
+
+log = logging.getLogger("hy3rl.data")
 
 COLUMNS = ("data_source", "prompt", "ability", "reward_model", "extra_info")
 ROLES = ("system", "user", "assistant")
@@ -70,7 +77,7 @@ KEY_SEP_MESSAGE = "\x1e"  # between messages
 CHUNK_ROWS = 1 << 17
 
 
-class DataError(ValueError):
+class DataError(StageError):
     """Bad input; the message names the file (or dataset id), row and column at fault."""
 
 
@@ -196,7 +203,7 @@ def _jsonl_error_detail(path: Path, exc: Exception) -> str:
 
 
 def read_file(
-    path: str | Path, convert: Mapping[str, Any] | None = None
+    path: str | Path, convert: Convert | None = None
 ) -> tuple[pa.Table, dict[str, Any]]:
     """Read a local .parquet / .jsonl / .json (JSON lines) / .csv file into Arrow."""
     import pyarrow.csv as pacsv
@@ -221,8 +228,8 @@ def read_file(
             text_cols = {}
             if convert:
                 # Read the mapped fields as text: "025" must stay "025", ids stay ids.
-                text_cols = {convert[k]: pa.string() for k in ("question", "answer", "id")
-                             if convert.get(k)}
+                text_cols = {name: pa.string()
+                             for name in (convert.question, convert.answer, convert.id) if name}
             table = pacsv.read_csv(
                 path, convert_options=pacsv.ConvertOptions(column_types=text_cols)
             )
@@ -235,7 +242,7 @@ def read_file(
 
 
 def load_source(
-    source: str, revision: str | None = None, convert: Mapping[str, Any] | None = None,
+    source: str, revision: str | None = None, convert: Convert | None = None,
     cache_dir: str | None = None,
 ) -> tuple[pa.Table, dict[str, Any]]:
     kind = source_kind(source)
@@ -271,24 +278,24 @@ def _as_text(col: pa.ChunkedArray, label: str, name: str) -> pa.ChunkedArray:
 
 
 def convert_custom(
-    table: pa.Table, mapping: Mapping[str, Any], label: str, split: str
+    table: pa.Table, convert: Convert, label: str, split: str
 ) -> pa.Table:
     """A user's question/answer table -> verl's 5 columns (DAPO template unless 'none')."""
     n = table.num_rows
-    question = _as_text(_column(table, mapping["question"], label), label, mapping["question"])
-    answer = _as_text(_column(table, mapping["answer"], label), label, mapping["answer"])
-    for name, col in ((mapping["question"], question), (mapping["answer"], answer)):
+    question = _as_text(_column(table, convert.question, label), label, convert.question)
+    answer = _as_text(_column(table, convert.answer, label), label, convert.answer)
+    for name, col in ((convert.question, question), (convert.answer, answer)):
         bad = pc.or_kleene(pc.is_null(col), _blank(col))
         _raise_first(bad, label, name, "empty or missing value")
     question = question.combine_chunks() if n else pa.array([], pa.string())
     answer = pc.utf8_trim_whitespace(answer).combine_chunks() if n else pa.array([], pa.string())
-    if mapping.get("id"):
-        ids = _as_text(_column(table, mapping["id"], label), label, mapping["id"])
-        _raise_first(pc.is_null(ids), label, mapping["id"], "missing id")
+    if convert.id:
+        ids = _as_text(_column(table, convert.id, label), label, convert.id)
+        _raise_first(pc.is_null(ids), label, convert.id, "missing id")
         index = ids.combine_chunks() if n else pa.array([], pa.string())
     else:
         index = pa.array([str(i) for i in range(n)], pa.string())
-    if mapping.get("template", "dapo") == "dapo":
+    if convert.template == "dapo":
         content = pc.binary_join_element_wise(DAPO_PREFIX, question, DAPO_SUFFIX, "")
     else:
         content = question
@@ -297,7 +304,7 @@ def convert_custom(
     )
     prompt = pa.ListArray.from_arrays(pa.array(np.arange(n + 1, dtype=np.int32)), messages)
     reward_model = pa.StructArray.from_arrays(
-        [answer, pa.array([mapping.get("style", "rule-lighteval/MATH_v2")] * n, pa.string())],
+        [answer, pa.array([convert.style] * n, pa.string())],
         names=["ground_truth", "style"],
     )
     extra_info = pa.StructArray.from_arrays(
@@ -306,9 +313,9 @@ def convert_custom(
     )
     return pa.table(
         {
-            "data_source": pa.array([mapping.get("data_source", "math_dapo")] * n, pa.string()),
+            "data_source": pa.array([convert.data_source] * n, pa.string()),
             "prompt": prompt,
-            "ability": pa.array([mapping.get("ability", "MATH")] * n, pa.string()),
+            "ability": pa.array([convert.ability] * n, pa.string()),
             "reward_model": reward_model,
             "extra_info": extra_info,
         }
@@ -615,28 +622,27 @@ class SplitResult:
 
 
 def prepare_split(
-    split: str, cfg: Mapping[str, Any], tokenizer, max_prompt_length: int,
+    split: str, src: DataSource, tokenizer, max_prompt_length: int,
     cache_dir: str | None = None,
 ) -> SplitResult:
-    """Load, convert, validate, dedup and sample one split; errors say which split."""
+    """Load, convert, validate, dedup and sample one split (``data.<split>``); errors say
+    which split."""
     try:
-        return _prepare_split(split, cfg, tokenizer, max_prompt_length, cache_dir)
+        return _prepare_split(split, src, tokenizer, max_prompt_length, cache_dir)
     except DataError as exc:
         raise DataError(f"data.{split}: {exc}") from exc
 
 
 def _prepare_split(
-    split: str, cfg: Mapping[str, Any], tokenizer, max_prompt_length: int,
-    cache_dir: str | None,
+    split: str, src: DataSource, tokenizer, max_prompt_length: int, cache_dir: str | None,
 ) -> SplitResult:
-    source = cfg["source"]
-    convert = cfg.get("convert")
-    raw, provenance = load_source(source, cfg.get("revision"), convert, cache_dir)
+    source, convert = src.source, src.convert
+    raw, provenance = load_source(source, src.revision, convert, cache_dir)
     label = provenance.get("path") or provenance.get("id") or source
     if convert:
         table = convert_custom(raw, convert, label, split)
         dropped = [c for c in raw.column_names
-                   if c not in {convert["question"], convert["answer"], convert.get("id")}]
+                   if c not in {convert.question, convert.answer, convert.id}]
     else:
         table, dropped = select_columns(raw, label)
     del raw
@@ -649,18 +655,18 @@ def _prepare_split(
     conflicts = conflicting_answers(ids, pc.struct_field(table["reward_model"], "ground_truth"))
     repeats = np.bincount(ids) if len(ids) else np.zeros(0, dtype=np.int64)
 
-    dedup = bool(cfg.get("dedup", True))
+    dedup = src.dedup
     keep = first_occurrences(ids) if dedup else None
     if keep is not None and len(keep) < len(ids):
         table, ids = take_rows(table, keep), ids[keep]
-    chosen = sample_rows(len(ids), cfg.get("limit"), int(cfg.get("seed", 0)))
+    chosen = sample_rows(len(ids), src.limit, src.seed)
     if chosen is not None:
         table, ids = take_rows(table, chosen), ids[chosen]
     table = table.replace_schema_metadata(None)
 
     val_n = None
-    if split == "val":
-        val_n, val_n_source = implied_val_n(repeats, dedup, cfg.get("n"), label)
+    if isinstance(src, ValSource):
+        val_n, val_n_source = implied_val_n(repeats, dedup, src.n, label)
 
     uniq, first, counts = np.unique(ids, return_index=True, return_counts=True)
     order = np.argsort(first)  # tokenize each distinct prompt once, in file order
@@ -685,13 +691,13 @@ def _prepare_split(
             "prompts_with_conflicting_answers": conflicts,
         },
         "options": {
-            "dedup": dedup, "limit": cfg.get("limit"), "seed": int(cfg.get("seed", 0)),
-            "convert": dict(convert) if convert else None,
+            "dedup": dedup, "limit": src.limit, "seed": src.seed,
+            "convert": asdict(convert) if convert else None,
         },
         "source": provenance,
     }
-    if split == "val":
-        record["options"]["n"] = cfg.get("n")
+    if isinstance(src, ValSource):
+        record["options"]["n"] = src.n
         record.update(val_n=val_n, val_n_source=val_n_source)
     return SplitResult(table=table, record=record, val_n=val_n)
 
@@ -734,24 +740,26 @@ def write_outputs(
 
 
 def run(
-    data_cfg: Mapping[str, Any], tokenizer_path: str, train_out: Path, val_out: Path,
-    summary_out: Path, cache_dir: str | None = None,
+    data: Data, *, tokenizer: str | Path, train: Path, val: Path, summary: Path,
+    cache_dir: str | None = None,
 ) -> dict[str, Any]:
-    """The whole stage; returns the summary written."""
-    max_len = int(data_cfg.get("max_prompt_length", 2048))
-    tokenizer = load_tokenizer(tokenizer_path)
+    """The whole stage: ``data.train`` and ``data.val`` -> the ``train`` and ``val`` parquet
+    files and ``summary`` (all three or none), prompt tokens counted with the tokenizer of
+    the model directory ``tokenizer``; ``cache_dir`` is the ``datasets`` cache (None: the
+    Hugging Face default). Returns the summary written."""
+    tok = load_tokenizer(str(tokenizer))
     results = {
-        split: prepare_split(split, data_cfg[split], tokenizer, max_len, cache_dir)
-        for split in ("train", "val")
+        split: prepare_split(split, src, tok, data.max_prompt_length, cache_dir)
+        for split, src in (("train", data.train), ("val", data.val))
     }
-    template = tokenizer.chat_template
-    summary: dict[str, Any] = {
+    template = tok.chat_template
+    doc: dict[str, Any] = {
         "format": SUMMARY_FORMAT,
-        "max_prompt_length": max_len,
+        "max_prompt_length": data.max_prompt_length,
         "val_n": results["val"].val_n,
         "tokenizer": {
-            "path": str(tokenizer_path),
-            "class": type(tokenizer).__name__,
+            "path": str(tokenizer),
+            "class": type(tok).__name__,
             "chat_template_sha256": hashlib.sha256(
                 (template if isinstance(template, str) else json.dumps(template)).encode()
             ).hexdigest(),
@@ -760,61 +768,13 @@ def run(
         },
         "splits": {split: res.record for split, res in results.items()},
     }
-    return write_outputs(
-        {s: r.table for s, r in results.items()},
-        {"train": Path(train_out), "val": Path(val_out)}, summary, Path(summary_out),
-    )
-
-
-def data_config(blob: str) -> dict[str, Any]:
-    """The `data` section from --config-json (either {"data": {...}} or the section),
-    validated against the schema with defaults filled in."""
-    from hy3rl.config import ConfigError, validate
-
-    try:
-        parsed = json.loads(blob)
-    except json.JSONDecodeError as exc:
-        raise DataError(f"--config-json: not valid JSON: {exc}") from exc
-    section = parsed.get("data", parsed) if isinstance(parsed, dict) else parsed
-    try:
-        return validate({"data": section})["data"]
-    except ConfigError as exc:
-        raise DataError(str(exc)) from exc
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="hy3rl.data",
-        description="Build verl's train/val parquet and summary.json from the data config.",
-    )
-    ap.add_argument("--config-json", required=True,
-                    help='the data config as JSON: {"data": {...}} or the section itself')
-    ap.add_argument("--tokenizer", required=True,
-                    help="model directory whose tokenizer and chat template count tokens")
-    ap.add_argument("--train-out", required=True, type=Path)
-    ap.add_argument("--val-out", required=True, type=Path)
-    ap.add_argument("--summary", required=True, type=Path)
-    ap.add_argument("--cache-dir", default=None,
-                    help="datasets cache directory (default: the Hugging Face default)")
-    args = ap.parse_args(argv)
-    try:
-        cfg = data_config(args.config_json)
-        summary = run(cfg, args.tokenizer, args.train_out, args.val_out, args.summary,
-                      args.cache_dir)
-    except DataError as exc:
-        print(f"hy3rl.data: error: {exc}", file=sys.stderr)
-        return 1
-    for split, rec in summary["splits"].items():
-        tok = rec["prompt_tokens"]
-        print(
-            f"{split}: {rec['rows']} rows ({rec['unique_prompts']} unique prompts) from "
-            f"{rec['input']['rows']} source rows; prompt tokens p50 {tok['p50']} max "
-            f"{tok['max']}; {rec['over_max_prompt_length']['rows']} rows over "
-            f"{summary['max_prompt_length']} -> {rec['path']}"
-        )
-    print(f"val_n: {summary['val_n']}; summary -> {args.summary}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    write_outputs({s: r.table for s, r in results.items()},
+                  {"train": Path(train), "val": Path(val)}, doc, Path(summary))
+    for split, rec in doc["splits"].items():
+        tokens = rec["prompt_tokens"]
+        log.info("%s: %d rows (%d unique prompts) from %d source rows; prompt tokens p50 %s "
+                 "max %s; %d rows over %d -> %s", split, rec["rows"], rec["unique_prompts"],
+                 rec["input"]["rows"], tokens["p50"], tokens["max"],
+                 rec["over_max_prompt_length"]["rows"], data.max_prompt_length, rec["path"])
+    log.info("val_n: %s; summary -> %s", doc["val_n"], summary)
+    return doc

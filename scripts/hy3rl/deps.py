@@ -16,36 +16,39 @@ Outputs: ``lock.json`` (what was pinned and verified, per repository) and a Ray
 caches excluded, ``PYTHONPATH`` with Megatron-Bridge's ``src`` and the TransferQueue clone),
 built on the pinned verl's own ``verl/trainer/runtime_env.yaml``. Formats:
 docs/formats/deps.md.
+
+Entry point: :func:`run` (rule ``deps`` through ``scripts/adapters/deps.py``; by hand,
+``hy3rl deps --configfile ...``).
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
+import dataclasses
 import fcntl
-import json
 import logging
 import os
 import re
 import shutil
 import socket
 import subprocess
-import sys
 import tempfile
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from hy3rl.atomic import write_json_atomic, write_text_atomic
+from hy3rl.errors import StageError
+from hy3rl.settings import Deps, Repos
+from hy3rl.timefmt import utc_now
 
 log = logging.getLogger("hy3rl.deps")
 
 SCHEMA_VERSION = 1
-REPO_NAMES = ("verl", "megatron_bridge", "transfer_queue")
+REPO_NAMES = tuple(f.name for f in dataclasses.fields(Repos))
 FULL_SHA = re.compile(r"^[0-9a-f]{40}$")
 LOCK_FILE = ".hy3rl-deps.lock"
 
@@ -79,7 +82,7 @@ RUNTIME_ENV_EXCLUDES = [".git", "__pycache__", "*.pyc"]
 HY3_SCRIPT_ENV = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
 
 
-class DepsError(RuntimeError):
+class DepsError(StageError):
     """A pin, a clone or a fetch is wrong; the message names the repository and key."""
 
 
@@ -133,63 +136,22 @@ class Lock:
 # --------------------------------------------------------------------------- pins
 
 
-def parse_pins(section: Mapping[str, Any]) -> tuple[Path, list[RepoPin]]:
-    """Read ``deps`` (dir, repos) and check every pin; raise DepsError naming the key."""
-    if not isinstance(section, Mapping):
-        raise DepsError("deps: must be a mapping with keys dir and repos")
-    deps_dir = section.get("dir")
-    if not isinstance(deps_dir, str) or not deps_dir:
-        raise DepsError("deps.dir: missing or empty (where the clones live)")
-    repos = section.get("repos")
-    if not isinstance(repos, Mapping):
-        raise DepsError("deps.repos: missing (one entry per repository: url, commit)")
-    errors: list[str] = []
-    pins: list[RepoPin] = []
-    for name in REPO_NAMES:
-        entry = repos.get(name)
-        if not isinstance(entry, Mapping):
-            errors.append(f"deps.repos.{name}: missing (needs url and commit)")
-            continue
-        url, commit = entry.get("url"), entry.get("commit")
-        if not isinstance(url, str) or not url.strip():
-            errors.append(f"deps.repos.{name}.url: missing or empty")
-        problem = commit_problem(commit)
-        if problem:
-            errors.append(f"deps.repos.{name}.commit: {problem}")
-        if isinstance(url, str) and url.strip() and not problem:
-            pins.append(RepoPin(name, url.strip(), commit))
-    extra = sorted(set(repos) - set(REPO_NAMES))
-    if extra:
-        errors.append("unknown repository key(s) " + ", ".join(f"deps.repos.{k}" for k in extra)
-                      + f" (expected {', '.join(REPO_NAMES)})")
+def pins_of(deps: Deps) -> list[RepoPin]:
+    """The pins of ``deps.repos``, each re-checked before it reaches git's command line.
+
+    The schema has refused bad pins already (a full lowercase 40-hex SHA); this defensive
+    check covers a section built by hand, and says why a short SHA or a ref is refused."""
+    pins = [RepoPin(name, repo.url, repo.commit) for name, repo in deps.repos.items()]
+    errors = [f"{pin.key}.commit: {problem}" for pin in pins
+              if (problem := commit_problem(pin.commit))]
     if errors:
         raise DepsError("invalid deps configuration:\n  " + "\n  ".join(errors))
-    return Path(deps_dir), pins
+    return pins
 
 
-def resolve_section(section: Any) -> dict[str, Any]:
-    """Check the pins (clear messages first), then fill defaults through the config schema."""
-    from hy3rl.config import ConfigError, validate
-
-    if not isinstance(section, Mapping):
-        raise DepsError("deps: must be a mapping with keys dir and repos")
-    repos = section.get("repos")
-    if isinstance(repos, Mapping):
-        errors = [f"deps.repos.{name}.commit: {commit_problem(entry.get('commit'))}"
-                  for name, entry in repos.items()
-                  if isinstance(entry, Mapping) and "commit" in entry
-                  and commit_problem(entry.get("commit"))]
-        if errors:
-            raise DepsError("invalid deps configuration:\n  " + "\n  ".join(errors))
-    try:
-        return validate({"deps": dict(section)})["deps"]
-    except ConfigError as exc:
-        raise DepsError(str(exc)) from exc
-
-
-def commit_problem(commit: Any) -> str | None:
+def commit_problem(commit: str) -> str | None:
     """Why ``commit`` is not an acceptable pin, or None when it is a full 40-hex SHA."""
-    if not isinstance(commit, str) or not commit:
+    if not commit:
         return "missing; pin a full 40-hex commit SHA"
     if FULL_SHA.match(commit):
         return None
@@ -357,7 +319,7 @@ def ensure_clone(pin: RepoPin, dest: Path) -> RepoLock:
     return RepoLock(
         name=pin.name, url=pin.url, commit=pin.commit, head=head, path=str(dest),
         action=action, fetched=fetched_mode is not None, fetch_mode=fetched_mode,
-        shallow=shallow, verified_at=_now(), submodules=submodules(dest), checks=checks,
+        shallow=shallow, verified_at=utc_now(), submodules=submodules(dest), checks=checks,
     )
 
 
@@ -379,7 +341,7 @@ def dir_lock(deps_dir: Path) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_EX)
         fh.seek(0)
         fh.truncate()
-        fh.write(f"pid {os.getpid()} on {socket.gethostname()} since {_now()}\n")
+        fh.write(f"pid {os.getpid()} on {socket.gethostname()} since {utc_now()}\n")
         fh.flush()
         try:
             yield
@@ -434,14 +396,11 @@ def build_runtime_env(repos: Mapping[str, RepoLock]) -> tuple[dict[str, Any], st
     return env, source
 
 
-def _now() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def run(section: Mapping[str, Any], lock_path: Path, runtime_env_path: Path) -> Lock:
-    """Bring every clone to its pin, then write lock.json and runtime_env.yaml."""
-    deps_dir, pins = parse_pins(resolve_section(section))
-    deps_dir = deps_dir.absolute()
+def run(deps: Deps, *, lock: Path, runtime_env: Path) -> Lock:
+    """Bring every clone of ``deps.repos`` to its pin under ``deps.dir``, then write
+    ``lock`` (lock.json) and ``runtime_env`` (runtime_env.yaml); returns the lock."""
+    pins = pins_of(deps)
+    deps_dir = Path(deps.dir).absolute()
     version = git_version()
     repos: dict[str, RepoLock] = {}
     warnings: list[str] = []
@@ -462,48 +421,14 @@ def run(section: Mapping[str, Any], lock_path: Path, runtime_env_path: Path) -> 
                    "working_dir, excludes, PYTHONPATH and the Hy3 script's env")
             log.warning(msg)
             warnings.append(msg)
-        lock = Lock(
-            schema_version=SCHEMA_VERSION, created=_now(), git_version=version,
+        record = Lock(
+            schema_version=SCHEMA_VERSION, created=utc_now(), git_version=version,
             host=socket.gethostname(), deps_dir=str(deps_dir), repos=repos,
-            runtime_env={"path": str(runtime_env_path.absolute()), "base": source},
+            runtime_env={"path": str(Path(runtime_env).absolute()), "base": source},
             warnings=warnings,
         )
         header = ("# Ray runtime env for `ray job submit --runtime-env` (written by hy3rl.deps;\n"
                   f"# base: {source or 'none'}). Format: docs/formats/deps.md\n")
-        write_text_atomic(runtime_env_path, header + yaml.safe_dump(env, sort_keys=False))
-        write_json_atomic(lock_path, asdict(lock))
-    return lock
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="hy3rl.deps",
-        description="Clone the pinned upstream repositories, verify them, write the lock file "
-                    "and the Ray runtime env.",
-    )
-    ap.add_argument("--config-json", required=True,
-                    help='JSON with a "deps" section (or the deps section itself)')
-    ap.add_argument("--lock", required=True, type=Path, help="lock.json to write")
-    ap.add_argument("--runtime-env", required=True, type=Path, help="runtime_env.yaml to write")
-    ap.add_argument("-v", "--verbose", action="store_true", help="log every git command")
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        cfg = json.loads(args.config_json)
-    except json.JSONDecodeError as exc:
-        print(f"hy3rl.deps: --config-json is not valid JSON: {exc}", file=sys.stderr)
-        return 2
-    section = cfg.get("deps", cfg) if isinstance(cfg, dict) else cfg
-    try:
-        lock = run(section, args.lock, args.runtime_env)
-    except DepsError as exc:
-        print(f"hy3rl.deps: error: {exc}", file=sys.stderr)
-        return 1
-    for name, rl in lock.repos.items():
-        print(f"{name}: {rl.head} {rl.action} {rl.path}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+        write_text_atomic(Path(runtime_env), header + yaml.safe_dump(env, sort_keys=False))
+        write_json_atomic(Path(lock), asdict(record))
+    return record

@@ -15,15 +15,17 @@ uninterrupted run would, and draws the same samples.
 Backends: ``transformers`` (batched ``generate`` whose sampling step draws every row with its
 own ``torch.Generator``; finish reason ``stop`` when the EOS token was produced, else
 ``length``) and ``vllm`` (requests built by pure functions below; the engine call is the one
-class ``VllmEngine``; without vLLM the CLI writes ``status: not run`` and exits 3).
+class ``VllmEngine``; without vLLM, :func:`run` writes ``status: not run`` and raises
+:class:`EvalNotRun`).
 
-CLI: ``python -m hy3rl.evaluate --config-json '{"eval": {...}}' --tag base --model DIR
---val val.parquet --out eval/base/samples.jsonl --meta eval/base/samples.meta.json``.
+Entry points: :func:`run` (rule ``eval_generate`` through ``scripts/adapters/eval_generate.py``,
+and ``hy3rl evaluate --tag T``); :func:`model_for_tag` gives a tag's model directory (the
+checkpoint directory from :class:`hy3rl.layout.Layout` only). ``python -m hy3rl.evaluate
+JOB.json`` is internal: the Ray job of a multi-node vLLM evaluation (see :func:`run`).
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -31,11 +33,14 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from hy3rl.atomic import write_json_atomic
+from hy3rl.atomic import write_json_atomic, write_jsonl_atomic, write_text_atomic
+from hy3rl.errors import StageError
+from hy3rl.layout import Layout
+from hy3rl.settings import Config, Eval, VllmBackend, build
+from hy3rl.timefmt import utc_now
 
 PRESETS: dict[str, dict[str, Any]] = {
     # The published run's validation: val_kwargs temperature 1.0, top_p 1.0, 30 x 32 samples,
@@ -44,11 +49,15 @@ PRESETS: dict[str, dict[str, Any]] = {
     # DAPO paper's AIME-2024 avg@32: temperature 1.0, top_p 0.7, max 20,480 tokens.
     "dapo": {"temperature": 1.0, "top_p": 0.7, "n_samples": 32, "max_tokens": 20480},
 }
-NOT_RUN_EXIT = 3
 
 
-class EvalError(ValueError):
+class EvalError(StageError):
     """Bad input for the evaluation (the message names the file, row or key)."""
+
+
+class EvalNotRun(EvalError):
+    """The generation could not run here (backend vllm without vLLM); samples.meta.json says
+    ``status: not run`` and why, and no samples.jsonl is written (never a pass)."""
 
 
 # --------------------------------------------------------------------------------------
@@ -136,19 +145,17 @@ class Sampling:
     num_problems: int | None
 
 
-def resolve_sampling(eval_cfg: dict[str, Any]) -> Sampling:
-    """Preset values, overridden by every non-null key of the eval section."""
-    preset = eval_cfg.get("preset", "published_val")
-    if preset not in PRESETS:
-        raise EvalError(f"eval.preset: {preset!r} is not one of {', '.join(PRESETS)}")
-    vals = dict(PRESETS[preset])
+def resolve_sampling(ev: Eval) -> Sampling:
+    """The preset's values (``eval.preset``; the schema admits only PRESETS' names),
+    overridden by every non-null sampling key of the eval section."""
+    vals = dict(PRESETS[ev.preset])
     for key in vals:
-        if eval_cfg.get(key) is not None:
-            vals[key] = eval_cfg[key]
-    return Sampling(preset=preset, temperature=float(vals["temperature"]),
+        if getattr(ev, key) is not None:
+            vals[key] = getattr(ev, key)
+    return Sampling(preset=ev.preset, temperature=float(vals["temperature"]),
                     top_p=float(vals["top_p"]), n_samples=int(vals["n_samples"]),
-                    max_tokens=int(vals["max_tokens"]), seed=int(eval_cfg.get("seed", 1234)),
-                    num_problems=eval_cfg.get("num_problems"))
+                    max_tokens=int(vals["max_tokens"]), seed=ev.seed,
+                    num_problems=ev.num_problems)
 
 
 def request_seed(base_seed: int, problem_id: str, sample_index: int) -> int:
@@ -228,26 +235,24 @@ def vllm_sampling_kwargs(sampling: Sampling, seed: int) -> dict[str, Any]:
             "max_tokens": sampling.max_tokens, "seed": seed, "skip_special_tokens": True}
 
 
-def vllm_engine_kwargs(model_path: str, vcfg: dict[str, Any], sampling: Sampling,
+def vllm_engine_kwargs(model_path: str, vcfg: VllmBackend, sampling: Sampling,
                        max_prompt_tokens: int) -> dict[str, Any]:
     """kwargs of ``vllm.LLM`` for one engine replica. More than one node: the Ray executor
     on the Ray cluster the job started (RAY_ADDRESS), as for training."""
-    tp = int(vcfg.get("tensor_parallel_size", 1))
-    nodes = int(vcfg.get("nodes", 1))
-    gpus = nodes * int(vcfg.get("gpus_per_node", 1))
-    dp = int(vcfg.get("data_parallel_size", 1))
+    tp, nodes, dp = vcfg.tensor_parallel_size, vcfg.nodes, vcfg.data_parallel_size
+    gpus = nodes * vcfg.gpus_per_node
     if tp * dp != gpus:
         raise EvalError(f"eval.vllm: tensor_parallel_size ({tp}) x data_parallel_size ({dp}) "
                         f"must equal nodes x gpus_per_node ({gpus})")
     if dp > 1 and nodes > 1:
         raise EvalError("eval.vllm: data_parallel_size > 1 is supported on one node only "
                         "(one engine per GPU group); use one multi-node engine per job")
-    max_len = vcfg.get("max_model_len") or (max_prompt_tokens + sampling.max_tokens)
+    max_len = vcfg.max_model_len or (max_prompt_tokens + sampling.max_tokens)
     return {
         "model": model_path, "tokenizer": model_path, "trust_remote_code": False,
         "tensor_parallel_size": tp, "dtype": "bfloat16",
-        "gpu_memory_utilization": float(vcfg.get("gpu_memory_utilization", 0.9)),
-        "max_model_len": int(max_len), "enforce_eager": bool(vcfg.get("enforce_eager", False)),
+        "gpu_memory_utilization": float(vcfg.gpu_memory_utilization),
+        "max_model_len": int(max_len), "enforce_eager": bool(vcfg.enforce_eager),
         "distributed_executor_backend": "ray" if nodes > 1 else "mp",
         "seed": sampling.seed,
     }
@@ -364,9 +369,12 @@ class PerRowSampler:
 
 @dataclass
 class TransformersBackend:
+    """The model on one torch device (``eval.transformers``: ``auto`` = cuda when available,
+    else cpu; dtype ``auto`` = float32 on CPU, bfloat16 on GPU)."""
+
     model_path: str
-    device: str = "auto"
-    dtype: str = "auto"
+    device: str
+    dtype: str
 
     def __post_init__(self) -> None:
         import torch
@@ -475,9 +483,7 @@ def run_generation(
     reused = len(done)
     meta = part.with_name(part.name + ".meta.json")
     if not part.exists():
-        tmp = meta.with_name(meta.name + ".tmp")
-        tmp.write_text(json.dumps(fingerprint, sort_keys=True))
-        os.replace(tmp, meta)
+        write_text_atomic(meta, json.dumps(fingerprint, sort_keys=True))
     # Fixed partition of the full request list: a resumed run computes the same batches.
     todo = [b for b in batches(list(requests), batch_size) if any(r.key not in done for r in b)]
     with open(part, "a") as fh:
@@ -495,13 +501,7 @@ def run_generation(
     if missing:
         raise RuntimeError(f"{len(missing)} samples missing after generation: {missing[:3]}")
     records = [done[r.key] for r in requests]
-    tmp = out.with_name(out.name + ".tmp")
-    with open(tmp, "w") as fh:
-        for rec in records:
-            fh.write(json.dumps(asdict(rec), ensure_ascii=False) + "\n")
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, out)
+    write_jsonl_atomic(out, (asdict(rec) for rec in records))
     part.unlink()
     meta.unlink(missing_ok=True)
     return records, reused
@@ -527,145 +527,124 @@ def _versions() -> dict[str, str | None]:
     return out
 
 
-def _now() -> str:
-    return datetime.now(UTC).isoformat(timespec="seconds")
-
-
-def resolve_model(tag: str, model: str | None, train_done: Path | None) -> str:
-    """The model directory of a tag: given directly, or for ``final`` from the train sentinel
-    (``hf_model``, else ``checkpoint_dir`` + ``final_step``; docs/formats/train.md)."""
-    if model:
-        return model
-    if tag != "final" or train_done is None:
-        raise EvalError(f"tag {tag}: --model is required")
-    try:
-        done = json.loads(train_done.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise EvalError(f"{train_done}: cannot read the train sentinel: {exc}") from exc
-    if isinstance(done.get("hf_model"), str):
-        return done["hf_model"]
-    step = done.get("final_step")
-    ckpt = done.get("checkpoint_dir")
-    if not isinstance(step, int) or not isinstance(ckpt, str):
-        raise EvalError(f"{train_done}: needs integer 'final_step' and string 'checkpoint_dir'")
-    return checkpoint_model_dir(ckpt, step)
-
-
-def checkpoint_model_dir(checkpoint_dir: str, step: int) -> str:
-    """verl's HF weights of a checkpoint: <dir>/global_step_N/actor/model/huggingface."""
-    return str(Path(checkpoint_dir) / f"global_step_{step}" / "actor" / "model" / "huggingface")
-
-
-IN_RAY_VAR = "HY3RL_EVAL_IN_RAY"
-
-
-def ray_launch_script(argv: Sequence[str], workdir: str, scripts_dir: str,
-                      python: str) -> str:
-    """The script the Ray job runs for a multi-node vLLM evaluation: this same CLI, on the
-    Ray cluster that hy3rl.launch started over the job's nodes (as for training)."""
-    import shlex
-
-    cmd = " ".join(shlex.quote(a) for a in [python, "-m", "hy3rl.evaluate", *argv])
-    return ("#!/usr/bin/env bash\n# Written by hy3rl.evaluate: the evaluation as a Ray job.\n"
-            "set -euo pipefail\n"
-            f"cd {shlex.quote(workdir)}\n"
-            f"export PYTHONPATH={shlex.quote(scripts_dir)}${{PYTHONPATH:+:$PYTHONPATH}}\n"
-            f"export {IN_RAY_VAR}=1\n"
-            f"exec {cmd}\n")
-
-
-def _launch_on_ray(args: argparse.Namespace, argv: Sequence[str], vcfg: dict[str, Any],
-                   cpus_per_node: int) -> int:
-    # ---- GPU cluster only: start Ray over the job's nodes with the training launcher and
-    # run this CLI again inside it (not run on this machine: needs vLLM and GPUs). ----
-    from hy3rl.launch import LaunchSpec, launch
-
-    if args.runtime_env is None:
-        print("error: a multi-node vLLM evaluation needs --runtime-env (deps/runtime_env.yaml)",
-              file=sys.stderr)
-        return 1
-    log_dir = args.out.parent / "ray"
-    log_dir.mkdir(parents=True, exist_ok=True)
-    script = log_dir / "launch.sh"
-    script.write_text(ray_launch_script(argv, os.getcwd(), str(Path(__file__).parents[1]),
-                                        sys.executable))
-    job = os.environ.get("SLURM_JOB_ID", "local")
-    spec = LaunchSpec(submission_id=f"eval-{args.tag}-{job}", launch_script=script.resolve(),
-                      runtime_env=args.runtime_env, log_dir=log_dir,
-                      nodes=int(vcfg.get("nodes", 1)),
-                      gpus_per_node=int(vcfg.get("gpus_per_node", 1)),
-                      cpus_per_node=cpus_per_node)
-    return launch(spec).exit_code
-
-
 # --------------------------------------------------------------------------------------
-# Workflow helpers (used by rules/eval.smk; pure)
+# Tags and their models (rules/common.smk's eval section uses these; pure but for done.json)
 # --------------------------------------------------------------------------------------
 
 
-def eval_tags(config: dict[str, Any]) -> list[str]:
+def eval_tags(cfg: Config) -> list[str]:
     """Tags to evaluate: base always; step<N> for eval.steps and final only when training
     is in the DAG (cluster.gpu)."""
-    ev = config.get("eval", {})
     tags = ["base"]
-    if config.get("cluster", {}).get("gpu"):
-        tags += [f"step{s}" for s in ev.get("steps", [])]
-        if ev.get("final", True):
+    if cfg.cluster.gpu:
+        tags += [f"step{s}" for s in cfg.eval.steps]
+        if cfg.eval.final:
             tags.append("final")
     return tags
 
 
-def run_checkpoint_dir(config: dict[str, Any], workdir: str | None = None) -> str:
-    """<train.checkpoint_root>/<run.name>; an empty or missing root means
-    <working dir>/checkpoints (docs/formats/train.md)."""
-    root = (config.get("train") or {}).get("checkpoint_root") or os.path.join(
-        workdir or os.getcwd(), "checkpoints")
-    return os.path.join(root, config["run"]["name"])
-
-
-def model_args(config: dict[str, Any], tag: str, train_done: str) -> str:
-    """The --model / --train-done arguments of a tag for the CLI."""
-    if tag == "base":
-        return f"--model {config['model']['path']}"
-    if tag == "final":
-        return f"--train-done {train_done}"
-    if not tag.startswith("step") or not tag[4:].isdigit():
-        raise EvalError(f"unknown evaluation tag {tag!r} (base, step<N>, final)")
-    return f"--model {checkpoint_model_dir(run_checkpoint_dir(config), int(tag[4:]))}"
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="hy3rl.evaluate", description=__doc__.split("\n")[0])
-    ap.add_argument("--config-json", default="{}", help="JSON with an 'eval' section")
-    ap.add_argument("--tag", required=True, help="base, step<N> or final")
-    ap.add_argument("--model", default=None, help="HF model directory")
-    ap.add_argument("--train-done", type=Path, default=None,
-                    help="train/done.json (tag final: the checkpoint it names)")
-    ap.add_argument("--val", type=Path, required=True, help="data/val.parquet")
-    ap.add_argument("--out", type=Path, required=True, help="<tag>/samples.jsonl")
-    ap.add_argument("--meta", type=Path, required=True, help="<tag>/samples.meta.json")
-    ap.add_argument("--runtime-env", type=Path, default=None,
-                    help="deps/runtime_env.yaml (multi-node vLLM: the Ray job's runtime env)")
-    args = ap.parse_args(argv)
-    full_cfg = json.loads(args.config_json)
-    cfg = full_cfg.get("eval", {})
-    started = _now()
+def final_step(train_done: Path) -> int:
+    """The last trained step named by the train sentinel (docs/formats/train.md)."""
     try:
-        sampling = resolve_sampling(cfg)
-        model_path = resolve_model(args.tag, args.model, args.train_done)
-        if not Path(model_path, "config.json").is_file():
-            raise EvalError(f"tag {args.tag}: {model_path}/config.json not found (not an HF "
-                            "model directory)")
-        problems = load_problems(args.val, sampling.num_problems)
-    except EvalError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    backend = cfg.get("backend", "transformers")
-    batch_size = int(cfg.get("batch_size", 16))
-    meta: dict[str, Any] = {
-        "tag": args.tag, "status": "running", "model_path": model_path, "backend": backend,
-        "preset": sampling.preset, "sampling": asdict(sampling), "val_file": str(args.val),
-        "val_sha256": file_sha256(args.val), "num_problems": len(problems),
+        done = json.loads(Path(train_done).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise EvalError(f"{train_done}: cannot read the train sentinel: {exc}") from exc
+    step = done.get("final_step") if isinstance(done, dict) else None
+    if not isinstance(step, int) or isinstance(step, bool):
+        raise EvalError(f"{train_done}: needs an integer 'final_step'")
+    return step
+
+
+def model_for_tag(cfg: Config, tag: str, train_done: str | Path | None = None) -> str:
+    """The model directory a tag evaluates: ``base`` is ``model.path``; ``step<N>`` and
+    ``final`` (the ``final_step`` of ``train_done``, by default the layout's
+    ``train/done.json``) are the HF weights of that step's checkpoint, under the one
+    checkpoint directory of :class:`hy3rl.layout.Layout`."""
+    layout = Layout.from_config(cfg)
+    if tag == "base":
+        return cfg.model.path
+    if tag == "final":
+        return str(layout.checkpoint_hf_model(final_step(Path(train_done or layout.train_done))))
+    if tag.startswith("step") and tag[4:].isdigit():
+        return str(layout.checkpoint_hf_model(int(tag[4:])))
+    raise EvalError(f"unknown evaluation tag {tag!r} (base, step<N>, final)")
+
+
+# --------------------------------------------------------------------------------------
+# Multi-node vLLM: the same run() as a Ray job on the training launcher's Ray cluster
+# --------------------------------------------------------------------------------------
+
+IN_RAY_VAR = "HY3RL_EVAL_IN_RAY"
+
+
+def ray_launch_script(job: Path, workdir: str, python: str) -> str:
+    """The script the Ray job runs for a multi-node vLLM evaluation: this module's internal
+    entry point on ``job`` (the eval section and paths, as JSON), on the Ray cluster that
+    hy3rl.launch started over the job's nodes (as for training)."""
+    import shlex
+
+    cmd = " ".join(shlex.quote(a) for a in [python, "-m", "hy3rl.evaluate", str(job)])
+    return ("#!/usr/bin/env bash\n# Written by hy3rl.evaluate: the evaluation as a Ray job.\n"
+            "set -euo pipefail\n"
+            f"cd {shlex.quote(workdir)}\n"
+            f"export {IN_RAY_VAR}=1\n"
+            f"exec {cmd}\n")
+
+
+def _launch_on_ray(ev: Eval, job: dict[str, Any], *, tag: str, runtime_env: Path | None,
+                   ray_dir: Path | None, cpus_per_node: int) -> None:
+    # ---- GPU cluster only: start Ray over the job's nodes with the training launcher and
+    # run the generation again inside it (not run on this machine: needs vLLM and GPUs). ----
+    from hy3rl.launch import LaunchSpec, launch
+
+    if runtime_env is None or ray_dir is None:
+        raise EvalError(f"tag {tag}: a multi-node vLLM evaluation needs the Ray runtime env "
+                        "(deps/runtime_env.yaml) and a Ray log folder (eval/<tag>/ray)")
+    job_file = ray_dir / "job.json"
+    write_json_atomic(job_file, job, indent=1)
+    script = ray_dir / "launch.sh"
+    write_text_atomic(script, ray_launch_script(job_file.resolve(), os.getcwd(), sys.executable))
+    slurm_job = os.environ.get("SLURM_JOB_ID", "local")
+    spec = LaunchSpec(submission_id=f"eval-{tag}-{slurm_job}", launch_script=script.resolve(),
+                      runtime_env=runtime_env, log_dir=ray_dir, nodes=ev.vllm.nodes,
+                      gpus_per_node=ev.vllm.gpus_per_node, cpus_per_node=cpus_per_node)
+    result = launch(spec)
+    if result.exit_code != 0:
+        raise EvalError(f"tag {tag}: the evaluation's Ray job failed ({result.reason}, exit "
+                        f"{result.exit_code}); logs in {ray_dir}")
+
+
+# --------------------------------------------------------------------------------------
+# The stage
+# --------------------------------------------------------------------------------------
+
+
+def run(ev: Eval, *, tag: str, model: str | Path, val: Path, samples: Path, meta: Path,
+        runtime_env: Path | None = None, ray_dir: Path | None = None,
+        cpus_per_node: int = 1) -> None:
+    """Generate ``samples`` (samples.jsonl) and ``meta`` (samples.meta.json) of ``tag``:
+    ``model`` (a HF model directory; :func:`model_for_tag`) on the problems of ``val``
+    (data/val.parquet), with the sampling settings and backend of ``ev`` (docs/formats/
+    eval.md). Resumes an interrupted run from ``samples``' partial file.
+
+    vLLM on more than one node (``eval.vllm.nodes``): Ray is started over the job's nodes by
+    the training launcher with ``runtime_env`` (deps/runtime_env.yaml; ``cpus_per_node`` =
+    cluster.cpus_per_node), its logs and the Ray job's script in ``ray_dir``
+    (eval/<tag>/ray), and this same function runs inside it as the Ray job.
+    Raises :class:`EvalError` for bad input, :class:`EvalNotRun` without vLLM."""
+    val, samples, meta = Path(val), Path(samples), Path(meta)
+    model_path = str(model)
+    started = utc_now()
+    sampling = resolve_sampling(ev)
+    if not Path(model_path, "config.json").is_file():
+        raise EvalError(f"tag {tag}: {model_path}/config.json not found (not an HF model "
+                        "directory)")
+    problems = load_problems(val, sampling.num_problems)
+    backend, batch_size = ev.backend, ev.batch_size
+    meta_doc: dict[str, Any] = {
+        "tag": tag, "status": "running", "model_path": model_path, "backend": backend,
+        "preset": sampling.preset, "sampling": asdict(sampling), "val_file": str(val),
+        "val_sha256": file_sha256(val), "num_problems": len(problems),
         "versions": _versions(), "started": started,
     }
     from transformers import AutoTokenizer
@@ -674,40 +653,38 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rendered = render_prompts(tokenizer, problems)
     except EvalError as exc:
-        print(f"error: {model_path}: {exc}", file=sys.stderr)
-        return 1
-    meta["chat_template_sha256"] = sha256_text(str(tokenizer.chat_template))
+        raise EvalError(f"{model_path}: {exc}") from None
+    meta_doc["chat_template_sha256"] = sha256_text(str(tokenizer.chat_template))
     requests = build_requests(problems, rendered, sampling)
-    fp = _fingerprint(model_path, sampling, meta["val_sha256"], meta["chat_template_sha256"],
-                      backend, batch_size)
+    fp = _fingerprint(model_path, sampling, meta_doc["val_sha256"],
+                      meta_doc["chat_template_sha256"], backend, batch_size)
     t0 = time.monotonic()
 
     def progress(i: int, n: int) -> None:
         print(f"batch {i}/{n} done ({time.monotonic() - t0:.1f} s)", file=sys.stderr, flush=True)
 
+    generate: Callable[[list[Request]], list[SampleRecord]]
     if backend == "vllm":
-        vcfg = cfg.get("vllm", {})
+        vcfg = ev.vllm
         max_prompt = max(len(tokenizer(t, add_special_tokens=False)["input_ids"])
                          for t in rendered.values())
-        try:
-            engine = vllm_engine_kwargs(model_path, vcfg, sampling, max_prompt)
-            if int(vcfg.get("data_parallel_size", 1)) > 1:
-                raise EvalError("eval.vllm.data_parallel_size > 1 is not supported by one job "
-                                "yet: run one job per replica (e.g. one run per tag)")
-        except EvalError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 1
+        engine = vllm_engine_kwargs(model_path, vcfg, sampling, max_prompt)
+        if vcfg.data_parallel_size > 1:
+            raise EvalError("eval.vllm.data_parallel_size > 1 is not supported by one job "
+                            "yet: run one job per replica (e.g. one run per tag)")
         ok, why = vllm_available()
         if not ok:
-            meta.update(status="not run", reason=why, backend_settings={"engine": engine},
-                        finished=_now())
-            write_json_atomic(args.meta, meta, indent=1)
-            print(f"not run: {why}", file=sys.stderr)
-            return NOT_RUN_EXIT
-        if int(vcfg.get("nodes", 1)) > 1 and os.environ.get(IN_RAY_VAR) != "1":
-            cpus = int(full_cfg.get("cluster", {}).get("cpus_per_node", 1))
-            return _launch_on_ray(args, sys.argv[1:] if argv is None else argv, vcfg, cpus)
-        meta["backend_settings"] = {"engine": engine, "batch_size": batch_size}
+            meta_doc.update(status="not run", reason=why, backend_settings={"engine": engine},
+                            finished=utc_now())
+            write_json_atomic(meta, meta_doc, indent=1)
+            raise EvalNotRun(f"tag {tag}: not run: {why}")
+        if vcfg.nodes > 1 and os.environ.get(IN_RAY_VAR) != "1":
+            job = {"eval": asdict(ev), "tag": tag, "model": model_path, "val": str(val),
+                   "samples": str(samples), "meta": str(meta)}
+            _launch_on_ray(ev, job, tag=tag, runtime_env=runtime_env, ray_dir=ray_dir,
+                           cpus_per_node=cpus_per_node)
+            return
+        meta_doc["backend_settings"] = {"engine": engine, "batch_size": batch_size}
 
         llm = VllmEngine(engine)
 
@@ -715,20 +692,36 @@ def main(argv: list[str] | None = None) -> int:
             outs = llm.generate(vllm_prompts(batch, sampling))
             return [vllm_output_to_record(r, *o) for r, o in zip(batch, outs, strict=True)]
     else:
-        be = TransformersBackend(model_path, **cfg.get("transformers", {}))
-        meta["backend_settings"] = {**be.settings(), "batch_size": batch_size}
+        be = TransformersBackend(model_path, device=ev.transformers.device,
+                                 dtype=ev.transformers.dtype)
+        meta_doc["backend_settings"] = {**be.settings(), "batch_size": batch_size}
 
         def generate(batch: list[Request]) -> list[SampleRecord]:
             return be.generate(batch, sampling)
 
-    records, reused = run_generation(requests, generate, args.out, fp, batch_size, progress)
-    meta.update(status="complete", num_samples=len(records), resumed_samples=reused,
-                truncated=sum(r.finish_reason == "length" for r in records), finished=_now(),
-                seconds=round(time.monotonic() - t0, 2))
-    write_json_atomic(args.meta, meta, indent=1)
-    print(f"{args.tag}: {len(records)} samples ({reused} reused) -> {args.out}", file=sys.stderr)
-    return 0
+    records, reused = run_generation(requests, generate, samples, fp, batch_size, progress)
+    meta_doc.update(status="complete", num_samples=len(records), resumed_samples=reused,
+                    truncated=sum(r.finish_reason == "length" for r in records),
+                    finished=utc_now(), seconds=round(time.monotonic() - t0, 2))
+    write_json_atomic(meta, meta_doc, indent=1)
+    print(f"{tag}: {len(records)} samples ({reused} reused) -> {samples}", file=sys.stderr)
+
+
+def _run_job(job_file: Path) -> None:
+    """The Ray job of a multi-node vLLM evaluation: :func:`run` on the job file that
+    :func:`_launch_on_ray` wrote."""
+    job = json.loads(job_file.read_text())
+    run(build(Eval, job["eval"], "eval"), tag=job["tag"], model=job["model"],
+        val=Path(job["val"]), samples=Path(job["samples"]), meta=Path(job["meta"]))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Internal entry point (ray_launch_script), not a user CLI: use `hy3rl evaluate`.
+    from hy3rl.smk import setup_logging
+
+    setup_logging()
+    try:
+        _run_job(Path(sys.argv[1]))
+    except StageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(1)

@@ -16,11 +16,13 @@ parsed with the expression then LaTeX extractors (as verl's own ``math_verify`` 
 Every grading call runs in a worker process under a per-task time limit: an interval timer
 inside the worker first, then a hard kill of the worker from the parent. A grader cut off
 (or raising) counts as incorrect with status ``timeout``/``error``; the run never stalls.
+
+Entry point: :func:`run` (rule ``eval_score`` through ``scripts/adapters/eval_score.py``, and
+``hy3rl score --tag T``).
 """
 
 from __future__ import annotations
 
-import argparse
 import ast
 import hashlib
 import importlib.util
@@ -38,6 +40,8 @@ from pathlib import Path
 from typing import Any
 
 from hy3rl.atomic import write_json_atomic, write_jsonl_atomic
+from hy3rl.errors import StageError
+from hy3rl.settings import Graders
 
 GRADERS = ("math_dapo", "math_verify")
 MATH_DAPO_RELPATH = "verl/utils/reward_score/math_dapo.py"
@@ -47,7 +51,11 @@ INVALID = "[INVALID]"
 _SAFE_IMPORTS = set(sys.stdlib_module_names)
 
 
-class GraderSetupError(RuntimeError):
+class GradingError(StageError):
+    """Bad input for scoring (the message names the file, line or problem)."""
+
+
+class GraderSetupError(GradingError):
     """The graders cannot be set up (bad lock file, unreadable pinned file)."""
 
 
@@ -298,8 +306,8 @@ class GraderPool:
     status ``timeout``."""
 
     impl: DapoImpl
-    workers: int = 2
-    timeout_s: float = 10.0
+    workers: int
+    timeout_s: float
     grace_s: float = 2.0
     _slots: list[_Slot] = field(default_factory=list)
     kills: int = 0
@@ -416,15 +424,20 @@ def _failure(grader: str, status: str) -> dict[str, Any]:
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """One JSON object a line (blank lines skipped); a missing file or a bad line is a
+    :class:`GradingError` naming the file and line."""
     rows = []
-    with open(path) as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{lineno}: not valid JSON: {exc}") from exc
+    try:
+        with open(path) as fh:
+            for lineno, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as exc:
+                    raise GradingError(f"{path}:{lineno}: not valid JSON: {exc}") from exc
+    except OSError as exc:
+        raise GradingError(f"{path}: cannot read: {exc}") from exc
     return rows
 
 
@@ -436,7 +449,7 @@ def score_samples(samples: Iterable[dict[str, Any]], ground_truths: dict[str, st
     for i, s in enumerate(samples):
         pid = str(s["problem_id"])
         if pid not in ground_truths:
-            raise ValueError(f"sample {i}: problem_id {pid!r} not in the validation file")
+            raise GradingError(f"sample {i}: problem_id {pid!r} not in the validation file")
         for g in GRADERS:
             tasks.append((g, s["response"], ground_truths[pid]))
     verdicts = pool.run(tasks)
@@ -452,42 +465,32 @@ def score_samples(samples: Iterable[dict[str, Any]], ground_truths: dict[str, st
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def run(graders: Graders, *, samples: Path, val: Path, lock: Path | None, out: Path,
+        meta: Path) -> None:
+    """Score ``samples`` (samples.jsonl) against the ground truths of ``val``
+    (data/val.parquet) with both graders: ``out`` (scores.jsonl) and ``meta``
+    (scores.meta.json). ``lock`` (deps/lock.json) names the pinned verl clone whose
+    math_dapo.py is used when loadable; ``graders`` gives the workers and per-task timeout."""
     from hy3rl.evaluate import load_problems  # light: pyarrow only
 
-    ap = argparse.ArgumentParser(prog="hy3rl.graders", description=__doc__.split("\n")[0])
-    ap.add_argument("--samples", type=Path, required=True, help="<tag>/samples.jsonl")
-    ap.add_argument("--val", type=Path, required=True, help="data/val.parquet")
-    ap.add_argument("--lock", type=Path, default=None, help="deps/lock.json (pinned verl)")
-    ap.add_argument("--config-json", default="{}", help="JSON with an 'eval' section")
-    ap.add_argument("--out", type=Path, required=True, help="<tag>/scores.jsonl")
-    ap.add_argument("--meta", type=Path, required=True, help="<tag>/scores.meta.json")
-    args = ap.parse_args(argv)
-    cfg = json.loads(args.config_json).get("eval", {})
-    gcfg = cfg.get("graders", {})
-    try:
-        impl = resolve_math_dapo(args.lock)
-        problems = load_problems(args.val)
-        samples = read_jsonl(args.samples)
-    except (GraderSetupError, ValueError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+    samples, val, out, meta = Path(samples), Path(val), Path(out), Path(meta)
+    impl = resolve_math_dapo(lock)
+    problems = load_problems(val)
+    rows = read_jsonl(samples)
     print(f"math_dapo: {impl.implementation} {impl.path or ''} {impl.reason}", file=sys.stderr)
     gts = {p.problem_id: p.ground_truth for p in problems}
     t0 = time.monotonic()
-    with GraderPool(impl, workers=int(gcfg.get("workers", 2)),
-                    timeout_s=float(gcfg.get("timeout_s", 10))) as pool:
+    with GraderPool(impl, workers=graders.workers, timeout_s=graders.timeout_s) as pool:
         try:
-            scores = score_samples(samples, gts, pool)
-        except ValueError as exc:
-            print(f"error: {args.samples}: {exc}", file=sys.stderr)
-            return 1
+            scores = score_samples(rows, gts, pool)
+        except GradingError as exc:
+            raise GradingError(f"{samples}: {exc}") from None
         kills = pool.kills
-    write_jsonl_atomic(args.out, scores)
+    write_jsonl_atomic(out, scores)
     import math_verify
 
-    meta = {
-        "samples": str(args.samples), "val_file": str(args.val), "num_scored": len(scores),
+    meta_doc = {
+        "samples": str(samples), "val_file": str(val), "num_scored": len(scores),
         "graders": {
             "math_dapo": asdict(impl),
             "math_verify": {"implementation": "math-verify",
@@ -496,14 +499,13 @@ def main(argv: list[str] | None = None) -> int:
                             "gold": "\\boxed{ground_truth}, LaTeX extractor",
                             "pred_extractors": ["expr", "latex"]},
         },
-        "timeout_s": float(gcfg.get("timeout_s", 10)), "workers_killed": kills,
+        "timeout_s": float(graders.timeout_s), "workers_killed": kills,
         "failures": {g: {st: sum(1 for s in scores if s[g]["status"] == st)
                          for st in ("timeout", "error")} for g in GRADERS},
         "seconds": round(time.monotonic() - t0, 3),
     }
-    write_json_atomic(args.meta, meta, indent=1)
-    print(f"scored {len(scores)} samples in {meta['seconds']} s", file=sys.stderr)
-    return 0
+    write_json_atomic(meta, meta_doc, indent=1)
+    print(f"scored {len(scores)} samples in {meta_doc['seconds']} s", file=sys.stderr)
 
 
 def _dist_version(name: str) -> str | None:
@@ -514,6 +516,3 @@ def _dist_version(name: str) -> str | None:
     except PackageNotFoundError:
         return None
 
-
-if __name__ == "__main__":
-    sys.exit(main())

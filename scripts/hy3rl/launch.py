@@ -22,15 +22,19 @@
 
 Logs (``spec.log_dir``): ``launcher.log`` (timestamped phases), ``driver.log``,
 ``node-<name>.log``, ``ray.json`` (nodes, head, ports), ``runtime_env.yaml`` (0600; secrets
-redacted in every log).
+redacted in every log by ``hy3rl.redact``, as ``[REDACTED]``).
 
 Runtime (``spec.runtime``, from ``train.runtime``): every node process runs as
 ``[srun ...] <prefix> env PYTHONPATH=<this workflow's scripts/> <python> -m hy3rl.launch node
 ...`` where ``prefix`` is e.g. ``apptainer exec --nv --bind /shared docker://<image>`` or
 ``conda run -n verl``; with a prefix the node's ``ray`` is the one on the runtime's PATH, so
 Ray (and verl, in the Ray job) come from the runtime. The node mode needs only the standard
-library, ``psutil`` and ``ray`` there. The driver side (``ray job submit``) stays on this
-interpreter's Ray and reaches the head's dashboard over HTTP.
+library, ``psutil`` and ``ray`` there (so this module imports only standard-library parts
+of ``hy3rl`` at its top). The driver side (``ray job submit``) stays on this interpreter's Ray
+and reaches the head's dashboard over HTTP.
+
+``Ray`` settings (``spec.ray``) and the runtime (``spec.runtime``) are the typed sections
+``train.ray`` and ``train.runtime`` (hy3rl.settings); left out, the schema's defaults.
 """
 
 from __future__ import annotations
@@ -52,7 +56,14 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from hy3rl.atomic import write_json_atomic, write_text_atomic
+from hy3rl.errors import StageError
+from hy3rl.redact import Redactor, make_redactor
+
+if TYPE_CHECKING:
+    from hy3rl.settings import Ray, Runtime
 
 log = logging.getLogger("hy3rl.launch")
 
@@ -61,40 +72,32 @@ SCOPE_VAR = "HY3RL_RAY_SCOPE"
 # the node side without a train.runtime prefix; with one the node uses --ray-cli on PATH).
 RAY = str(Path(sys.executable).with_name("ray")) \
     if Path(sys.executable).with_name("ray").exists() else "ray"
-SECRET_RE = re.compile(r"(KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL)", re.I)
-RAY_DEFAULTS: dict[str, Any] = {
-    "port_base": 20000,
-    "port_span": 12000,
-    "worker_ports": 400,
-    "head_timeout_s": 180,
-    "register_timeout_s": 300,
-    "worker_start_retries": 2,
-    "stop_grace_s": 8,
-    "temp_root": "/tmp",
-    "node_setup": "",
-}
-RUNTIME_DEFAULTS: dict[str, str] = {"prefix": "", "python": ""}
 SCRIPTS_DIR = Path(__file__).resolve().parents[1]  # holds the hy3rl package
 
 
-def resolve_runtime(runtime: dict[str, Any] | None) -> dict[str, str]:
-    """``train.runtime`` with its defaults filled in: ``python`` is ``python3`` (the
-    runtime's, on its PATH) when a prefix is set, else this interpreter."""
-    rt = {**RUNTIME_DEFAULTS, **{k: str(v or "") for k, v in (runtime or {}).items()}}
-    unknown = sorted(set(rt) - set(RUNTIME_DEFAULTS))
-    if unknown:
-        raise LaunchError(f"train.runtime: unknown key(s) {', '.join(unknown)}")
-    rt["prefix"] = rt["prefix"].strip()
+def resolve_runtime(runtime: Runtime | None) -> dict[str, str]:
+    """``train.runtime`` as the nodes run it: ``prefix`` stripped, ``python`` ``python3`` (the
+    runtime's, on its PATH) when a prefix is set and none is given, else this interpreter.
+    None (a launch without a runtime, e.g. evaluation's) is the workflow's own env."""
+    prefix = (runtime.prefix if runtime else "").strip()
+    python = runtime.python if runtime else ""
     try:
-        shlex.split(rt["prefix"])
+        shlex.split(prefix)
     except ValueError as exc:
-        raise LaunchError(f"train.runtime.prefix {rt['prefix']!r}: {exc}") from None
-    if not rt["python"]:
-        rt["python"] = "python3" if rt["prefix"] else sys.executable
-    return rt
+        raise LaunchError(f"train.runtime.prefix {prefix!r}: {exc}") from None
+    if not python:
+        python = "python3" if prefix else sys.executable
+    return {"prefix": prefix, "python": python}
 
 
-class LaunchError(RuntimeError):
+def default_ray() -> Ray:
+    """The schema's defaults of ``train.ray`` (for a launch given no Ray settings)."""
+    from hy3rl.settings import Config
+
+    return Config.from_dict({}).train.ray
+
+
+class LaunchError(StageError):
     """The launch failed before or outside the trainer; the message names the node/file."""
 
     def __init__(self, message: str, reason: str | None = None):
@@ -114,8 +117,8 @@ class LaunchSpec:
     nodes: int = 1
     gpus_per_node: int = 0
     cpus_per_node: int = 1
-    ray: dict[str, Any] = field(default_factory=dict)
-    runtime: dict[str, Any] = field(default_factory=dict)  # train.runtime: prefix, python
+    ray: Ray | None = None  # train.ray; None: the schema's defaults
+    runtime: Runtime | None = None  # train.runtime; None: the workflow's own env
 
 
 @dataclass
@@ -147,13 +150,6 @@ class Ports:
     runtime_env_agent: int
     min_worker: int
     max_worker: int
-
-
-def redact(text: str, secrets: list[str]) -> str:
-    for s in secrets:
-        if s and len(s) >= 4:
-            text = text.replace(s, "***")
-    return text
 
 
 # --------------------------------------------------------------------------- allocation
@@ -239,25 +235,25 @@ def check_allocation(nodes: list[Node], spec: LaunchSpec) -> None:
                               f"but the allocation gives {n.gpus} GPUs there")
 
 
-def port_plan(job_key: int, nodes: list[Node], ray: dict[str, Any]) -> dict[str, Ports]:
+def port_plan(job_key: int, nodes: list[Node], ray: Ray) -> dict[str, Ports]:
     """Every Ray port of every node, derived from the job id. Nodes sharing a host get
     disjoint blocks; jobs land in ``port_span / block`` slots (job id modulo)."""
-    stride = 10 + int(ray["worker_ports"])
+    stride = 10 + ray.worker_ports
     per_host: dict[str, int] = {}
     index = {}
     for n in nodes:
         index[n.name] = per_host.get(n.host, 0)
         per_host[n.host] = index[n.name] + 1
     block = stride * max(per_host.values())
-    slots = max(1, int(ray["port_span"]) // block)
-    base = int(ray["port_base"]) + (job_key % slots) * block
+    slots = max(1, ray.port_span // block)
+    base = ray.port_base + (job_key % slots) * block
     if base + block > 65535:
         raise LaunchError(f"train.ray ports {base}..{base + block} exceed 65535")
     out = {}
     for n in nodes:
         b = base + index[n.name] * stride
         out[n.name] = Ports(b, b + 1, b + 2, b + 3, b + 4, b + 5, b + 6, b + 7, b + 8,
-                            b + 10, b + 10 + int(ray["worker_ports"]) - 1)
+                            b + 10, b + 10 + ray.worker_ports - 1)
     return out
 
 
@@ -322,6 +318,11 @@ def node_main(args: argparse.Namespace) -> int:
     temp.mkdir(parents=True, exist_ok=True)
     os.environ[SCOPE_VAR] = args.scope
     os.environ["HY3RL_NODE"] = args.name
+    if not args.ray_cli:
+        # No train.runtime prefix: Ray, its workers and the Ray job (launch.sh's `python3`)
+        # run in this interpreter's environment, whose bin directory goes first on PATH.
+        os.environ["PATH"] = os.pathsep.join(
+            p for p in (str(Path(sys.executable).parent), os.environ.get("PATH", "")) if p)
     ray_cli = RAY
     if args.ray_cli:
         ray_cli = shutil.which(args.ray_cli) or ""
@@ -354,11 +355,9 @@ def node_main(args: argparse.Namespace) -> int:
                 "--include-dashboard=true", f"--dashboard-host={ip}",
                 f"--dashboard-port={ports.dashboard}",
                 f"--ray-client-server-port={ports.client_server}"]
-        Path(args.publish).parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(f"{args.publish}.tmp")
-        tmp.write_text(json.dumps({"node": args.name, "ip": ip, "gcs_port": ports.gcs,
-                                   "dashboard_port": ports.dashboard}))
-        os.replace(tmp, args.publish)
+        write_text_atomic(Path(args.publish), json.dumps(
+            {"node": args.name, "ip": ip, "gcs_port": ports.gcs,
+             "dashboard_port": ports.dashboard}))
     else:
         cmd += [f"--address={args.head_address}"]
     setup = args.setup or ":"
@@ -434,7 +433,7 @@ class NodeProc:
 class Launcher:
     def __init__(self, spec: LaunchSpec):
         self.spec = spec
-        self.ray = {**RAY_DEFAULTS, **(spec.ray or {})}
+        self.ray = spec.ray if spec.ray is not None else default_ray()
         self.job_id = os.environ.get("SLURM_JOB_ID") or None
         self.nodes: list[Node] = []
         self.procs: dict[str, NodeProc] = {}
@@ -443,7 +442,7 @@ class Launcher:
         self.submit: subprocess.Popen | None = None
         self.dashboard: str | None = None
         self.submitted = False
-        self.secrets: list[str] = []
+        self.redactor = Redactor()  # the passed-through secrets, once known
         self.job_done = False
         self.on_stop: Callable[[str], None] | None = None
         self.t0 = time.monotonic()
@@ -480,7 +479,7 @@ class Launcher:
 
     def node_cmd(self, node: Node, role: str, ports: Ports, head_address: str | None) -> list[str]:
         scope = f"{self.job_id or 'local'}-{node.name}-{self.spec.submission_id}"
-        temp = Path(self.ray["temp_root"]) / f"hy3rl-ray-{self.job_id or os.getpid()}-{node.name}"
+        temp = Path(self.ray.temp_root) / f"hy3rl-ray-{self.job_id or os.getpid()}-{node.name}"
         rt = resolve_runtime(self.spec.runtime)
         if rt["prefix"]:
             # Inside the runtime: its python and (through --ray-cli) the ray on its PATH;
@@ -494,8 +493,8 @@ class Launcher:
                  "--ports", json.dumps(asdict(ports)),
                  "--num-cpus", str(self.spec.cpus_per_node),
                  "--num-gpus", str(self.spec.gpus_per_node),
-                 "--grace", str(self.ray["stop_grace_s"]),
-                 "--setup", str(self.ray["node_setup"] or "")]
+                 "--grace", str(self.ray.stop_grace_s),
+                 "--setup", self.ray.node_setup]
         if role == "head":
             inner += ["--publish", str(self.spec.log_dir / "head.json")]
         else:
@@ -525,7 +524,7 @@ class Launcher:
         self.procs[head.name] = np_
         np_.start()
         published = self.spec.log_dir / "head.json"
-        deadline = time.monotonic() + float(self.ray["head_timeout_s"])
+        deadline = time.monotonic() + self.ray.head_timeout_s
         info = None
         while time.monotonic() < deadline:
             self.check_stop()
@@ -539,8 +538,9 @@ class Launcher:
                     self.phase("head GCS alive at %s", addr)
                     return info
             self.stop_event.wait(1.0)
-        raise LaunchError(f"Ray head on {head.name} not alive after {self.ray['head_timeout_s']}s;"
-                          f" {np_.logfile}:\n{np_.tail()}", f"ray failed to start on {head.name}")
+        raise LaunchError(f"Ray head on {head.name} not alive after "
+                          f"{self.ray.head_timeout_s:g}s; {np_.logfile}:\n{np_.tail()}",
+                          f"ray failed to start on {head.name}")
 
     def start_workers(self, plan: dict[str, Ports], address: str) -> None:
         for n in self.nodes[1:]:
@@ -566,7 +566,7 @@ class Launcher:
         from ray.util.state import list_nodes
 
         want_gpus = self.spec.gpus_per_node * len(self.nodes)
-        deadline = time.monotonic() + float(self.ray["register_timeout_s"])
+        deadline = time.monotonic() + self.ray.register_timeout_s
         retries = {n.name: 0 for n in self.nodes[1:]}
         missing = [n.name for n in self.nodes]
         gpus = 0.0
@@ -575,7 +575,7 @@ class Launcher:
             for name, np_ in self.procs.items():
                 code = np_.poll()
                 if code is not None and np_.role == "worker" and name in missing \
-                        and retries[name] < int(self.ray["worker_start_retries"]):
+                        and retries[name] < self.ray.worker_start_retries:
                     retries[name] += 1
                     wait = 2 ** retries[name]
                     self.phase("worker %s exited %s before registering; retry %d in %ds:\n%s",
@@ -593,7 +593,7 @@ class Launcher:
                 return
             self.stop_event.wait(1.0)
         raise LaunchError(
-            f"after {self.ray['register_timeout_s']}s, node(s) not registered with Ray: "
+            f"after {self.ray.register_timeout_s:g}s, node(s) not registered with Ray: "
             f"{', '.join(missing) or 'none'}; GPUs registered {gpus:g} of {want_gpus}. "
             f"Node logs in {self.spec.log_dir}", f"nodes not registered: {' '.join(missing)}")
 
@@ -607,20 +607,14 @@ class Launcher:
                 from None
         env = {str(k): str(v) for k, v in (base.get("env_vars") or {}).items()}
         env.update({k: str(v) for k, v in self.spec.env_vars.items()})
-        for name in self.spec.passthrough_env:
-            if name in os.environ:
-                env[name] = os.environ[name]
-                if SECRET_RE.search(name):
-                    self.secrets.append(os.environ[name])
+        env.update({n: os.environ[n] for n in self.spec.passthrough_env if n in os.environ})
+        # hy3rl.redact's one policy: values under secret-looking names, known token shapes.
+        self.redactor = make_redactor(env, [])
         merged = {**base, "env_vars": env}
         path = self.spec.log_dir / "runtime_env.yaml"
-        tmp = path.with_name(".runtime_env.yaml.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as fh:
-            yaml.safe_dump(merged, fh, sort_keys=False)
-        os.replace(tmp, path)
-        shown = {k: ("***" if SECRET_RE.search(k) else v) for k, v in env.items()}
-        self.phase("runtime env %s (from %s): env_vars %s", path, self.spec.runtime_env, shown)
+        write_text_atomic(path, yaml.safe_dump(merged, sort_keys=False), mode=0o600)
+        self.phase("runtime env %s (from %s): env_vars %s", path, self.spec.runtime_env,
+                   self.redactor(env))
         return path
 
     def run_job(self, runtime_env: Path) -> tuple[int, str, str]:
@@ -638,7 +632,7 @@ class Launcher:
         def pump() -> None:
             with open(driver_log, "a") as fh:
                 for raw in self.submit.stdout:
-                    line = redact(raw.decode(errors="replace"), self.secrets)
+                    line = self.redactor.text(raw.decode(errors="replace"))
                     fh.write(line)
                     fh.flush()
                     sys.stdout.write(line)
@@ -697,7 +691,7 @@ class Launcher:
         # step at once and leave no time for that. Then SIGTERM, then SIGKILL.
         order = list(reversed(list(self.procs.values())))
         polite = signal.SIGUSR1 if self.job_id else signal.SIGTERM
-        grace = float(self.ray["stop_grace_s"]) + 10
+        grace = self.ray.stop_grace_s + 10
         for sig, wait in ((polite, grace), (signal.SIGTERM, 10), (signal.SIGKILL, 10)):
             running = [np_ for np_ in order if np_.proc and np_.proc.poll() is None]
             if not running:
@@ -726,9 +720,9 @@ class Launcher:
                 on_nodes([n.name for n in self.nodes])
             key = int(self.job_id) if self.job_id and self.job_id.isdigit() else os.getpid()
             plan = port_plan(key, self.nodes, self.ray)
-            (self.spec.log_dir / "ray.json").write_text(json.dumps(
-                {"job_id": self.job_id, "nodes": [asdict(n) for n in self.nodes],
-                 "ports": {k: asdict(v) for k, v in plan.items()}}, indent=2))
+            write_json_atomic(self.spec.log_dir / "ray.json", {
+                "job_id": self.job_id, "nodes": [asdict(n) for n in self.nodes],
+                "ports": {k: asdict(v) for k, v in plan.items()}})
             info = self.start_head(plan[self.nodes[0].name])
             self.dashboard = f"http://{info['ip']}:{info['dashboard_port']}"
             self.start_workers(plan, f"{info['ip']}:{info['gcs_port']}")
@@ -779,6 +773,8 @@ def launch(spec: LaunchSpec, on_nodes: Callable[[list[str]], None] | None = None
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m hy3rl.launch node ...``: the internal entry point each node's step runs
+    (inside ``train.runtime``; built by :meth:`Launcher.node_cmd`), not a user command."""
     ap = argparse.ArgumentParser(prog="hy3rl.launch", description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     nd = sub.add_parser("node", help="(internal) run Ray on this node until stopped")
@@ -789,34 +785,14 @@ def main(argv: list[str] | None = None) -> int:
     nd.add_argument("--ports", required=True)
     nd.add_argument("--num-cpus", type=int, required=True)
     nd.add_argument("--num-gpus", type=int, required=True)
-    nd.add_argument("--grace", type=float, default=8)
+    nd.add_argument("--grace", type=float, required=True)
     nd.add_argument("--setup", default="")
     nd.add_argument("--publish")
     nd.add_argument("--head-address")
     nd.add_argument("--ray-cli", default="",
                     help="Ray CLI name resolved on this (runtime's) PATH; default: the one "
                          "next to this interpreter, else PATH")
-    cl = sub.add_parser("cleanup", help="kill every process of a scope on this node")
-    cl.add_argument("--scope", required=True)
-    js = sub.add_parser("job", help="run a command as a Ray job on the job's nodes")
-    js.add_argument("--submission-id", required=True)
-    js.add_argument("--runtime-env", required=True, type=Path)
-    js.add_argument("--log-dir", required=True, type=Path)
-    js.add_argument("--nodes", type=int, default=1)
-    js.add_argument("--gpus-per-node", type=int, default=0)
-    js.add_argument("--cpus-per-node", type=int, default=1)
-    js.add_argument("--env", action="append", default=[], help="NAME=VALUE for the job")
-    js.add_argument("launch_script", type=Path)
-    args = ap.parse_args(argv)
-    if args.cmd == "node":
-        return node_main(args)
-    if args.cmd == "cleanup":
-        print(f"stopped {kill_scope(args.scope, 5)} process(es)")
-        return 0
-    spec = LaunchSpec(args.submission_id, args.launch_script.resolve(), args.runtime_env,
-                      args.log_dir, dict(e.split("=", 1) for e in args.env), [], [],
-                      args.nodes, args.gpus_per_node, args.cpus_per_node)
-    return launch(spec).exit_code
+    return node_main(ap.parse_args(argv))
 
 
 if __name__ == "__main__":

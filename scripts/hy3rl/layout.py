@@ -105,6 +105,13 @@ class Layout:
     def data_summary(self) -> str:
         return self._p("data/summary.json")
 
+    # ---- model
+    @property
+    def model_manifest(self) -> str:
+        """Rule ``model``'s output: the checkpoint's files, sizes and hashes, and where it
+        came from (docs/formats/model.md)."""
+        return self._p("model/manifest.json")
+
     # ---- checks and cluster
     @property
     def checks_checkpoint(self) -> str:
@@ -130,6 +137,12 @@ class Layout:
     @property
     def preflight_launch(self) -> str:
         return self._p("preflight/launch.sh")
+
+    @property
+    def preflight_reward_fn(self) -> str:
+        """The copy of ``train.reward_function.path`` the launch points at (only when set;
+        not a rule output)."""
+        return self._p("preflight/reward_fn.py")
 
     # ---- train
     @property
@@ -195,6 +208,10 @@ class Layout:
     def eval_metrics(self, tag: str) -> str:
         return self._p(f"eval/{tag}/metrics.json")
 
+    def eval_ray_dir(self, tag: str) -> str:
+        """vLLM on several nodes: the Ray job's files and hy3rl.launch's logs (not an output)."""
+        return self._p(f"eval/{tag}/ray")
+
     @property
     def eval_summary(self) -> str:
         return self._p("eval/summary.json")
@@ -214,6 +231,6 @@ class Layout:
         return self.report_file("index.html")
 
 
-# The embedded default's model: rule tiny_model builds it here (outside results/, shared by
-# runs); any other model.path is an existing checkpoint used as given.
+# The embedded default's model.source: rule tiny_model builds it here (outside results/,
+# shared by runs); any other local model.source is an existing checkpoint used in place.
 TINY_MODEL_DIR = "resources/tiny-hy3"

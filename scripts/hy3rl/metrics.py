@@ -10,13 +10,14 @@ there are at most MAJ_SUBSETS, else MAJ_SUBSETS seeded random ones), a tie scori
 fraction of tied answers that are correct; sampling_se = sqrt(sum_i p_i (1 - p_i) / n) / N;
 bootstrap intervals resample problems with numpy ``default_rng(seed)``.
 
-CLI: ``python -m hy3rl.metrics compute --scores S --scores-meta M --tag T [--base-scores B]
---out metrics.json`` and ``python -m hy3rl.metrics summarize --metrics A B ... --out summary.json``.
+Entry points: :func:`run` (one tag's metrics.json: rule ``eval_metrics`` through
+``scripts/adapters/eval_metrics.py``, and ``hy3rl metrics --tag T``) and :func:`run_summary`
+(summary.json over the tags: rule ``evaluate`` through ``scripts/adapters/evaluate.py``).
 """
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import itertools
 import json
 import math
@@ -30,14 +31,16 @@ from typing import Any
 import numpy as np
 
 from hy3rl.atomic import write_json_atomic
+from hy3rl.errors import StageError
+from hy3rl.settings import Bootstrap
 
 GRADERS = ("math_dapo", "math_verify")
 MAJ_SUBSETS = 1000  # maj@k, k < n: exact over all C(n, k) subsets up to this many, else sampled
 NO_ANSWER = {"math_dapo": "[INVALID]", "math_verify": ""}
 
 
-class MetricsError(ValueError):
-    """Inconsistent scores (the message names the file and problem at fault)."""
+class MetricsError(StageError):
+    """Inconsistent or unreadable scores (the message names the file and problem at fault)."""
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -278,46 +281,37 @@ def summarize(metrics: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return {"tags": [m["tag"] for m in metrics], "rows": rows}
 
 
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise MetricsError(f"{path}: cannot read: {exc}") from exc
+
+
+def run(boot: Bootstrap, *, tag: str, scores: Path, scores_meta: Path, out: Path,
+        base_scores: Path | None = None) -> None:
+    """``out`` (``<tag>/metrics.json``) from ``scores`` (scores.jsonl) and the grader
+    implementations of ``scores_meta`` (scores.meta.json); a checkpoint tag is compared with
+    ``base_scores`` (``base/scores.jsonl``). ``boot`` is ``eval.bootstrap``."""
     from hy3rl.graders import read_jsonl
 
-    return read_jsonl(path)
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="hy3rl.metrics", description=__doc__.split("\n")[0])
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    c = sub.add_parser("compute", help="metrics.json of one tag")
-    c.add_argument("--scores", type=Path, required=True)
-    c.add_argument("--scores-meta", type=Path, required=True)
-    c.add_argument("--tag", required=True)
-    c.add_argument("--base-scores", type=Path, default=None)
-    c.add_argument("--config-json", default="{}", help="JSON with an 'eval' section")
-    c.add_argument("--out", type=Path, required=True)
-    s = sub.add_parser("summarize", help="summary.json over tags")
-    s.add_argument("--metrics", type=Path, nargs="+", required=True)
-    s.add_argument("--out", type=Path, required=True)
-    args = ap.parse_args(argv)
+    graders_info = _read_json(scores_meta).get("graders")
+    if not isinstance(graders_info, dict):
+        raise MetricsError(f"{scores_meta}: no 'graders' mapping")
+    base = read_jsonl(Path(base_scores)) if base_scores is not None else None
     try:
-        if args.cmd == "summarize":
-            rows = [json.loads(p.read_text()) for p in args.metrics]
-            write_json_atomic(args.out, summarize(rows), indent=1)
-            return 0
-        boot = {"resamples": 10000, "level": 0.95, "seed": 0,
-                **json.loads(args.config_json).get("eval", {}).get("bootstrap", {})}
-        meta = json.loads(args.scores_meta.read_text())
-        base = _read_jsonl(args.base_scores) if args.base_scores else None
-        metrics = compute_metrics(_read_jsonl(args.scores), args.tag, meta["graders"], boot,
-                                  base, source=str(args.scores))
-    except (MetricsError, ValueError, OSError, KeyError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    write_json_atomic(args.out, metrics, indent=1)
+        metrics = compute_metrics(read_jsonl(Path(scores)), tag, graders_info,
+                                  dataclasses.asdict(boot), base, source=str(scores))
+    except KeyError as exc:
+        where = f"{scores}" + (f" or {base_scores}" if base_scores is not None else "")
+        raise MetricsError(f"{where}: a score line lacks the key {exc}") from exc
+    write_json_atomic(Path(out), metrics, indent=1)
     bg = metrics["by_grader"]
-    print(f"{args.tag}: math_dapo avg@{metrics['n']} {bg['math_dapo']['avg@n']:.4f}, "
+    print(f"{tag}: math_dapo avg@{metrics['n']} {bg['math_dapo']['avg@n']:.4f}, "
           f"math_verify {bg['math_verify']['avg@n']:.4f}", file=sys.stderr)
-    return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def run_summary(*, metrics: Sequence[Path], out: Path) -> None:
+    """``out`` (eval/summary.json): one row per ``metrics`` file (``<tag>/metrics.json``),
+    in the order given."""
+    write_json_atomic(Path(out), summarize([_read_json(p) for p in metrics]), indent=1)

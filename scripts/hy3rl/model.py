@@ -18,24 +18,32 @@ How it is made:
 - the tensors are then re-sharded by us (natural name order, near-equal byte size) so
   the shard count is a parameter and the files are byte-identical for the same seed.
 
-CLI: ``python -m hy3rl.model --config-json '{"model": {...}}' --out resources/tiny-hy3``.
+Entry point: :func:`run` (rule ``tiny_model`` through ``scripts/adapters/tiny_model.py``,
+into ``hy3rl.layout.TINY_MODEL_DIR``; by hand, ``hy3rl tiny_model --configfile ...``).
+:func:`build_tiny_model` is the builder itself (tests, the bridge check). This module does
+not import the config machinery: the bridge check runs it inside the GPU runtime.
 """
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import json
+import logging
 import os
 import re
 import shutil
-import sys
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-# The embedded default's model.path: only this path is built by rule `tiny_model`.
-TINY_DEFAULT_PATH = "resources/tiny-hy3"
+from hy3rl.errors import StageError
+
+if TYPE_CHECKING:
+    from hy3rl.settings import TinyModel
+
+log = logging.getLogger("hy3rl.model")
 
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>"]
 CHAT_TEMPLATE = (
@@ -53,31 +61,36 @@ DAPO_PREFIX = (
 DAPO_SUFFIX = '\n\nRemember to put your answer on its own line after "Answer:".'
 
 
+class ModelError(StageError):
+    """The tiny model cannot be built with these sizes, or its output directory is taken."""
+
+
 @dataclass(frozen=True)
 class TinySpec:
-    """Sizes of the tiny model (config section ``model.tiny``)."""
+    """Sizes of the tiny model: ``model.tiny`` (the schema holds their defaults), then
+    the fixed shapes no config key sets."""
 
-    seed: int = 0
-    num_hidden_layers: int = 3  # layer 0 dense, the rest MoE; the MTP layer comes on top
-    hidden_size: int = 64
+    seed: int
+    num_hidden_layers: int  # layer 0 dense, the rest MoE; the MTP layer comes on top
+    hidden_size: int
+    num_experts: int
+    num_experts_per_tok: int
+    vocab_size: int  # the BPE fills it exactly (its corpus yields more merges)
+    num_shards: int
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
     head_dim: int = 16
     intermediate_size: int = 128
     moe_intermediate_size: int = 32
-    num_experts: int = 4
-    num_experts_per_tok: int = 2
-    vocab_size: int = 512  # the BPE fills it exactly (its corpus yields more merges)
     max_position_embeddings: int = 32768
-    num_shards: int = 3
 
     @classmethod
-    def from_config(cls, tiny: dict[str, Any]) -> TinySpec:
+    def from_sizes(cls, sizes: Mapping[str, Any]) -> TinySpec:
         known = {f.name for f in fields(cls)}
-        unknown = sorted(set(tiny) - known)
+        unknown = sorted(set(sizes) - known)
         if unknown:
             raise ValueError(f"model.tiny: unknown keys {unknown}")
-        spec = cls(**tiny)
+        spec = cls(**sizes)
         spec.validate()
         return spec
 
@@ -267,16 +280,37 @@ def write_shards(tensors: dict[str, Any], out: Path, num_shards: int) -> dict[st
     return index
 
 
-def build_tiny_model(out_dir: str | Path, seed: int = 0, **sizes: Any) -> Path:
+def schema_sizes() -> dict[str, Any]:
+    """``model.tiny`` as the schema's defaults give it (the one place they are written)."""
+    from hy3rl.settings import Config
+
+    return dataclasses.asdict(Config.from_dict({}).model.tiny)
+
+
+def build_tiny_model(out_dir: str | Path, tiny: TinyModel | Mapping[str, Any] | None = None,
+                     **sizes: Any) -> Path:
     """Build the tiny checkpoint into ``out_dir`` (must not exist or be empty).
 
-    Written into a temporary sibling directory first and renamed into place, so a failure
-    leaves no half-written checkpoint. Returns ``out_dir``.
+    ``tiny``: the ``model.tiny`` section (typed, or its mapping); ``sizes`` override single
+    keys (``seed=1``); any key neither gives comes from the schema's defaults. Written into a
+    temporary sibling directory first and renamed into place, so a failure leaves no
+    half-written checkpoint. Returns ``out_dir``.
     """
     import torch
     from transformers import GenerationConfig
 
-    spec = TinySpec.from_config({**sizes, "seed": seed})
+    if tiny is None:
+        given: dict[str, Any] = {}
+    elif isinstance(tiny, Mapping):
+        given = dict(tiny)
+    else:
+        given = dataclasses.asdict(tiny)
+    given.update(sizes)
+    required = [f.name for f in fields(TinySpec) if f.default is dataclasses.MISSING]
+    if any(k not in given for k in required):
+        given = {**schema_sizes(), **given}
+    spec = TinySpec.from_sizes(given)
+    seed = spec.seed
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out}: exists and is not empty; choose another path")
@@ -316,26 +350,14 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0, **sizes: Any) -> Path:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hy3rl.model", description=__doc__.split("\n")[0])
-    ap.add_argument("--config-json", required=True,
-                    help='config slice {"model": {...}} as JSON (model.tiny is used)')
-    ap.add_argument("--out", required=True, help="output directory (must not exist)")
-    args = ap.parse_args(argv)
+def run(tiny: TinyModel, *, out: Path) -> Path:
+    """Stage ``tiny_model``: build the tiny checkpoint of ``model.tiny`` into ``out``."""
     try:
-        cfg = json.loads(args.config_json)
-        tiny = dict(cfg.get("model", {}).get("tiny", {}))
-        seed = tiny.pop("seed", 0)
-        out = build_tiny_model(args.out, seed=seed, **tiny)
+        path = build_tiny_model(out, tiny)
     except (ValueError, FileExistsError, RuntimeError) as exc:
-        print(f"tiny_model: error: {exc}", file=sys.stderr)
-        return 1
-    index = json.loads((out / "model.safetensors.index.json").read_text())
+        raise ModelError(f"{out}: {exc}") from exc
+    index = json.loads((path / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
-    print(f"tiny_model: wrote {out} ({len(index['weight_map'])} tensors, {len(shards)} shards, "
-          f"{index['metadata']['total_size']} bytes, seed {seed})")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    log.info("tiny_model: wrote %s (%d tensors, %d shards, %d bytes, seed %d)", path,
+             len(index["weight_map"]), len(shards), index["metadata"]["total_size"], tiny.seed)
+    return path

@@ -12,6 +12,7 @@ Free-form mappings (``train.env``, ``train.verl_overrides``) stay plain ``dict``
 from __future__ import annotations
 
 import dataclasses
+import os
 import types
 import typing
 from collections.abc import Mapping
@@ -97,14 +98,45 @@ class TinyModel:
 
 @dataclass(frozen=True)
 class Model:
-    path: str
+    source: str
+    revision: str | None
+    dir: str
     tiny: TinyModel
+
+    def __post_init__(self) -> None:
+        if self.is_local:
+            return
+        where = f"model.source {self.source!r} is a hub repository id"
+        if not self.dir or not Path(self.dir).is_absolute():
+            raise ConfigError(f"model.dir: {self.dir!r} must be an absolute directory on shared "
+                              f"storage ({where}: it is downloaded there); or set "
+                              "model.source to a local checkpoint directory")
+        from hy3rl.config import PLACEHOLDER
+        from hy3rl.hub import revision_problem
+
+        # A CHANGE_ME placeholder is refused by key, with the others, by refuse_placeholders.
+        if PLACEHOLDER not in (self.revision or "") and (
+                problem := revision_problem(self.revision)):
+            raise ConfigError(f"model.revision: {problem} ({where})")
+
+    @property
+    def is_local(self) -> bool:
+        """``source`` is a local directory (hy3rl.hub.is_local_source), not a hub repo id."""
+        from hy3rl.hub import is_local_source
+
+        return is_local_source(self.source)
+
+    @property
+    def path(self) -> str:
+        """The checkpoint directory every stage reads: ``source`` itself for a local
+        directory (as written, ``~`` expanded), ``dir`` for a hub repository (where rule
+        ``model`` downloads it). Not a config key."""
+        return os.path.expanduser(self.source) if self.is_local else self.dir
 
 
 @dataclass(frozen=True)
 class CheckpointCheck:
     sha256: bool
-    manifest: str
     threads: int
     runtime_min: int
 
@@ -113,8 +145,6 @@ class CheckpointCheck:
 class BridgeCheck:
     real_layers: int
     logits_cosine_min: float
-    python: str
-    container: str
     cpus: int
     mem_mb: int
     runtime_min: int

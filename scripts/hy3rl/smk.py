@@ -88,7 +88,8 @@ def triggers(config: Mapping[str, Any], *keys: str) -> dict[str, str]:
     for key in keys:
         value: Any = config
         for part in key.split("."):
-            value = value[part]
+            # The validator fills no null defaults: an absent optional key is null.
+            value = value.get(part) if isinstance(value, Mapping) else None
         for leaf, v in _leaves(value, key):
             text = json.dumps(v, sort_keys=True)
             if any(is_secret_key(p) for p in leaf.split(".")):

@@ -1,6 +1,6 @@
 """Stage `train`: one GRPO training attempt that resumes from verl's own checkpoints.
 
-``python -m hy3rl.train`` (rule ``train``) does, in order:
+:func:`run` (rule ``train``, ``train_segment``; ``hy3rl train``) does, in order:
 
 1. take the lock in the checkpoint directory (refuse while another live job holds it; take
    over a stale one with a log line);
@@ -12,16 +12,16 @@
 4. run the launcher (``hy3rl.launch``): Ray over the job's nodes, ``ray job submit`` of the
    rendered ``launch.sh`` with this attempt's ``VERL_FILE_LOGGER_PATH``; meanwhile prune old
    complete checkpoints (retention);
-5. record the attempt, merge every attempt's metrics log, and, when training reached its
-   last step, write the sentinel ``done.json`` last.
+5. record the attempt, merge every attempt's metrics log (``hy3rl.verl_log``), and, when
+   training reached its last step, write the sentinel ``done.json`` last.
 
-The checkpoint directory is never a Snakemake output: Snakemake deletes outputs before a
-job and after a failure. Formats: docs/formats/train.md.
+Every path comes from :class:`hy3rl.layout.Layout`: the checkpoint directory
+(``Layout.checkpoint_dir``, never a Snakemake output: Snakemake deletes outputs before a
+job and after a failure) and the attempt files. Formats: docs/formats/train.md.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import json
@@ -31,17 +31,22 @@ import re
 import shutil
 import socket
 import subprocess
-import sys
 import threading
 import time
 import zipfile
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from hy3rl.atomic import write_json_atomic, write_text_atomic
+from hy3rl.atomic import write_json_atomic, write_jsonl_atomic, write_text_atomic
+from hy3rl.errors import StageError
+from hy3rl.layout import ATTEMPT_RE, Layout
+from hy3rl.timefmt import parse, utc_now
+from hy3rl.verl_log import merged_attempts, read_metrics
+
+if TYPE_CHECKING:
+    from hy3rl.settings import Cluster, Train
 
 log = logging.getLogger("hy3rl.train")
 
@@ -49,7 +54,6 @@ TRACKER = "latest_checkpointed_iteration.txt"
 MANIFEST = "ckpt_contents.json"
 LOCK_NAME = ".hy3rl-train.lock"
 STEP_DIR = re.compile(r"^global_step_(\d+)$")
-ATTEMPT_JSON = re.compile(r"^attempt-(\d+)\.json$")
 
 # squeue states of a job that is gone (anything else, including COMPLETING, counts as alive).
 DEAD_STATES = {
@@ -58,7 +62,7 @@ DEAD_STATES = {
 }
 
 
-class TrainError(RuntimeError):
+class TrainError(StageError):
     """A condition that stops the attempt; the message says what and where."""
 
 
@@ -66,25 +70,12 @@ class LockHeld(TrainError):
     """Another live trainer holds the checkpoint directory."""
 
 
-def now_iso() -> str:
-    return datetime.now(UTC).isoformat(timespec="seconds")
+class TrainFailed(TrainError):
+    """The attempt ran and ended without reaching its last step (recorded in its record)."""
 
-
-# --------------------------------------------------------------------------- config
-
-
-def checkpoint_dir(config: Mapping[str, Any], workdir: Path | None = None) -> Path:
-    """``<train.checkpoint_root>/<run.name>``, absolute (preflight renders the same path as
-    ``trainer.default_local_dir``). An empty root means
-    ``<run.results_root>/<run.name>/checkpoints`` under the working directory ``workdir``
-    (default: the current directory)."""
-    run = config["run"]
-    root = str(config.get("train", {}).get("checkpoint_root", "") or "")
-    path = Path(root) / run["name"] if root else \
-        Path(run.get("results_root", "results")) / run["name"] / "checkpoints"
-    if not path.is_absolute():
-        path = (workdir or Path.cwd()) / path
-    return Path(os.path.abspath(path))
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 # --------------------------------------------------------------------------- checkpoints
@@ -325,7 +316,7 @@ def my_lock_info(attempt: int | None) -> LockInfo:
     return LockInfo(job_id=job, executor="slurm" if job else "local",
                     host=socket.gethostname(), pid=os.getpid(),
                     pid_create_time=_pid_create_time(os.getpid()), attempt=attempt,
-                    acquired_at=now_iso())
+                    acquired_at=utc_now())
 
 
 def held_message(ckpt_dir: Path, holder: LockInfo) -> str:
@@ -338,8 +329,8 @@ def held_message(ckpt_dir: Path, holder: LockInfo) -> str:
 
 def check_lock_free(ckpt_dir: Path) -> None:
     """Raise LockHeld when a live trainer other than this SLURM job holds the checkpoint
-    directory (called when Snakemake plans the train job, so that a relaunched controller
-    refuses before submitting a second job)."""
+    directory (called by the workflow's ``onstart:`` in rules/common.smk, before anything is
+    submitted, so that a relaunched controller refuses instead of starting a second job)."""
     holder = read_lock(ckpt_dir / LOCK_NAME)
     if holder is None:
         return
@@ -398,55 +389,11 @@ def release_lock(ckpt_dir: Path, me: LockInfo) -> None:
 # --------------------------------------------------------------------------- metrics
 
 
-def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """verl file-logger lines ``{"step": N, "data": {...}}``. A partial last line (the
-    trainer died mid-write) is skipped; any other bad line is an error naming it."""
-    if not path.exists():
-        return []
-    raw = path.read_bytes()
-    lines = raw.split(b"\n")
-    out = []
-    for i, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-            if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):
-                raise ValueError("no integer 'step'")
-        except ValueError as exc:
-            if i == len(lines):  # last line without a newline: cut off by a crash
-                log.warning("%s:%d: partial last line skipped", path, i)
-                continue
-            raise TrainError(f"{path}:{i}: not a verl metrics line ({exc})") from None
-        out.append(rec)
-    return out
-
-
-def _validation_only(rec: dict[str, Any]) -> bool:
-    data = rec.get("data")
-    return isinstance(data, dict) and bool(data) and all(k.startswith("val-") for k in data)
-
-
-def merge_metrics(logs: Iterable[list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """Merge attempt logs given in attempt order: a step logged twice keeps the later
-    attempt's line. Exception: a validation-only line (every key ``val-*``: verl validates
-    at the resumed step before training, ``val_before_train``) adds its keys to the step's
-    existing line instead of replacing the training metrics logged there."""
-    by_step: dict[int, dict[str, Any]] = {}
-    for lines in logs:
-        for rec in lines:
-            old = by_step.get(rec["step"])
-            if old is not None and _validation_only(rec) and not _validation_only(old):
-                rec = {**old, "data": {**old.get("data", {}), **rec["data"]}}
-            by_step[rec["step"]] = rec
-    return [by_step[s] for s in sorted(by_step)]
-
-
 def write_merged(attempts_dir: Path, out: Path) -> int:
-    paths = sorted(attempts_dir.glob("attempt-*.metrics.jsonl"),
-                   key=lambda p: int(re.search(r"attempt-(\d+)", p.name).group(1)))
-    merged = merge_metrics(read_metrics(p) for p in paths)
-    write_text_atomic(out, "".join(json.dumps(r) + "\n" for r in merged))
+    """``out`` (train/metrics.jsonl): the merge of every attempt's log under
+    ``attempts_dir`` (``hy3rl.verl_log.merged_attempts``); returns its number of lines."""
+    merged = merged_attempts(Path(attempts_dir))
+    write_jsonl_atomic(Path(out), merged)
     return len(merged)
 
 
@@ -455,6 +402,8 @@ def write_merged(attempts_dir: Path, out: Path) -> int:
 
 @dataclass
 class AttemptRecord:
+    """``train/attempts/attempt-<k>.json`` (docs/formats/train.md)."""
+
     attempt: int
     run: str
     executor: str
@@ -473,7 +422,7 @@ class AttemptRecord:
     exit_reason: str = "running"
     exit_code: int | None = None
     resume_actions: list[str] = field(default_factory=list)
-    started_at: str = field(default_factory=now_iso)
+    started_at: str = field(default_factory=utc_now)
     ended_at: str | None = None
     wall_s: float | None = None
     metrics_log: str = ""
@@ -481,15 +430,16 @@ class AttemptRecord:
     runtime: dict[str, str] = field(default_factory=dict)  # train.runtime, defaults filled
 
 
-def attempt_numbers(attempts_dir: Path) -> list[int]:
-    if not attempts_dir.is_dir():
+def attempt_numbers(layout: Layout) -> list[int]:
+    """The attempts recorded so far (``attempt-<k>.json``), ascending."""
+    folder = Path(layout.train_attempts)
+    if not folder.is_dir():
         return []
-    return sorted(int(m.group(1)) for p in attempts_dir.iterdir()
-                  if (m := ATTEMPT_JSON.match(p.name)))
+    return sorted(int(m.group(1)) for p in folder.iterdir() if (m := ATTEMPT_RE.match(p.name)))
 
 
-def load_attempt(attempts_dir: Path, k: int) -> dict[str, Any]:
-    path = attempts_dir / f"attempt-{k}.json"
+def load_attempt(layout: Layout, k: int) -> dict[str, Any]:
+    path = Path(layout.attempt_record(k))
     try:
         return json.loads(path.read_text())
     except ValueError as exc:
@@ -500,42 +450,56 @@ def last_step(lines: list[dict[str, Any]]) -> int | None:
     return max((r["step"] for r in lines), default=None)
 
 
-def close_record(rec: dict[str, Any], attempts_dir: Path, end_step: int | None,
+def close_record(rec: dict[str, Any], layout: Layout, end_step: int | None,
                  reason: str, code: int | None) -> dict[str, Any]:
     """Fill the end of an attempt record from the checkpoint state and its metrics log."""
-    lines = read_metrics(attempts_dir / rec["metrics_log"]) if rec.get("metrics_log") else []
+    lines = read_metrics(Path(layout.attempt_metrics(rec["attempt"]))) \
+        if rec.get("metrics_log") else []
     last = last_step(lines)
     rec["end_step"] = end_step
     rec["last_logged_step"] = last
     rec["steps_lost"] = max(0, last - (end_step or 0)) if last is not None else 0
     rec["exit_reason"] = reason
     rec["exit_code"] = code
-    rec["ended_at"] = now_iso()
-    with contextlib.suppress(ValueError, TypeError):
-        start = datetime.fromisoformat(rec["started_at"])
-        rec["wall_s"] = round((datetime.fromisoformat(rec["ended_at"]) - start)
-                              .total_seconds(), 1)
+    rec["ended_at"] = utc_now()
+    start, end = parse(rec.get("started_at")), parse(rec["ended_at"])
+    if start is not None and end is not None:
+        rec["wall_s"] = round((end - start).total_seconds(), 1)
     return rec
 
 
-def finalise_stale(attempts_dir: Path, end_step: int | None) -> list[int]:
+def finalise_stale(layout: Layout, end_step: int | None) -> list[int]:
     """Records still ``running`` belong to attempts killed without a chance to write (the
     lock is ours now, so none of them is alive): close them with the current state."""
     fixed = []
-    for k in attempt_numbers(attempts_dir):
-        rec = load_attempt(attempts_dir, k)
+    for k in attempt_numbers(layout):
+        rec = load_attempt(layout, k)
         if rec.get("exit_reason") == "running":
-            close_record(rec, attempts_dir, end_step,
+            close_record(rec, layout, end_step,
                          "killed (no record written: job or controller killed)", None)
             rec["ended_at"] = None
             rec["wall_s"] = None
-            write_json_atomic(attempts_dir / f"attempt-{k}.json", rec)
+            write_json_atomic(Path(layout.attempt_record(k)), rec)
             fixed.append(k)
             log.info("attempt %d: was still marked running; closed (end step %s)", k, end_step)
     return fixed
 
 
 # --------------------------------------------------------------------------- plan
+
+
+def read_plan(path: Path) -> dict[str, Any]:
+    """preflight/plan.json, refused unless preflight planned a launch."""
+    try:
+        plan = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise TrainError(f"{path}: cannot read the preflight plan: {exc}") from None
+    if plan.get("ok") is False:
+        raise TrainError(f"{path}: preflight reported errors: {plan.get('errors')}")
+    if plan.get("launched") is False:
+        raise TrainError(f"{path}: preflight did not plan a launch: "
+                         f"{plan.get('not_launched_reason')}")
+    return plan
 
 
 def plan_value(plan: Mapping[str, Any], key: str) -> Any:
@@ -563,155 +527,154 @@ def logger_env_names(plan: Mapping[str, Any]) -> list[str]:
     return names
 
 
-# --------------------------------------------------------------------------- main
+# --------------------------------------------------------------------------- the stage
 
 
-def _setup_logging() -> None:
-    logging.basicConfig(level=logging.INFO, stream=sys.stdout, force=True,
-                        format="%(asctime)s %(name)s %(levelname)s: %(message)s")
+def run(train: Train, cluster: Cluster, layout: Layout, *, keep_steps: Sequence[int],
+        plan: Path, launch_script: Path, runtime_env: Path, sentinel: Path, metrics: Path,
+        until: int | None = None) -> None:
+    """One training attempt (see the module doc) of run ``layout.run`` on the checkpoint
+    directory ``layout.checkpoint_dir``, its records under ``layout.train_attempts``.
 
+    Inputs: ``plan`` (preflight/plan.json), ``launch_script`` (preflight/launch.sh),
+    ``runtime_env`` (deps/runtime_env.yaml). Outputs: ``metrics`` (train/metrics.jsonl, the
+    merge of every attempt's log, rewritten after every attempt) and, written last once the
+    newest complete checkpoint is the attempt's last step, ``sentinel`` (done.json, or a
+    segment's ``segments/step<N>.json``). ``until``: a segment's last step (the launch gets
+    ``trainer.total_training_steps=<until>`` appended); None runs to the plan's total.
+    ``keep_steps``: the steps retention never prunes (``Config.eval_keep_steps``).
 
-def run_attempt(args: argparse.Namespace, config: dict[str, Any]) -> int:
+    Raises :class:`LockHeld` while another live trainer holds the checkpoint directory,
+    :class:`TrainFailed` when the attempt ended early (its record says why), and
+    :class:`TrainError` for a bad input."""
     from hy3rl import launch
 
-    results = Path(args.results_dir).resolve()
-    attempts_dir = results / "attempts"
+    # Absolute paths: the Ray job runs in the verl clone, the node steps wherever srun puts
+    # them.
+    layout = dataclasses.replace(layout, results_root=os.path.abspath(layout.results_root))
+    attempts_dir = Path(layout.train_attempts)
     attempts_dir.mkdir(parents=True, exist_ok=True)
-    plan_path = Path(args.plan).resolve()
-    try:
-        plan = json.loads(plan_path.read_text())
-    except (OSError, ValueError) as exc:
-        raise TrainError(f"{plan_path}: cannot read the preflight plan: {exc}") from None
-    if plan.get("ok") is False:
-        raise TrainError(f"{plan_path}: preflight reported errors: {plan.get('errors')}")
-    if plan.get("launched") is False:
-        raise TrainError(f"{plan_path}: preflight did not plan a launch: "
-                         f"{plan.get('not_launched_reason')}")
-    total = total_steps_from_plan(plan, plan_path)
-    ckpt = checkpoint_dir(config)
-    if args.checkpoint_dir and os.path.abspath(args.checkpoint_dir) != str(ckpt):
-        raise TrainError(f"--checkpoint-dir {args.checkpoint_dir} differs from "
-                         f"train.checkpoint_root/run.name = {ckpt}")
-    planned = (plan.get("checkpoint") or {}).get("dir")
+    metrics = Path(os.path.abspath(metrics))
+    plan_path = Path(plan).resolve()
+    plan_doc = read_plan(plan_path)
+    total = total_steps_from_plan(plan_doc, plan_path)
+    ckpt = layout.checkpoint_dir
+    planned = (plan_doc.get("checkpoint") or {}).get("dir")
     if planned and os.path.abspath(planned) != str(ckpt):
-        raise TrainError(f"{plan_path}: checkpoint.dir {planned} differs from "
-                         f"train.checkpoint_root/run.name = {ckpt}; rerun preflight")
-    target = total if args.until is None else min(int(args.until), total)
-    tcfg = config.get("train", {})
-    ccfg = config["cluster"]
-    keep = int(tcfg.get("checkpoint_keep", 2))
-    protected = [int(s) for s in json.loads(args.keep_steps or "[]")]
+        raise TrainError(f"{plan_path}: checkpoint.dir {planned} differs from the run's "
+                         f"checkpoint directory {ckpt} (train.checkpoint_root/run.name); "
+                         "rerun preflight")
+    target = total if until is None else min(int(until), total)
+    keep = train.checkpoint_keep
+    protected = [int(s) for s in keep_steps]
 
-    k = (attempt_numbers(attempts_dir) or [0])[-1] + 1
+    k = (attempt_numbers(layout) or [0])[-1] + 1
     me = my_lock_info(k)
     lock_actions = acquire_lock(ckpt, me)
     rec: dict[str, Any] = {}
+    record = Path(layout.attempt_record(k))
     try:
-        finalise_stale(attempts_dir, newest_complete(scan(ckpt)).step
-                       if newest_complete(scan(ckpt)) else None)
+        best = newest_complete(scan(ckpt))
+        finalise_stale(layout, best.step if best else None)
         start, resume_actions = prepare_resume(ckpt, k)
         if start >= target:
             log.info("training already reached step %d (this job's last step %d, total %d): "
                      "nothing to launch", start, target, total)
-            write_merged(attempts_dir, results / "metrics.jsonl")
-            write_done(results, config, ckpt, start, total, attempts_dir, args.sentinel)
-            return 0
-        run = config["run"]["name"]
-        try:
-            runtime = launch.resolve_runtime(tcfg.get("runtime"))
-        except launch.LaunchError as exc:
-            raise TrainError(str(exc)) from None
-        sub_id = f"{run}-{me.job_id or 'local'}-{k}"
+            write_merged(attempts_dir, metrics)
+            write_done(layout, start, total, sentinel, metrics)
+            return
+        runtime = launch.resolve_runtime(train.runtime)
+        sub_id = f"{layout.run}-{me.job_id or 'local'}-{k}"
+        attempt_metrics = Path(layout.attempt_metrics(k))
+        log_dir = Path(layout.attempt_logs(k))
         attempt = AttemptRecord(
-            attempt=k, run=run, executor=me.executor, slurm_job_id=me.job_id, host=me.host,
-            nodes=[], num_nodes=int(ccfg["nodes"]), gpus_per_node=int(ccfg["gpus_per_node"]),
-            cpus_per_node=int(ccfg["cpus_per_node"]), submission_id=sub_id,
-            checkpoint_dir=str(ckpt), start_step=start,
-            resume_actions=lock_actions + resume_actions,
-            metrics_log=f"attempt-{k}.metrics.jsonl", log_dir=f"attempt-{k}",
-            runtime=runtime)
+            attempt=k, run=layout.run, executor=me.executor, slurm_job_id=me.job_id,
+            host=me.host, nodes=[], num_nodes=cluster.nodes,
+            gpus_per_node=cluster.gpus_per_node, cpus_per_node=cluster.cpus_per_node,
+            submission_id=sub_id, checkpoint_dir=str(ckpt), start_step=start,
+            resume_actions=lock_actions + resume_actions, metrics_log=attempt_metrics.name,
+            log_dir=log_dir.name, runtime=runtime)
         rec = dataclasses.asdict(attempt)
-        write_json_atomic(attempts_dir / f"attempt-{k}.json", rec)
+        write_json_atomic(record, rec)
         log.info("attempt %d: submission %s, checkpoint dir %s, start step %d, until step "
                  "%d of %d", k, sub_id, ckpt, start, target, total)
 
         spec = launch.LaunchSpec(
-            submission_id=sub_id, launch_script=Path(args.launch).resolve(),
-            runtime_env=Path(args.runtime_env).resolve(),
-            log_dir=attempts_dir / f"attempt-{k}",
+            submission_id=sub_id, launch_script=Path(launch_script).resolve(),
+            runtime_env=Path(runtime_env).resolve(), log_dir=log_dir,
             launch_args=[] if target == total else [f"trainer.total_training_steps={target}"],
-            env_vars={"VERL_FILE_LOGGER_PATH": str(attempts_dir / rec["metrics_log"])},
-            passthrough_env=sorted(set(logger_env_names(plan))
-                                   | set(tcfg.get("ray_env_passthrough", []))),
-            nodes=int(ccfg["nodes"]), gpus_per_node=int(ccfg["gpus_per_node"]),
-            cpus_per_node=int(ccfg["cpus_per_node"]), ray=dict(tcfg.get("ray", {})),
-            runtime=runtime,
+            env_vars={"VERL_FILE_LOGGER_PATH": str(attempt_metrics)},
+            passthrough_env=sorted(set(logger_env_names(plan_doc))
+                                   | set(train.ray_env_passthrough)),
+            nodes=cluster.nodes, gpus_per_node=cluster.gpus_per_node,
+            cpus_per_node=cluster.cpus_per_node, ray=train.ray, runtime=train.runtime,
         )
-        pruner = Pruner(ckpt, keep, protected, float(tcfg.get("prune_interval_s", 60)))
+        pruner = Pruner(ckpt, keep, protected, train.prune_interval_s)
         pruner.start()
         try:
             result = launch.launch(
-                spec, on_nodes=lambda nodes: _record_nodes(attempts_dir, k, rec, nodes),
-                on_stop=lambda reason: _record_stop(attempts_dir, k, rec, ckpt, reason))
+                spec, on_nodes=lambda nodes: _record_nodes(record, rec, nodes),
+                on_stop=lambda reason: _record_stop(layout, record, rec, ckpt, reason))
         finally:
             pruner.stop.set()
             pruner.join(timeout=30)
         removed = prune(ckpt, keep, protected)
         best = newest_complete(scan(ckpt))
         end = best.step if best else None
-        close_record(rec, attempts_dir, end, result.reason, result.exit_code)
-        write_json_atomic(attempts_dir / f"attempt-{k}.json", rec)
-        n = write_merged(attempts_dir, results / "metrics.jsonl")
+        close_record(rec, layout, end, result.reason, result.exit_code)
+        write_json_atomic(record, rec)
+        n = write_merged(attempts_dir, metrics)
         log.info("attempt %d: %s (exit %s); newest complete checkpoint %s; %s steps lost; "
                  "%d merged metric lines; pruned %s", k, result.reason, result.exit_code,
                  end, rec["steps_lost"], n, sorted(pruner.removed + removed))
         if result.exit_code != 0:
-            return result.exit_code or 1
+            raise TrainFailed(f"attempt {k}: {result.reason} (exit {result.exit_code}); "
+                              f"newest complete checkpoint {end}; logs in {log_dir}",
+                              result.exit_code or 1)
         if end is None or end < target:
             raise TrainError(f"the trainer exited 0 but the newest complete checkpoint is "
                              f"{end}, not step {target}")
-        write_done(results, config, ckpt, end, total, attempts_dir, args.sentinel)
-        return 0
+        write_done(layout, end, total, sentinel, metrics)
     except BaseException as exc:
         if rec and rec.get("exit_reason") == "running":
             reason = (f"launcher error: {exc}" if not isinstance(exc, KeyboardInterrupt)
                       else "signal SIGINT")
             best = newest_complete(scan(ckpt))
-            close_record(rec, attempts_dir, best.step if best else None, reason, 1)
-            write_json_atomic(attempts_dir / f"attempt-{k}.json", rec)
+            close_record(rec, layout, best.step if best else None, reason, 1)
+            write_json_atomic(record, rec)
             with contextlib.suppress(Exception):
-                write_merged(attempts_dir, results / "metrics.jsonl")
+                write_merged(attempts_dir, metrics)
         raise
     finally:
         release_lock(ckpt, me)
 
 
-def _record_stop(attempts_dir: Path, k: int, rec: dict[str, Any], ckpt: Path,
+def _record_stop(layout: Layout, record: Path, rec: dict[str, Any], ckpt: Path,
                  reason: str) -> None:
     """At a signal, record the attempt at once (SLURM kills KillWait seconds later)."""
     best = newest_complete(scan(ckpt))
-    snapshot = close_record(dict(rec), attempts_dir, best.step if best else None, reason, None)
-    write_json_atomic(attempts_dir / f"attempt-{k}.json", snapshot)
+    snapshot = close_record(dict(rec), layout, best.step if best else None, reason, None)
+    write_json_atomic(record, snapshot)
 
 
-def _record_nodes(attempts_dir: Path, k: int, rec: dict[str, Any], nodes: list[str]) -> None:
+def _record_nodes(record: Path, rec: dict[str, Any], nodes: list[str]) -> None:
     rec["nodes"] = list(nodes)
     rec["num_nodes"] = len(nodes)
-    write_json_atomic(attempts_dir / f"attempt-{k}.json", rec)
+    write_json_atomic(record, rec)
 
 
-def write_done(results: Path, config: Mapping[str, Any], ckpt: Path, final: int, total: int,
-               attempts_dir: Path, path: str | Path | None = None) -> Path:
-    """The sentinel, written last: done.json, or a segment's ``segments/step<N>.json``."""
-    attempts = [load_attempt(attempts_dir, k) for k in attempt_numbers(attempts_dir)]
-    step_dir = ckpt / f"global_step_{final}"
+def write_done(layout: Layout, final: int, total: int, path: Path, metrics: Path) -> Path:
+    """The sentinel ``path``, written last: done.json, or a segment's
+    ``segments/step<N>.json`` (same keys)."""
+    attempts = [load_attempt(layout, k) for k in attempt_numbers(layout)]
+    ckpt = layout.checkpoint_dir
     done = {
-        "run": config["run"]["name"],
+        "run": layout.run,
         "final_step": final,
         "total_training_steps": total,
         "checkpoint_dir": str(ckpt),
-        "checkpoint": str(step_dir),
-        "hf_model": str(step_dir / "actor" / "model" / "huggingface"),
+        "checkpoint": str(ckpt / f"global_step_{final}"),
+        "hf_model": str(layout.checkpoint_hf_model(final)),
         "kept_checkpoints": [c.step for c in scan(ckpt) if c.complete],
         "incomplete_moved_aside": sorted(p.name for p in ckpt.glob("global_step_*.incomplete-*")),
         "attempts": [{key: a.get(key) for key in
@@ -719,45 +682,10 @@ def write_done(results: Path, config: Mapping[str, Any], ckpt: Path, final: int,
                        "steps_lost", "exit_reason", "started_at", "ended_at", "wall_s")}
                      for a in attempts],
         "steps_lost_total": sum(a.get("steps_lost") or 0 for a in attempts),
-        "metrics": str(results / "metrics.jsonl"),
-        "written_at": now_iso(),
+        "metrics": str(Path(os.path.abspath(metrics))),
+        "written_at": utc_now(),
     }
-    path = Path(path) if path else results / "done.json"
+    path = Path(path)
     write_json_atomic(path, done)
     log.info("done: final step %d, %s", final, path)
     return path
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="hy3rl.train", description=__doc__.split("\n")[0])
-    ap.add_argument("--config-json", required=True,
-                    help="config sections run, cluster, train (JSON)")
-    ap.add_argument("--plan", required=True, help="preflight/plan.json")
-    ap.add_argument("--launch", required=True, help="preflight/launch.sh")
-    ap.add_argument("--runtime-env", required=True, help="deps/runtime_env.yaml")
-    ap.add_argument("--results-dir", required=True, help="results/<run>/train")
-    ap.add_argument("--checkpoint-dir", help="the checkpoint directory (checked against the "
-                    "config; default: <train.checkpoint_root>/<run.name>)")
-    ap.add_argument("--until", type=int, default=None,
-                    help="train.segment_steps: stop at this step (a segment's end) instead of "
-                    "trainer.total_training_steps; the launch gets trainer.total_training_steps"
-                    "=<until> appended (verl saves at its last step)")
-    ap.add_argument("--sentinel", default=None,
-                    help="with --until: the segment's sentinel to write (default done.json)")
-    ap.add_argument("--keep-steps", default="[]",
-                    help="JSON list of steps retention keeps (eval.steps)")
-    args = ap.parse_args(argv)
-    _setup_logging()
-    try:
-        config = json.loads(args.config_json)
-        return run_attempt(args, config)
-    except LockHeld as exc:
-        log.error("%s", exc)
-        return 3
-    except TrainError as exc:
-        log.error("%s", exc)
-        return 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,16 @@
+# Adapter of rule eval_generate (rules/eval.smk) -> hy3rl.evaluate.run. `snakemake` is
+# Snakemake's object.
+from pathlib import Path
+
+from hy3rl import evaluate
+from hy3rl.layout import Layout
+from hy3rl.smk import rule_job
+
+with rule_job(snakemake) as cfg:
+    tag, inp, out = snakemake.wildcards.tag, snakemake.input, snakemake.output
+    evaluate.run(
+        cfg.eval, tag=tag, model=evaluate.model_for_tag(cfg, tag, inp.get("train_done")),
+        val=Path(inp.val), samples=Path(out.samples), meta=Path(out.meta),
+        runtime_env=Path(inp.runtime_env) if inp.get("runtime_env") else None,
+        ray_dir=Path(Layout.from_config(cfg).eval_ray_dir(tag)),
+        cpus_per_node=cfg.cluster.cpus_per_node)

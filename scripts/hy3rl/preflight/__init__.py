@@ -1,0 +1,204 @@
+"""Preflight: resolve the exact verl launch and check it before any GPU is allocated.
+
+:func:`run` reads the inputs (the deps lock, the data summary, the checkpoint checks), then
+
+1. resolves the launch (:mod:`.resolve`): the pinned script's exact overrides, the
+   corrections of upstream traps, the composition with the pinned verl's Hydra config;
+2. runs verl's own validation of the composed config in a subprocess with the pinned clone
+   on the path (:mod:`hy3rl.verl_checks`), with the model directory ``model.path``;
+3. checks the coupling rules on the composed values, verl's results and, for a GPU run, the
+   bridge check's report (:mod:`.rules`; each rule has a stable name and can be waived by
+   name) and estimates the GPU-hours (:mod:`.estimate`);
+4. renders ``plan.json`` (every value with its source) and ``launch.sh`` (:mod:`.render`).
+
+It raises :class:`PreflightError` (a StageError: exit 1) for an unusable input, before
+writing anything, and :class:`RulesFailed` after writing the plan when a rule is in error.
+Formats: docs/formats/preflight.md.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Mapping
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from hy3rl.layout import Layout
+from hy3rl.preflight.estimate import NOT_COMPOSED, add_costs, estimate_gpu_hours
+from hy3rl.preflight.render import Plan, build_plan, render_launch, write_outputs
+from hy3rl.preflight.resolve import Override, PreflightError, resolve
+from hy3rl.preflight.rules import (
+    NOT_WAIVABLE,
+    RULES,
+    RuleResult,
+    check_rules,
+    check_verl_pin,
+    effective_values,
+    kept_for_eval,
+    not_composed,
+    required_rollout_tp,
+)
+from hy3rl.settings import Config
+from hy3rl.verl_checks import FAIL, NOT_RUN, PASS, RUNNER, VerlCheck, run_verl_checks
+
+__all__ = ["NOT_WAIVABLE", "RULES", "Override", "Plan", "PreflightError", "RuleResult",
+           "RulesFailed", "kept_for_eval", "required_rollout_tp", "run"]
+
+
+class RulesFailed(PreflightError):
+    """Rules are in error; the plan (``.plan``) is written, the message lists the errors."""
+
+    def __init__(self, plan: Plan, plan_path: Path) -> None:
+        self.plan = plan
+        super().__init__(f"{len(plan.errors)} error(s) (plan: {plan_path}):\n  "
+                         + "\n  ".join(plan.errors))
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+def read_json(path: Path | None, what: str) -> dict[str, Any] | None:
+    """A JSON input, or None when ``path`` is None or absent."""
+    if path is None or not path.exists():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise PreflightError(f"{path}: not valid JSON ({what}): {exc}") from exc
+
+
+def verl_from_lock(lock: Mapping[str, Any], lock_path: Path) -> tuple[Path, str]:
+    try:
+        entry = lock["repos"]["verl"]
+        return Path(entry["path"]), str(entry.get("head") or entry["commit"])
+    except (KeyError, TypeError) as exc:
+        raise PreflightError(f"{lock_path}: no repos.verl.path/commit ({exc})") from exc
+
+
+def git_head(path: Path) -> str | None:
+    proc = subprocess.run(["git", "rev-parse", "HEAD"], cwd=path, capture_output=True, text=True)
+    return proc.stdout.strip() if proc.returncode == 0 else None
+
+
+def model_bytes(cfg: Config) -> tuple[int | None, str]:
+    """Bytes of the policy's weights: preflight.model_bytes, else the checkpoint's index."""
+    if cfg.preflight.model_bytes > 0:
+        return cfg.preflight.model_bytes, "preflight.model_bytes"
+    mpath = Path(cfg.model.path)
+    index = mpath / "model.safetensors.index.json"
+    if index.is_file():
+        total = json.loads(index.read_text()).get("metadata", {}).get("total_size")
+        if total:
+            return int(total), f"{index} metadata.total_size"
+    shards = sorted(mpath.glob("*.safetensors")) if mpath.is_dir() else []
+    if shards:
+        return sum(p.stat().st_size for p in shards), f"size of {len(shards)} shards in {mpath}"
+    return None, f"unknown (no preflight.model_bytes and no safetensors under {mpath})"
+
+
+def summary_facts(summary: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Numbers preflight uses from data/summary.json (format: docs/formats/data.md)."""
+    if not summary:
+        return {}
+    splits = summary.get("splits") or {}
+    train, val = splits.get("train") or {}, splits.get("val") or {}
+    over = train.get("over_max_prompt_length")
+    return {
+        "train_rows": train.get("rows"),
+        "val_rows": val.get("rows"),
+        "val_n": summary.get("val_n"),
+        "prompts_over_max": over.get("rows") if isinstance(over, Mapping) else over,
+        "mean_prompt_tokens": (train.get("prompt_tokens") or {}).get("mean"),
+    }
+
+
+NOT_COMPOSED_VERL = "not composed: verl's checks need the composed config"
+
+
+def verl_record(checks: list[VerlCheck], model_dir: Path) -> dict[str, Any]:
+    """plan.json ``verl_checks``: which of verl's own checks ran, passed, failed or could not
+    run, and why (docs/formats/preflight.md)."""
+    return {
+        "python": sys.executable,
+        "model_dir": str(model_dir.absolute()),
+        "counts": {status: sum(c.status == status for c in checks)
+                   for status in (PASS, FAIL, NOT_RUN)},
+        "checks": [asdict(c) for c in checks],
+    }
+
+
+# --------------------------------------------------------------------------- the stage
+
+
+def run(cfg: Config, *, lock: Path, data_summary: Path | None, train_files: Path,
+        val_files: Path, checkpoint_check: Path | None, bridge_check: Path | None,
+        plan: Path, launch: Path, reward_fn: Path) -> Plan:
+    """Resolve, compose, check; write ``plan`` (plan.json), ``launch`` (launch.sh) and, with
+    ``train.reward_function.path``, its copy at ``reward_fn``. ``data_summary`` and
+    ``checkpoint_check`` may be None or absent (their rules are then `not run`).
+    ``bridge_check`` is checks/bridge.json: read when ``cluster.gpu`` is true, where None or
+    absent is an error (rule ``bridge``) unless waived. The checkpoint directory is the
+    layout's; the eval steps retention keeps are ``cfg.eval_keep_steps``. Returns the plan;
+    raises :class:`RulesFailed` (plan written) when a rule is in error."""
+    lock_doc = read_json(lock, "deps lock")
+    if lock_doc is None:
+        raise PreflightError(f"{lock}: missing (run rule deps)")
+    verl_dir, commit = verl_from_lock(lock_doc, lock)
+    if not verl_dir.is_dir():
+        raise PreflightError(f"{lock}: repos.verl.path {verl_dir} is not a directory")
+    facts = summary_facts(read_json(data_summary, "data summary"))
+    ckpt_check = read_json(checkpoint_check, "checkpoint checks")
+    bridge = read_json(bridge_check, "bridge checks") if cfg.cluster.gpu else None
+    res = resolve(cfg, verl_dir, train_files=train_files.absolute(),
+                  val_files=val_files.absolute(), val_n=facts.get("val_n"),
+                  checkpoint_dir=Layout.from_config(cfg).checkpoint_dir, reward_fn=reward_fn)
+    head = git_head(verl_dir)
+    weights, weights_from = model_bytes(cfg)
+
+    model_dir = Path(cfg.model.path)
+    if res.composed is None:
+        eff: dict[str, Any] = {}
+        verl_checks = [VerlCheck(RUNNER, NOT_RUN, reason=NOT_COMPOSED_VERL)]
+        rules = not_composed(res)
+        ck: dict[str, Any] = {"dir": res.checkpoint_dir}
+        estimate: dict[str, Any] = dict(NOT_COMPOSED)
+    else:
+        eff = effective_values(res.composed)
+        verl_checks = run_verl_checks(verl_dir, res.composed, model_dir)
+        rules, ck = check_rules(cfg, res, eff, facts, ckpt_check, weights, weights_from,
+                                verl_checks=verl_checks, bridge=bridge,
+                                bridge_path=bridge_check)
+        estimate = estimate_gpu_hours(cfg, eff, facts, weights)
+        add_costs(rules, estimate)
+    check_verl_pin(rules, verl_dir, head, commit, cfg.preflight.waive)
+
+    launch_text = render_launch(res, cfg.run.name, commit)
+    result = build_plan(run=cfg.run.name, gpu=cfg.cluster.gpu, res=res, commit=commit,
+                        head=head, effective=eff, rules=rules, checkpoint=ck,
+                        verl_checks=verl_record(verl_checks, model_dir),
+                        estimate=estimate, launch=launch, launch_text=launch_text)
+    write_outputs(result, res, plan_path=plan, launch=launch, launch_text=launch_text)
+    _log_summary(result, plan)
+    if result.errors:
+        raise RulesFailed(result, plan)
+    return result
+
+
+def _log_summary(result: Plan, plan: Path) -> None:
+    """The plan in a few lines, then every warning and waiver (the errors go with the
+    RulesFailed message)."""
+    print(yaml.safe_dump({"plan": str(plan), "launched": result.launched,
+                          "not_launched_reason": result.not_launched_reason,
+                          "gpu_hours": result.estimate.get("gpu_hours"),
+                          "overrides": len(result.overrides),
+                          "verl_checks": result.verl_checks["counts"]},
+                         sort_keys=False).rstrip())
+    for line in result.warnings:
+        print(f"WARNING {line}")
+    for line in result.waived:
+        print(f"WAIVED  {line}")

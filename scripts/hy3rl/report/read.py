@@ -1,0 +1,613 @@
+"""The report's readers of the other stages' files (contracts: docs/formats/*.md), all in
+one place so the formats are reconciled here, and the views derived from what was read
+(metric series, resume points, the per-problem matrix).
+
+Every path comes from the run's :class:`~hy3rl.layout.Layout`. An absent file is a stage
+that did not run; an unreadable one is a :class:`ReportInputError` (or, for verl's metrics
+logs, :class:`~hy3rl.verl_log.VerlLogError`) naming the file and line.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hy3rl import timefmt
+from hy3rl.errors import StageError
+from hy3rl.layout import ATTEMPT_METRICS_RE, ATTEMPT_RE, Layout
+from hy3rl.settings import Config
+from hy3rl.verl_log import attempt_logs, merge_metrics, read_metrics
+
+
+class ReportInputError(StageError):
+    """An input file exists but cannot be read; the message names the file (and line)."""
+
+
+def read_json(path: str | Path) -> Any | None:
+    """The parsed file, None if it does not exist; ReportInputError naming it if invalid."""
+    path = Path(path)
+    if not path.exists():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ReportInputError(f"{path}: not valid JSON: {exc}") from exc
+
+
+def read_model_manifest(path: str | Path) -> dict[str, Any] | None:
+    """Rule model's manifest (docs/formats/model.md) without its file list: where the
+    checkpoint came from, its size, and :func:`hy3rl.hub.provenance` (repo id or directory,
+    revision, the manifest's sha256). None if absent; ReportInputError if malformed."""
+    from hy3rl import hub
+
+    if not Path(path).exists():
+        return None
+    try:
+        m = hub.read_manifest(path)
+        prov = hub.provenance(path)
+    except hub.ManifestError as exc:
+        raise ReportInputError(str(exc)) from exc
+    return {"source": m.source.to_dict(), "dir": m.dir, "created": m.created,
+            "file_count": len(m.files), "total_size": m.total_size, "provenance": prov}
+
+
+def _first(d: Mapping[str, Any], *keys: str) -> Any:
+    for k in keys:
+        if k in d and d[k] is not None:
+            return d[k]
+    return None
+
+
+def _int_or_none(value: Any) -> int | None:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def _num(v: Any) -> float | None:
+    return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
+
+
+# ---- verl metrics logs (train/attempts/attempt-<k>.metrics.jsonl, train/metrics.jsonl) ----
+
+
+@dataclass
+class AttemptLog:
+    """One attempt's verl metrics log as read (hy3rl.verl_log lines)."""
+
+    attempt: int
+    path: str
+    records: list[dict[str, Any]]
+    dropped_tail: bool = False
+
+    @property
+    def first_step(self) -> int | None:
+        return min((r["step"] for r in self.records), default=None)
+
+
+def _read_log(path: Path) -> tuple[list[dict[str, Any]], int | None]:
+    """verl_log.read_metrics, plus the number of the partial last line it skipped (a crash
+    mid-write), else None: it raises on every other bad line, so fewer records than lines
+    means that."""
+    records = read_metrics(path)
+    lines = path.read_bytes().rstrip().split(b"\n")
+    return records, len(lines) if len(records) < sum(1 for ln in lines if ln.strip()) else None
+
+
+def by_step(records: Iterable[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """Merged verl lines as {step: data}, steps ascending."""
+    return {r["step"]: dict(r.get("data") or {}) for r in records}
+
+
+# ---- training attempts (train/attempts/attempt-<k>.json) ----
+
+
+@dataclass
+class Attempt:
+    """One training attempt (train/attempts/attempt-<k>.json), normalised."""
+
+    attempt: int
+    slurm_job_id: str | None = None
+    nodes: list[str] = field(default_factory=list)
+    num_nodes: int | None = None
+    gpus_per_node: int | None = None
+    start_step: int | None = None
+    end_step: int | None = None
+    last_logged_step: int | None = None
+    steps_lost: int | None = None
+    exit_reason: str | None = None
+    started: str | None = None
+    ended: str | None = None
+    hours: float | None = None
+    gpu_hours: float | None = None
+    log_path: str | None = None
+    raw: dict[str, Any] = field(default_factory=dict)
+
+
+def read_attempt(path: Path, k: int, default_gpus_per_node: int | None) -> Attempt:
+    """``k``: the attempt number in the file name (used when the record has none)."""
+    raw = read_json(path)
+    if not isinstance(raw, dict):
+        raise ReportInputError(f"{path}: expected a JSON object")
+    k = _int_or_none(_first(raw, "attempt", "index")) or k
+    nodes_raw = _first(raw, "nodes", "nodelist", "hosts")
+    nodes = [str(n) for n in nodes_raw] if isinstance(nodes_raw, list) else []
+    if isinstance(nodes_raw, str):
+        nodes = [n for n in re.split(r"[,\s]+", nodes_raw) if n]
+    num_nodes = _int_or_none(_first(raw, "num_nodes", "nnodes")) or (
+        len(nodes) if nodes else _int_or_none(nodes_raw)
+    )
+    gpn = _int_or_none(_first(raw, "gpus_per_node", "n_gpus_per_node")) or default_gpus_per_node
+    started = timefmt.parse(_first(raw, "started_at", "start_time", "started", "start"))
+    ended = timefmt.parse(_first(raw, "ended_at", "end_time", "ended", "end", "finished_at"))
+    hours = None
+    dur = _first(raw, "wall_s", "duration_s", "elapsed_s", "runtime_s")
+    if isinstance(dur, int | float):
+        hours = float(dur) / 3600.0
+    elif started and ended:
+        hours = max((ended - started).total_seconds(), 0.0) / 3600.0
+    gpu_hours = _first(raw, "gpu_hours")
+    if not isinstance(gpu_hours, int | float):
+        gpu_hours = hours * num_nodes * gpn if hours is not None and num_nodes and gpn else None
+    job = _first(raw, "slurm_job_id", "job_id", "jobid")
+    reason = _first(raw, "exit_reason", "reason", "status", "exit_status")
+    return Attempt(
+        attempt=k,
+        slurm_job_id=None if job is None else str(job),
+        nodes=nodes,
+        num_nodes=num_nodes,
+        gpus_per_node=gpn,
+        start_step=_int_or_none(_first(raw, "start_step", "resumed_from_step", "resume_step")),
+        end_step=_int_or_none(_first(raw, "end_step", "final_step")),
+        last_logged_step=_int_or_none(_first(raw, "last_logged_step", "last_step")),
+        steps_lost=_int_or_none(_first(raw, "steps_lost", "lost_steps")),
+        exit_reason=None if reason is None else str(reason),
+        started=started.isoformat() if started else None,
+        ended=ended.isoformat() if ended else None,
+        hours=hours,
+        gpu_hours=float(gpu_hours) if gpu_hours is not None else None,
+        raw=raw,
+    )
+
+
+# ---- generic JSON views (checks/*.json, preflight/plan.json) ----
+
+
+def find_key(obj: Any, pattern: str) -> list[tuple[str, Any]]:
+    """(dotted path, value) of every key matching ``pattern`` in nested JSON."""
+    pat = re.compile(pattern, re.I)
+    found: list[tuple[str, Any]] = []
+
+    def walk(o: Any, path: str) -> None:
+        if isinstance(o, Mapping):
+            for k, v in o.items():
+                p = f"{path}.{k}" if path else str(k)
+                if pat.search(str(k)) and not isinstance(v, Mapping | list):
+                    found.append((p, v))
+                walk(v, p)
+        elif isinstance(o, list):
+            for i, v in enumerate(o):
+                walk(v, f"{path}[{i}]")
+
+    walk(obj, "")
+    return found
+
+
+def check_counts(doc: Any) -> tuple[str, dict[str, int], list[dict[str, Any]]]:
+    """Overall status, counts by status, and the check rows of a checks/*.json file."""
+    checks = doc.get("checks", []) if isinstance(doc, dict) else []
+    rows = [c for c in checks if isinstance(c, dict)]
+    counts: dict[str, int] = {}
+    for c in rows:
+        s = str(c.get("status", "?"))
+        counts[s] = counts.get(s, 0) + 1
+    if counts.get("fail"):
+        overall = "fail"
+    elif counts.get("pass") and not any(k not in ("pass", "not run") for k in counts):
+        overall = "pass" if not counts.get("not run") else "pass (some not run)"
+    elif rows and all(c.get("status") == "not run" for c in rows):
+        overall = "not run"
+    else:
+        overall = str(doc.get("status", "ran")) if isinstance(doc, dict) else "ran"
+    return overall, counts, rows
+
+
+# ---- evaluation (eval/<tag>/metrics.json, docs/formats/eval.md) ----
+
+_TAG_ORDER = re.compile(r"^step(\d+)$")
+
+
+def tag_key(tag: str) -> tuple[int, int, str]:
+    """base, then step<N> by N, then anything else (final) by name."""
+    if tag == "base":
+        return (0, 0, tag)
+    m = _TAG_ORDER.match(tag)
+    if m:
+        return (1, int(m.group(1)), tag)
+    return (2, 0, tag)
+
+
+@dataclass
+class GraderResult:
+    grader: str
+    avg: float | None = None
+    sampling_se: float | None = None
+    bootstrap_ci: list[float] | None = None
+    pass_at: dict[str, float] = field(default_factory=dict)
+    maj_at: dict[str, float] = field(default_factory=dict)
+    failures: dict[str, Any] = field(default_factory=dict)
+    per_problem: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def sampling_ci(self) -> list[float] | None:
+        """avg +- 1.96 sampling_se (normal approximation)."""
+        if self.avg is None or self.sampling_se is None:
+            return None
+        return [self.avg - 1.96 * self.sampling_se, self.avg + 1.96 * self.sampling_se]
+
+
+@dataclass
+class EvalRecord:
+    tag: str
+    step: int | None
+    n: int | None
+    num_problems: int | None
+    primary_grader: str | None
+    graders: list[GraderResult]
+    format_failure_rate: float | None = None
+    format_failures: int | None = None
+    truncation_rate: float | None = None
+    mean_response_tokens: float | None = None
+    vs_base: list[dict[str, Any]] = field(default_factory=list)
+    raw: dict[str, Any] = field(default_factory=dict)
+    samples_meta: dict[str, Any] = field(default_factory=dict)  # <tag>/samples.meta.json
+
+
+def _interval(v: Any) -> list[float] | None:
+    if isinstance(v, list | tuple) and len(v) == 2 and all(isinstance(x, int | float) for x in v):
+        return [float(v[0]), float(v[1])]
+    if isinstance(v, Mapping):
+        lo, hi = _first(v, "low", "lo", "lower"), _first(v, "high", "hi", "upper")
+        if isinstance(lo, int | float) and isinstance(hi, int | float):
+            return [float(lo), float(hi)]
+    return None
+
+
+def _at_k(v: Any) -> dict[str, float]:
+    if not isinstance(v, Mapping):
+        return {}
+    out = {str(k): float(x) for k, x in v.items() if _num(x) is not None}
+    return dict(sorted(out.items(), key=lambda kv: int(kv[0]) if kv[0].isdigit() else 0))
+
+
+def read_eval(path: Path, tag: str) -> EvalRecord:
+    """One ``eval/<tag>/metrics.json`` (docs/formats/eval.md)."""
+    raw = read_json(path)
+    if not isinstance(raw, dict):
+        raise ReportInputError(f"{path}: expected a JSON object")
+    by_grader = raw.get("by_grader")
+    if not isinstance(by_grader, Mapping) or not by_grader:
+        raise ReportInputError(f"{path}: key 'by_grader' missing or empty")
+    per_problem = raw.get("per_problem") or []
+    if not isinstance(per_problem, list):
+        raise ReportInputError(f"{path}: key 'per_problem' is not a list")
+    graders: list[GraderResult] = []
+    for name, g in by_grader.items():
+        if not isinstance(g, Mapping):
+            raise ReportInputError(f"{path}: by_grader.{name} is not an object")
+        avg = _first(g, "avg@n", "avg")
+        if avg is None:
+            avg = next((v for k, v in g.items() if re.fullmatch(r"avg@\d+", str(k))), None)
+        r = GraderResult(
+            grader=str(name), avg=_num(avg), sampling_se=_num(g.get("sampling_se")),
+            bootstrap_ci=_interval(g.get("bootstrap_ci")), pass_at=_at_k(g.get("pass@k")),
+            maj_at=_at_k(g.get("maj@k")), failures=dict(g.get("grader_failures") or {}),
+        )
+        for i, row in enumerate(per_problem):
+            if not isinstance(row, Mapping):
+                raise ReportInputError(f"{path}: per_problem[{i}] is not an object")
+            cell = row.get(str(name))
+            pid = row.get("problem_id", i)
+            if isinstance(cell, Mapping) and _num(cell.get("acc")) is not None:
+                r.per_problem[str(pid)] = float(cell["acc"])
+        graders.append(r)
+    vs_base = []
+    vb = raw.get("vs_base")
+    if isinstance(vb, Mapping):
+        for name, d in vb.items():
+            if isinstance(d, Mapping) and name != "base_tag":
+                vs_base.append({
+                    "grader": name, "base_tag": vb.get("base_tag", "base"),
+                    "diff": _num(d.get("mean_diff")),
+                    "interval": _interval(d.get("paired_bootstrap_ci")),
+                })
+    m = _TAG_ORDER.match(tag)
+    return EvalRecord(
+        tag=tag,
+        step=_int_or_none(raw.get("step")) or (int(m.group(1)) if m else None),
+        n=_int_or_none(raw.get("n")),
+        num_problems=_int_or_none(raw.get("num_problems")),
+        primary_grader=raw.get("primary_grader"),
+        graders=graders,
+        format_failure_rate=_num(raw.get("format_failure_rate")),
+        format_failures=_int_or_none(raw.get("format_failures")),
+        truncation_rate=_num(raw.get("truncation_rate")),
+        mean_response_tokens=_num(raw.get("mean_response_tokens")),
+        vs_base=vs_base,
+        raw=raw,
+    )
+
+
+# ---- gathering: one object with everything found, plus what is missing and why ----
+
+
+@dataclass
+class Stage:
+    stage: str
+    status: str
+    detail: str
+    path: str
+
+
+@dataclass
+class Found:
+    cfg: Config
+    layout: Layout
+    stages: list[Stage]
+    docs: dict[str, Any]  # name -> parsed JSON (None: absent)
+    doc_paths: dict[str, str]  # name -> path relative to the run directory
+    attempts: list[Attempt]
+    logs: list[AttemptLog]
+    metrics: dict[int, dict[str, Any]]
+    metrics_source: str
+    notes: list[str]
+    evals: list[EvalRecord]
+
+    def rel(self, path: str | Path) -> str:
+        return _rel(self.layout, path)
+
+    def stage(self, name: str) -> Stage:
+        return next(s for s in self.stages if s.stage == name)
+
+    @property
+    def training_ran(self) -> bool:
+        """Anything of training exists: attempts, metrics or the sentinel."""
+        return bool(self.attempts or self.metrics or self.docs.get("train_done") is not None)
+
+
+def _rel(layout: Layout, path: str | Path) -> str:
+    """``path`` (one of the layout's) relative to the run directory, for display."""
+    return str(path).removeprefix(layout.results + "/")
+
+
+def _not_there(rel: str, cfg: Config, gpu_stage: bool) -> tuple[str, str]:
+    if gpu_stage and not cfg.cluster.gpu:
+        return ("not run", "cluster.gpu is false (embedded default / machine without GPU): "
+                "GPU stages are not part of this run")
+    return ("missing", f"{rel} not found: the stage has not run for this run (or it failed)")
+
+
+def _eval_tags(layout: Layout) -> list[str]:
+    """The tag folders under eval/, in checkpoint order."""
+    eval_dir = Path(layout.eval_dir)
+    if not eval_dir.is_dir():
+        return []
+    return sorted((d.name for d in eval_dir.iterdir() if d.is_dir()), key=tag_key)
+
+
+def gather(cfg: Config, layout: Layout) -> Found:
+    """Read every stage's files of the run at ``layout``; tolerate absence, not corruption."""
+
+    def rel(path: str | Path) -> str:
+        return _rel(layout, path)
+
+    docs: dict[str, Any] = {}
+    doc_paths: dict[str, str] = {}
+    stages: list[Stage] = []
+    notes: list[str] = []
+
+    def doc(name: str, path: str) -> Any:
+        read = read_model_manifest if name == "model_manifest" else read_json
+        docs[name], doc_paths[name] = read(path), rel(path)
+        return docs[name]
+
+    for name, path, stage, gpu_stage in (
+        ("lock", layout.deps_lock, "deps", False),
+        ("data_summary", layout.data_summary, "data", False),
+        ("model_manifest", layout.model_manifest, "model", False),
+        ("checkpoint_check", layout.checks_checkpoint, "check_checkpoint", False),
+        ("bridge_check", layout.checks_bridge, "check_bridge", True),
+        ("cluster_probe", layout.cluster_probe, "cluster_probe", True),
+        ("plan", layout.preflight_plan, "preflight", False),
+    ):
+        d = doc(name, path)
+        if d is None:
+            status, detail = _not_there(rel(path), cfg, gpu_stage)
+        elif name.endswith("_check"):
+            status, counts, _ = check_counts(d)
+            detail = ", ".join(f"{v} {k}" for k, v in sorted(counts.items())) or "no checks"
+        elif name == "model_manifest":
+            prov = d["provenance"]
+            status, detail = "done", (f"{prov['model.source']} @ {prov['model.revision']}: "
+                                      f"{prov['model.files']}")
+        elif name == "plan" and isinstance(d, dict):
+            errors = d.get("errors") or []
+            status = "pass" if d.get("ok", not errors) else "fail"
+            detail = (f"{len(errors)} error(s), {len(d.get('warnings') or [])} warning(s); "
+                      + ("launched" if d.get("launched", True)
+                         else str(d.get("not_launched_reason") or "not launched")))
+        else:
+            status, detail = "done", "written"
+            if isinstance(d, dict) and d.get("status"):
+                status, detail = str(d["status"]), str(d.get("reason") or detail)
+        stages.append(Stage(stage, status, detail, rel(path)))
+
+    # training: attempt records, their verl logs, the train stage's merge, the sentinel
+    att_dir = Path(layout.train_attempts)
+    records = sorted(
+        (int(m.group(1)), p) for p in (att_dir.iterdir() if att_dir.is_dir() else [])
+        if (m := ATTEMPT_RE.match(p.name)))
+    attempts = sorted((read_attempt(p, k, cfg.cluster.gpus_per_node) for k, p in records),
+                      key=lambda a: a.attempt)
+    for a in attempts:
+        p = layout.attempt_metrics(a.attempt)
+        if Path(p).exists():
+            a.log_path = rel(p)
+        else:
+            notes.append(f"attempt {a.attempt}: no {rel(p)} (it logged no step)")
+    logs: list[AttemptLog] = []
+    for p in attempt_logs(att_dir):
+        recs, dropped = _read_log(p)
+        if dropped:
+            notes.append(f"{rel(p)}: truncated last line dropped (crash mid-write)")
+        k = int(ATTEMPT_METRICS_RE.match(p.name).group(1))
+        logs.append(AttemptLog(k, str(p), recs, dropped is not None))
+    merged_here = by_step(merge_metrics(log.records for log in logs))
+    metrics_path = Path(layout.train_metrics)
+    if metrics_path.exists():
+        recs, dropped = _read_log(metrics_path)
+        if dropped:  # the train stage writes this file whole (atomically): never cut
+            raise ReportInputError(f"{metrics_path}:{dropped}: not a verl metrics line "
+                                   "(cut off, in a file the train stage writes whole)")
+        metrics = by_step(merge_metrics([recs]))
+        source = f"{rel(metrics_path)} (merged by the train stage)"
+        if logs and merged_here != metrics:
+            diff = sorted(set(merged_here) ^ set(metrics))
+            same = [s for s in metrics if s in merged_here and merged_here[s] != metrics[s]]
+            notes.append(
+                f"{rel(metrics_path)} differs from the merge of the attempt logs "
+                f"(steps only in one: {diff[:10]}; steps with different values: {same[:10]})"
+            )
+    elif logs:
+        metrics = merged_here
+        source = f"merged here from {len(logs)} attempt log(s) in {rel(att_dir)}/"
+    else:
+        metrics, source = {}, ""
+
+    done = doc("train_done", layout.train_done)
+    if done is not None:
+        d = done if isinstance(done, dict) else {}
+        stages.append(Stage(
+            "train", "done",
+            f"final step {d.get('final_step')}, {len(attempts)} attempt(s), "
+            f"{d.get('steps_lost_total', 'n/a')} step(s) lost in total", rel(layout.train_done)))
+    elif attempts or metrics:
+        last = attempts[-1].exit_reason if attempts else None
+        stages.append(Stage("train", "incomplete",
+                            f"{len(attempts)} attempt(s), no {rel(layout.train_done)}; "
+                            f"last exit reason: {last}", rel(att_dir)))
+    else:
+        status, detail = _not_there(rel(layout.train_done), cfg, True)
+        stages.append(Stage("train", status, detail, rel(layout.train_done)))
+
+    # evaluation: the tags eval/summary.json lists, each tag's metrics and samples' meta
+    evals: list[EvalRecord] = []
+    summary = read_json(layout.eval_summary)
+    listed = summary.get("tags") if isinstance(summary, dict) else None
+    tags = _eval_tags(layout)
+    for tag in tags:
+        p = Path(layout.eval_metrics(tag))
+        if not p.exists():
+            continue
+        if isinstance(listed, list) and tag not in listed:
+            notes.append(f"{rel(p)} ignored: tag not in {rel(layout.eval_summary)} "
+                         "(left over from an earlier configuration)")
+            continue
+        e = read_eval(p, tag)
+        meta = read_json(layout.eval_samples_meta(tag))
+        e.samples_meta = meta if isinstance(meta, dict) else {}
+        if e.tag == "final" and e.step is None and isinstance(done, dict):
+            e.step = _int_or_none(done.get("final_step"))
+        evals.append(e)
+    eval_rel = rel(layout.eval_metrics("<tag>"))
+    if evals:
+        stages.append(Stage("evaluate", "done", "tags: " + ", ".join(e.tag for e in evals),
+                            eval_rel))
+    else:
+        status, detail = _not_there(eval_rel, cfg, False)
+        # generation recorded `not run` (e.g. backend vllm without vLLM): say so and why
+        for tag in sorted(tags):
+            meta_path = layout.eval_samples_meta(tag)
+            meta = read_json(meta_path)
+            if isinstance(meta, dict) and meta.get("status") == "not run":
+                status = "not run"
+                detail = f"{rel(meta_path)}: {meta.get('reason') or 'no reason given'}"
+                break
+        stages.append(Stage("evaluate", status, detail, eval_rel))
+    return Found(cfg, layout, stages, docs, doc_paths, attempts, logs, metrics, source, notes,
+                 evals)
+
+
+# ---- views of what was read: series, resume points, the per-problem matrix ----
+
+
+def series(metrics: Mapping[int, Mapping[str, Any]], key: str) -> tuple[np.ndarray, np.ndarray]:
+    xs, ys = [], []
+    for step, data in metrics.items():
+        v = data.get(key)
+        if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v):
+            xs.append(step)
+            ys.append(float(v))
+    return np.asarray(xs, dtype=float), np.asarray(ys, dtype=float)
+
+
+def all_keys(metrics: Mapping[int, Mapping[str, Any]]) -> set[str]:
+    return {k for d in metrics.values() for k in d}
+
+
+def pick_key(keys: set[str], preferred: Iterable[str], pattern: str | None = None) -> str | None:
+    for k in preferred:
+        if k in keys:
+            return k
+    if pattern:
+        cands = sorted(k for k in keys if re.fullmatch(pattern, k))
+        return cands[0] if cands else None
+    return None
+
+
+def resume_points(attempts: list[Attempt], logs: list[AttemptLog]) -> list[tuple[int, str]]:
+    """(step, label) for every attempt that resumed: every attempt after the first, and the
+    first too when it started from a checkpoint (start step > 0)."""
+    points: list[tuple[int, str]] = []
+    by_attempt = {log.attempt: log.first_step for log in logs if log.first_step is not None}
+    known = {a.attempt for a in attempts}
+    for a in attempts:
+        if a.attempt == min(known) and not a.start_step:
+            continue
+        step = a.start_step if a.start_step is not None else by_attempt.get(a.attempt)
+        if step is not None:
+            job = f" (job {a.slurm_job_id})" if a.slurm_job_id else ""
+            points.append((step, f"attempt {a.attempt}{job}"))
+    for k, step in sorted(by_attempt.items()):
+        if k not in known and k != min(by_attempt):
+            points.append((step, f"attempt {k}"))
+    return points
+
+
+def per_problem_matrix(found: Found) -> tuple[list[str], list[str], np.ndarray, str]:
+    """Problems x tags accuracy for the primary grader (else the first with per-problem data)."""
+    tags = [e.tag for e in found.evals]
+    grader = next((e.primary_grader for e in found.evals if e.primary_grader), "")
+    if not any(g.grader == grader and g.per_problem for e in found.evals for g in e.graders):
+        grader = next((g.grader for e in found.evals for g in e.graders if g.per_problem), "")
+    probs: set[str] = set()
+    for e in found.evals:
+        for g in e.graders:
+            if g.grader == grader:
+                probs |= set(g.per_problem)
+    problems = sorted(probs, key=lambda p: (0, int(p), "") if p.isdigit() else (1, 0, p))
+    mat = np.full((len(problems), len(tags)), np.nan)
+    for j, e in enumerate(found.evals):
+        g = next((g for g in e.graders if g.grader == grader), None)
+        if g:
+            for i, p in enumerate(problems):
+                mat[i, j] = g.per_problem.get(p, np.nan)
+    return problems, tags, mat, grader
