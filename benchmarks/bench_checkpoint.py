@@ -5,8 +5,8 @@ their on-disk names, dtypes and shapes (from Hy3's config values), with real hea
 an index; the data regions are sparse (``truncate``), so the 598 GB cost no disk, except
 the 80 F32 expert biases, written for real. Then prints:
 
-- the header-only check (``hy3rl.checkpoint.check_checkpoint``, all checks but sha256 and
-  the bridge import attempt), target < 5 s on 2 cores;
+- the header-only check (``hy3rl.checkpoint.check_checkpoint``, all checks but the manifest
+  and the bridge import attempt), target < 5 s on 2 cores;
 - a naive check through safetensors: ``safe_open`` every shard and ``get_slice`` every
   tensor for dtype/shape (full), and ``get_tensor`` every tensor (measured on a few
   shards and extrapolated: it reads all 598 GB).
@@ -30,8 +30,11 @@ from pathlib import Path
 
 import yaml
 from hy3rl import checkpoint as ck
+from hy3rl import hub
+from hy3rl.atomic import write_json_atomic
 from hy3rl.bridge_source import BridgeSource, bridge_source_from_lock
 from hy3rl.layout import Layout
+from hy3rl.timefmt import utc_now
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))  # the test fixtures' bridge-shaped file
@@ -173,10 +176,17 @@ def main(argv: list[str] | None = None) -> int:
         if source is not None:
             lock.write_text(json.dumps({"repos": {"megatron_bridge": {
                 "path": str(source.clone), "head": source.commit}}}))
+        # Rule model's manifest with the real sizes (sha256 is off: no hash is compared,
+        # and hashing the sparse 598 GB would time the disk, not the check).
+        files = [hub.FileEntry(rel, (model / rel).stat().st_size, sha256="0" * 64)
+                 for rel in hub.list_files(model)]
+        write_json_atomic(layout.model_manifest, hub.Manifest(
+            hub.Source("local", path=str(model.resolve())), str(model.resolve()),
+            utc_now(), files).to_dict())
         cfg = tmp_path / "bench.yaml"
         cfg.write_text(yaml.safe_dump({
             "run": {"name": layout.run, "results_root": layout.results_root},
-            "model": {"path": str(model)},
+            "model": {"source": str(model)},
             "checks": {"checkpoint": {"sha256": False, "threads": os.cpu_count() or 2}}}))
         t0 = time.perf_counter()
         proc = subprocess.run(

@@ -79,7 +79,7 @@ def run_stage(tmp: Path, tokenizer: Path, train: Path, val: Path, dedup: bool) -
     cfg = tmp / f"{name}.yaml"
     cfg.write_text(yaml.safe_dump({
         "run": {"name": name, "results_root": layout.results_root},
-        "model": {"path": str(tokenizer)},
+        "model": {"source": str(tokenizer)},
         "data": {"train": {"source": str(train), "dedup": dedup},
                  "val": {"source": str(val), "dedup": True}},
     }))

@@ -39,8 +39,8 @@ STAGE_TARGETS = []
 
 # ---- model ----
 def builds_tiny_model():
-    """Whether tiny_model is in the DAG, i.e. model.source is the embedded default's
-    TINY_MODEL_DIR (any other local model.source is an existing checkpoint, used as given)."""
+    """Whether tiny_model is in the DAG: model.source is the embedded default's
+    TINY_MODEL_DIR (another local directory is an existing checkpoint, used as is)."""
     return CFG.model.is_local and CFG.model.path == TINY_MODEL_DIR
 
 
@@ -52,7 +52,7 @@ def model_targets():
 def model_rule_inputs(wildcards):
     """Rule model's input: tiny_model's output for the embedded default; another local
     directory as it is (ancient: its mtime changing re-runs nothing; check_checkpoint
-    compares the files with the manifest); nothing for a hub source (the rule downloads)."""
+    compares the files with the manifest); none for a hub source (it downloads)."""
     if not CFG.model.is_local:
         return {}
     if builds_tiny_model():
@@ -61,8 +61,8 @@ def model_rule_inputs(wildcards):
 
 
 def model_manifest():
-    """The input of every rule that reads the model (its directory is CFG.model.path):
-    rule model's manifest, so the model is there, complete, before any of them runs."""
+    """Rule model's manifest, the input of every job reading the model directory
+    (CFG.model.path), so the model is there, complete, before any of them runs."""
     return LAYOUT.model_manifest
 
 
@@ -269,7 +269,6 @@ def eval_summary_inputs():
     from hy3rl.evaluate import eval_tags
 
     return [LAYOUT.eval_metrics(tag) for tag in eval_tags(CFG)]
-
 
 
 # ---- report ----

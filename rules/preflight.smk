@@ -24,6 +24,7 @@ rule preflight:
         val=LAYOUT.data_val,
         checkpoint_check=LAYOUT.checks_checkpoint,
         bridge_check=bridge_check_input(),
+        model_manifest=model_manifest(),
     output:
         plan=LAYOUT.preflight_plan,
         launch=LAYOUT.preflight_launch,
@@ -41,7 +42,9 @@ rule preflight:
             "cluster.gpus_per_node",
             "cluster.gpu_type",
             "cluster.gpu_memory_gb",
-            "model.path",
+            "model.source",
+            "model.revision",
+            "model.dir",
             "data.max_prompt_length",
             "train.reward_mode",
             "train.total_training_steps",

@@ -223,7 +223,7 @@ def test_run_in_another_runtime_through_prefix_and_pythonpath(tmp_path: Path,
     cfg = make_config(train={"runtime": {"prefix": "env HY3RL_IN_RUNTIME=1",
                                          "python": "/usr/bin/python3"}},
                       checks={"bridge": {"real_layers": 2}},
-                      model={"path": str(tmp_path / "hy3")})
+                      model={"source": str(tmp_path / "hy3")})
     br.run(cfg.checks.bridge, cfg.model, cfg.train.runtime, lock=bridge_repo_factory()[2],
            out=out)
     doc = json.loads(out.read_text())

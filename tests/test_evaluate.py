@@ -24,7 +24,7 @@ import pytest
 import yaml
 from fixtures.common import REPO_ROOT, make_config, run_snakemake
 from fixtures.eval import make_val_parquet
-from hy3rl import evaluate
+from hy3rl import evaluate, hub
 from hy3rl.config import ConfigError, deep_merge
 from hy3rl.evaluate import (
     EvalError,
@@ -370,6 +370,8 @@ def test_snakemake_evaluate_on_embedded_default(tmp_path, tiny_hy3_copy):
     model = work / "model"
     shutil.copytree(tiny_hy3_copy("m"), model)
     res = work / "results" / "t"
+    # rule model's manifest of the local model, older than the data put in place
+    hub.run(str(model), None, "", manifest=res / "model" / "manifest.json", progress=False)
     make_val_parquet(res / "data" / "val.parquet", copies=32)
     lock = {"schema_version": 1, "repos": {}}
     mirror = Path("/work/.mirror/verl-project+verl/repo")
@@ -476,12 +478,17 @@ def test_final_model_from_train_sentinel(tmp_path):
 
 def test_ray_launch_script_runs_the_job_inside_ray(tmp_path):
     job = tmp_path / "eval" / "step20" / "ray" / "job.json"
-    text = evaluate.ray_launch_script(job, "/work dir", "/env/bin/python")
+    from hy3rl.launch import SCRIPTS_DIR
+    from hy3rl.settings import Runtime
+
+    text = evaluate.ray_launch_script(job, "/work dir", Runtime(prefix="apptainer exec x.sif",
+                                                                 python="/env/bin/python"))
     script = tmp_path / "launch.sh"
     script.write_text(text)
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
     assert f"export {evaluate.IN_RAY_VAR}=1" in text and "cd '/work dir'" in text
-    assert "PYTHONPATH" not in text  # the package is installed in the job's Python
+    # the runtime's python (vLLM lives there) imports this workflow's package by PYTHONPATH
+    assert f"export PYTHONPATH={SCRIPTS_DIR}" in text
     # the quoted command line parses back to exactly the internal entry point
     import shlex
 

@@ -368,6 +368,65 @@ def test_token_sent_and_written_nowhere(fake_hub: FakeHub, tmp_path: Path,
             assert token.encode() not in path.read_bytes(), path
 
 
+# --------------------------------------------------------------------------- the stage
+
+
+def test_hy3rl_model_and_check_checkpoint_on_the_layout(fake_hub: FakeHub, tmp_path: Path,
+                                                        bridge_repo_factory) -> None:
+    """`hy3rl model` (what rule model's adapter runs) on a hub source: the manifest at the
+    layout's path, the files in model.dir, HF_TOKEN in neither; `hy3rl check_checkpoint`
+    then passes against it with hashing on (git blob ids included). Offline, exit 1 with
+    the keys named and no traceback."""
+    import yaml
+
+    work = tmp_path / "work"
+    (work / "results/t/deps").mkdir(parents=True)
+    shutil.copy(bridge_repo_factory()[2], work / "results/t/deps/lock.json")
+    cfg = tmp_path / "hub.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "run": {"name": "t"}, "checks": {"checkpoint": {"sha256": True}},
+        "model": {"source": REPO_ID, "revision": fake_hub.commit, "dir": str(tmp_path / "hy3")}}))
+    configs = ["--configfile", str(Path(__file__).parents[1] / "config/config.yaml"),
+               "--configfile", str(cfg)]
+    token = "hf_" + "x7" * 16
+    env = {**os.environ, "HF_TOKEN": token}
+
+    def hy3rl(stage: str, **extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "hy3rl.cli", stage, *configs],
+                              capture_output=True, text=True, cwd=work, env={**env, **extra},
+                              timeout=300)
+
+    proc = hy3rl("model")
+    assert proc.returncode == 0, proc.stderr
+    manifest = work / "results/t/model/manifest.json"
+    doc = json.loads(manifest.read_text())
+    assert doc["source"]["repo_id"] == REPO_ID and doc["dir"] == str(tmp_path / "hy3")
+    assert doc["source"]["resolved_revision"] == fake_hub.commit
+    assert token not in proc.stdout + proc.stderr and token not in manifest.read_text()
+    proc = hy3rl("check_checkpoint")
+    assert proc.returncode == 0, proc.stderr
+    check = json.loads((work / "results/t/checks/checkpoint.json").read_text())
+    row = next(c for c in check["checks"] if c["name"] == "manifest")
+    assert row["status"] == "pass" and "sizes and hashes" in row["details"]
+    manifest.unlink()
+    proc = hy3rl("model", HF_HUB_OFFLINE="1")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "hy3rl model: error: model.source" in proc.stderr and "model.revision" in proc.stderr
+    assert not manifest.exists()
+    # Rule model itself (Snakemake, the environment passed through): the files are there,
+    # so it asks the hub for the file list only and writes the manifest.
+    from fixtures.common import run_snakemake
+
+    before = len(fake_hub.requests)
+    run_snakemake([*configs[:2], str(cfg), "--cores", "2", "--", str(manifest.relative_to(
+        work))], work, env={"HF_TOKEN": token})
+    assert json.loads(manifest.read_text())["files"] == doc["files"]
+    assert [r.path for r in fake_hub.requests[before:] if REPO_ID in r.path] == [
+        f"/api/models/{REPO_ID}/revision/{fake_hub.commit}"]
+    log = (work / "results/t/logs/model.log").read_text()
+    assert "rule model: 3 rerun trigger(s)" in log and token not in log
+
+
 # --------------------------------------------------------------------------- the double
 
 

@@ -13,4 +13,4 @@ with rule_job(snakemake) as cfg:
         val=Path(inp.val), samples=Path(out.samples), meta=Path(out.meta),
         runtime_env=Path(inp.runtime_env) if inp.get("runtime_env") else None,
         ray_dir=Path(Layout.from_config(cfg).eval_ray_dir(tag)),
-        cpus_per_node=cfg.cluster.cpus_per_node)
+        cpus_per_node=cfg.cluster.cpus_per_node, runtime=cfg.train.runtime, ray=cfg.train.ray)

@@ -429,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
                     "clone, whose src/ goes first on sys.path")
     ap.add_argument("--cosine-min", required=True, type=float)
     ap.add_argument("--real-layers", type=int, default=0)
-    ap.add_argument("--real-path", help="the real checkpoint to truncate (model.path)")
+    ap.add_argument("--real-path", help="the real checkpoint to truncate (cfg.model.path)")
     ap.add_argument("--tiny", action="append", default=[], metavar="KEY=INT",
                     help="model.tiny.<KEY> (repeated)")
     args = ap.parse_args(argv)

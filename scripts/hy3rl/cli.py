@@ -110,7 +110,8 @@ def _evaluate(cfg: Config, layout: Layout, args: argparse.Namespace) -> None:
                  val=Path(layout.data_val), samples=Path(layout.eval_samples(t)),
                  meta=Path(layout.eval_samples_meta(t)),
                  runtime_env=Path(layout.deps_runtime_env), ray_dir=Path(layout.eval_ray_dir(t)),
-                 cpus_per_node=cfg.cluster.cpus_per_node)
+                 cpus_per_node=cfg.cluster.cpus_per_node, runtime=cfg.train.runtime,
+                 ray=cfg.train.ray)
 
 
 def _score(cfg: Config, layout: Layout, args: argparse.Namespace) -> None:
@@ -184,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         cfg = Config.load(*(args.configfile or [Path("config/config.yaml")]))
-    except ConfigError as exc:
+    except (ConfigError, OSError) as exc:
         print(f"hy3rl: {exc}", file=sys.stderr)
         return 2
     if args.stage != "config":

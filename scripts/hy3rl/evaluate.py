@@ -39,7 +39,7 @@ from typing import Any
 from hy3rl.atomic import write_json_atomic, write_jsonl_atomic, write_text_atomic
 from hy3rl.errors import StageError
 from hy3rl.layout import Layout
-from hy3rl.settings import Config, Eval, VllmBackend, build
+from hy3rl.settings import Config, Eval, Ray, Runtime, VllmBackend, build
 from hy3rl.timefmt import utc_now
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -556,10 +556,10 @@ def final_step(train_done: Path) -> int:
 
 
 def model_for_tag(cfg: Config, tag: str, train_done: str | Path | None = None) -> str:
-    """The model directory a tag evaluates: ``base`` is ``model.path``; ``step<N>`` and
-    ``final`` (the ``final_step`` of ``train_done``, by default the layout's
-    ``train/done.json``) are the HF weights of that step's checkpoint, under the one
-    checkpoint directory of :class:`hy3rl.layout.Layout`."""
+    """The model directory a tag evaluates: ``base`` is ``cfg.model.path`` (the directory
+    rule model describes); ``step<N>`` and ``final`` (the ``final_step`` of ``train_done``,
+    by default the layout's ``train/done.json``) are the HF weights of that step's
+    checkpoint, under the one checkpoint directory of :class:`hy3rl.layout.Layout`."""
     layout = Layout.from_config(cfg)
     if tag == "base":
         return cfg.model.path
@@ -577,22 +577,29 @@ def model_for_tag(cfg: Config, tag: str, train_done: str | Path | None = None) -
 IN_RAY_VAR = "HY3RL_EVAL_IN_RAY"
 
 
-def ray_launch_script(job: Path, workdir: str, python: str) -> str:
+def ray_launch_script(job: Path, workdir: str, runtime: Runtime | None) -> str:
     """The script the Ray job runs for a multi-node vLLM evaluation: this module's internal
     entry point on ``job`` (the eval section and paths, as JSON), on the Ray cluster that
-    hy3rl.launch started over the job's nodes (as for training)."""
+    hy3rl.launch started over the job's nodes (as for training). It runs in the training
+    runtime (``train.runtime``: its python, where vLLM lives), which imports this
+    workflow's package through PYTHONPATH, as the launcher's node processes do."""
     import shlex
 
+    from hy3rl.launch import SCRIPTS_DIR, resolve_runtime
+
+    python = resolve_runtime(runtime)["python"]
     cmd = " ".join(shlex.quote(a) for a in [python, "-m", "hy3rl.evaluate", str(job)])
     return ("#!/usr/bin/env bash\n# Written by hy3rl.evaluate: the evaluation as a Ray job.\n"
             "set -euo pipefail\n"
             f"cd {shlex.quote(workdir)}\n"
             f"export {IN_RAY_VAR}=1\n"
+            f"export PYTHONPATH={shlex.quote(str(SCRIPTS_DIR))}${{PYTHONPATH:+:$PYTHONPATH}}\n"
             f"exec {cmd}\n")
 
 
 def _launch_on_ray(ev: Eval, job: dict[str, Any], *, tag: str, runtime_env: Path | None,
-                   ray_dir: Path | None, cpus_per_node: int) -> None:
+                   ray_dir: Path | None, cpus_per_node: int, runtime: Runtime | None,
+                   ray: Ray | None) -> None:
     # ---- GPU cluster only: start Ray over the job's nodes with the training launcher and
     # run the generation again inside it (not run on this machine: needs vLLM and GPUs). ----
     from hy3rl.launch import LaunchSpec, launch
@@ -603,11 +610,12 @@ def _launch_on_ray(ev: Eval, job: dict[str, Any], *, tag: str, runtime_env: Path
     job_file = ray_dir / "job.json"
     write_json_atomic(job_file, job, indent=1)
     script = ray_dir / "launch.sh"
-    write_text_atomic(script, ray_launch_script(job_file.resolve(), os.getcwd(), sys.executable))
+    write_text_atomic(script, ray_launch_script(job_file.resolve(), os.getcwd(), runtime))
     slurm_job = os.environ.get("SLURM_JOB_ID", "local")
     spec = LaunchSpec(submission_id=f"eval-{tag}-{slurm_job}", launch_script=script.resolve(),
                       runtime_env=runtime_env, log_dir=ray_dir, nodes=ev.vllm.nodes,
-                      gpus_per_node=ev.vllm.gpus_per_node, cpus_per_node=cpus_per_node)
+                      gpus_per_node=ev.vllm.gpus_per_node, cpus_per_node=cpus_per_node,
+                      runtime=runtime, ray=ray)
     result = launch(spec)
     if result.exit_code != 0:
         raise EvalError(f"tag {tag}: the evaluation's Ray job failed ({result.reason}, exit "
@@ -621,7 +629,7 @@ def _launch_on_ray(ev: Eval, job: dict[str, Any], *, tag: str, runtime_env: Path
 
 def run(ev: Eval, *, tag: str, model: str | Path, val: Path, samples: Path, meta: Path,
         runtime_env: Path | None = None, ray_dir: Path | None = None,
-        cpus_per_node: int = 1) -> None:
+        cpus_per_node: int = 1, runtime: Runtime | None = None, ray: Ray | None = None) -> None:
     """Generate ``samples`` (samples.jsonl) and ``meta`` (samples.meta.json) of ``tag``:
     ``model`` (a HF model directory; :func:`model_for_tag`) on the problems of ``val``
     (data/val.parquet), with the sampling settings and backend of ``ev`` (docs/formats/
@@ -629,7 +637,8 @@ def run(ev: Eval, *, tag: str, model: str | Path, val: Path, samples: Path, meta
 
     vLLM on more than one node (``eval.vllm.nodes``): Ray is started over the job's nodes by
     the training launcher with ``runtime_env`` (deps/runtime_env.yaml; ``cpus_per_node`` =
-    cluster.cpus_per_node), its logs and the Ray job's script in ``ray_dir``
+    cluster.cpus_per_node; ``runtime`` and ``ray`` = train.runtime and train.ray, as for
+    training), its logs and the Ray job's script in ``ray_dir``
     (eval/<tag>/ray), and this same function runs inside it as the Ray job.
     Raises :class:`EvalError` for bad input, :class:`EvalNotRun` without vLLM."""
     val, samples, meta = Path(val), Path(samples), Path(meta)
@@ -682,7 +691,7 @@ def run(ev: Eval, *, tag: str, model: str | Path, val: Path, samples: Path, meta
             job = {"eval": asdict(ev), "tag": tag, "model": model_path, "val": str(val),
                    "samples": str(samples), "meta": str(meta)}
             _launch_on_ray(ev, job, tag=tag, runtime_env=runtime_env, ray_dir=ray_dir,
-                           cpus_per_node=cpus_per_node)
+                           cpus_per_node=cpus_per_node, runtime=runtime, ray=ray)
             return
         meta_doc["backend_settings"] = {"engine": engine, "batch_size": batch_size}
 

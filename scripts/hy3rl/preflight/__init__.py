@@ -5,7 +5,8 @@
 1. resolves the launch (:mod:`.resolve`): the pinned script's exact overrides, the
    corrections of upstream traps, the composition with the pinned verl's Hydra config;
 2. runs verl's own validation of the composed config in a subprocess with the pinned clone
-   on the path (:mod:`hy3rl.verl_checks`), with the model directory ``model.path``;
+   on the path (:mod:`hy3rl.verl_checks`), with the model directory (``cfg.model.path``:
+   model.source, or model.dir for a hub source);
 3. checks the coupling rules on the composed values, verl's results and, for a GPU run, the
    bridge check's report (:mod:`.rules`; each rule has a stable name and can be waived by
    name) and estimates the GPU-hours (:mod:`.estimate`);

@@ -64,7 +64,7 @@ HY3_ORIGIN = f"hy3-required (carried over from {DEFAULT_SCRIPT})"
 # Knobs of the default script that other config keys own.
 OWNED_KNOBS = {
     "NNODES": "cluster.nodes", "NGPUS_PER_NODE": "cluster.gpus_per_node",
-    "GPUS_PER_NODE": "cluster.gpus_per_node", "MODEL_PATH": "model.path",
+    "GPUS_PER_NODE": "cluster.gpus_per_node", "MODEL_PATH": "model.source / model.dir",
     "TRAIN_FILES": "data (results/<run>/data/train.parquet)",
     "VAL_FILES": "data (results/<run>/data/val.parquet)",
     "MAX_PROMPT_LENGTH": "data.max_prompt_length",
@@ -304,7 +304,8 @@ def knob_env(cfg: Config, train_files: Path, val_files: Path, known: list[str],
         "NNODES": {"value": str(cfg.cluster.nodes), "from": "cluster.nodes"},
         "NGPUS_PER_NODE": {"value": str(cfg.cluster.gpus_per_node),
                            "from": "cluster.gpus_per_node"},
-        "MODEL_PATH": {"value": str(Path(cfg.model.path).absolute()), "from": "model.path"},
+        "MODEL_PATH": {"value": str(Path(cfg.model.path).absolute()),
+                       "from": "model.source" if cfg.model.is_local else "model.dir"},
         "TRAIN_FILES": {"value": str(train_files), "from": "data"},
         "VAL_FILES": {"value": str(val_files), "from": "data"},
         "MAX_PROMPT_LENGTH": {"value": str(cfg.data.max_prompt_length),

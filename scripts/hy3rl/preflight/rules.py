@@ -1,5 +1,7 @@
 """The coupling rules: checks of the composed launch (parallel layout, token budgets, batch
-sizes, frequencies, checkpoints, disk) before any GPU is allocated.
+sizes, frequencies, checkpoints, disk, the DAPO reward lengths), of verl's own validation of it
+(hy3rl.verl_checks) and, for a GPU run, of the bridge check's report, before any GPU is
+allocated.
 
 Each rule has a stable name (``RULES``; ``preflight.waive`` names them) and a status: pass,
 error, warning, waived or not run. One function per rule family below reads the composed

@@ -145,8 +145,12 @@ def fig_extra(found: Found, redact: Redactor, dpi: int, reason: str) -> bytes:
         if "response_length/clip_ratio" in keys and title.startswith("Response"):
             ax2 = ax.twinx()
             x, y = series(m, "response_length/clip_ratio")
-            ax2.plot(x, y, color="tab:gray", lw=1, ls="-.", label="clip_ratio (right)")
-            ax2.set_ylabel("clip ratio")
+            # verl v1 measures it against the longest response of the batch (the padded
+            # width), not the configured maximum: it is no truncation rate (evaluation's
+            # finish_reason gives that).
+            ax2.plot(x, y, color="tab:gray", lw=1, ls="-.",
+                     label="share at batch max length (right)")
+            ax2.set_ylabel("share of responses at the batch's longest length")
             ax2.legend(fontsize=7, loc="lower right")
         if not got:
             why = reason if not m else "not logged: " + ", ".join(wanted)
