@@ -428,3 +428,16 @@ def test_console_script_runs():
     assert exe.exists(), f"{exe} missing: pyproject's [project.scripts] hy3rl (./install.sh)"
     proc = subprocess.run([str(exe), "--help"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "usage: hy3rl" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_install_brings_what_verl_checks_import():
+    """Preflight runs verl's own config validation (hy3rl.verl_checks) with the pinned verl
+    on the path: its pure-Python requirements come from the workflow's install (pinned in
+    pyproject.toml, hashed in the locks), never a silent `not run`."""
+    import importlib.util
+
+    for module in ("tensordict", "codetiming", "hydra", "omegaconf", "huggingface_hub"):
+        assert importlib.util.find_spec(module) is not None, f"{module} is not installed"
+    pins = (REPO / "pyproject.toml").read_text()
+    for pin in ("tensordict==", "codetiming==", "huggingface_hub=="):
+        assert pin in pins, pin

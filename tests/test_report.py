@@ -658,3 +658,53 @@ def test_snakemake_report_rule_and_snakemake_report(gpu: bool, tmp_path: Path):
     for where, blob in [*blobs.items(), *((p.name, p.read_bytes()) for p in out.iterdir())]:
         for secret in (SECRET_WANDB, SECRET_HF, SECRET_SK):
             assert secret.encode() not in blob, f"{secret} in {where}"
+
+
+def test_provenance_names_the_runtime_of_the_newest_attempt(report_run_factory):
+    """The training runtime (docs/formats/train.md `runtime`) as the newest attempt record
+    names it: the image digest, both sides' Ray; an interpreter with its freeze; an older
+    record without one says so."""
+    pinned = "docker://verlai/verl@sha256:" + "4f" * 32
+    runtime = {"prefix": f"apptainer exec --nv {pinned}", "python": "python3",
+               "identity": {"kind": "image", "id": pinned, "image": pinned,
+                            "digest": "sha256:" + "4f" * 32, "pinned": True},
+               "ray": {"client": "2.60.0", "cluster": "2.60.0", "match": True}}
+    results = report_run_factory(RunSpec(extra_attempt={"runtime": runtime}))
+    first = results / "train" / "attempts" / "attempt-1.json"
+    rec = json.loads(first.read_text())
+    rec["runtime"] = {"prefix": "apptainer exec docker://verlai/verl:old", "python": "python3",
+                      "identity": {"kind": "image", "id": "docker://verlai/verl:old",
+                                   "tag": "old", "pinned": False, "note": "a tag can move"}}
+    first.write_text(json.dumps(rec))
+
+    def rows(files):
+        return {r["name"]: r for r in _csv(files["provenance.csv"])
+                if r["section"].startswith("training runtime")}
+
+    files = _build(results, _config())
+    prov = rows(files)
+    assert prov["identity (image)"]["value"] == pinned
+    assert prov["identity (image)"]["section"] == \
+        "training runtime (train/attempts/attempt-2.json)"
+    assert prov["prefix"]["value"] == f"apptainer exec --nv {pinned}"
+    assert prov["ray (job client / cluster)"]["value"] == "2.60.0 / 2.60.0 (equal)"
+    assert "identity note" not in prov and "verl:old" not in files["provenance.csv"].decode()
+    assert pinned in files["index.html"].decode()
+
+    rec = json.loads((results / "train" / "attempts" / "attempt-2.json").read_text())
+    rec["runtime"] = {"prefix": "", "python": "/venv/bin/python", "ray": None, "identity": {
+        "kind": "interpreter", "id": "python 3.11.9 /venv/bin/python, freeze sha256:ab (2 "
+        "packages)", "python": "/venv/bin/python", "python_version": "3.11.9",
+        "freeze_sha256": "ab" * 32, "freeze_method": "pip freeze --all",
+        "freeze": ["ray==2.60.0", "verl==0.7.0"]}}
+    (results / "train" / "attempts" / "attempt-2.json").write_text(json.dumps(rec))
+    prov = rows(_build(results, _config()))
+    assert prov["prefix"]["value"] == "(none: the workflow env)"
+    assert prov["identity (interpreter)"]["value"].startswith("python 3.11.9 /venv/bin/python")
+    assert prov["freeze_sha256"]["value"] == "ab" * 32
+    assert prov["freeze (pip freeze --all)"]["value"] == "ray==2.60.0; verl==0.7.0"
+    assert prov["ray (job client / cluster)"]["value"] == "not recorded (no Ray head ran)"
+
+    del rec["runtime"]
+    (results / "train" / "attempts" / "attempt-2.json").write_text(json.dumps(rec))
+    assert rows(_build(results, _config()))["runtime"]["value"] == "not recorded"

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from fixtures.common import REPO_ROOT, make_config
 from fixtures.trainer_double import launch_sh, partial_checkpoint, plan_json
-from hy3rl import launch, train, verl_log
+from hy3rl import launch, runtime_id, train, verl_log
 from hy3rl.errors import StageError
 from hy3rl.layout import Layout
 from hy3rl.settings import Runtime
@@ -504,3 +504,176 @@ def test_runtime_env_secrets_redacted_in_logs(tmp_path: Path, monkeypatch, caplo
     assert token not in caplog.text and "'HF_TOKEN': '[REDACTED]'" in caplog.text
     assert "'WANDB_MODE': 'offline'" in caplog.text
     assert lr.redactor.text(f"login with {token} ok\n") == "login with [REDACTED] ok\n"
+
+
+# ---------------------------------------------------------------- runtime identity
+
+
+def test_runtime_identity_of_registry_images() -> None:
+    pinned = "docker://verlai/verl@sha256:" + "4f" * 32
+    ident = runtime_id.identify(f"apptainer exec --nv --bind /shared {pinned}", "python3")
+    assert ident == {"kind": "image", "id": pinned, "image": pinned,
+                     "digest": "sha256:" + "4f" * 32, "pinned": True}
+    ident = runtime_id.identify("singularity exec --nv -B /a:/b "
+                                "docker://verlai/verl:vllm023.dev1", "python3")
+    assert (ident["kind"], ident["tag"], ident["pinned"]) == ("image", "vllm023.dev1", False)
+    assert "a tag can move" in ident["note"] and "runtime_tag" in ident["note"]
+    ident = runtime_id.identify("/opt/bin/apptainer exec docker://reg.io:5000/verl", "python3")
+    assert ident["tag"] == "latest (implicit)" and ident["image"] == "docker://reg.io:5000/verl"
+
+
+def test_runtime_identity_of_a_sif_is_hashed_once(tmp_path: Path, monkeypatch) -> None:
+    import hashlib
+
+    sif = tmp_path / "images" / "verl.sif"
+    sif.parent.mkdir()
+    sif.write_bytes(os.urandom(3 * runtime_id.CHUNK // 2))  # more than one streamed chunk
+    cache = tmp_path / "train" / "runtime_id_cache.json"
+    prefix = f"apptainer exec --nv --bind /shared {sif}"
+    first = runtime_id.identify(prefix, "python3", cache=cache)
+    digest = hashlib.sha256(sif.read_bytes()).hexdigest()
+    assert (first["kind"], first["sha256"], first["sha256_from"]) == ("sif", digest, "hashed")
+    assert first["image"] == str(sif) and first["id"] == f"{sif} sha256:{digest}"
+    assert json.loads(cache.read_text())[str(sif)]["sha256"] == digest
+    calls = []
+    real = runtime_id.sha256_file
+    monkeypatch.setattr(runtime_id, "sha256_file", lambda p: calls.append(p) or real(p))
+    again = runtime_id.identify(prefix, "python3", cache=cache)
+    assert again["sha256"] == digest and again["sha256_from"] == "cache" and calls == []
+    with open(sif, "ab") as fh:  # another image at the same path: size and mtime change
+        fh.write(b"x")
+    changed = runtime_id.identify(prefix, "python3", cache=cache)
+    assert changed["sha256_from"] == "hashed" and calls == [sif]
+    assert changed["sha256"] == hashlib.sha256(sif.read_bytes()).hexdigest() != digest
+
+
+def test_runtime_identity_of_an_interpreter_through_its_prefix(tmp_path: Path) -> None:
+    """No image: the runtime's python, its version and `pip freeze`, run through the prefix
+    (a wrapper printing a banner of its own, as `conda run` may)."""
+    import hashlib
+    import platform
+
+    wrap = tmp_path / "wrap.sh"
+    wrap.write_text('#!/bin/bash\necho "banner: entering the runtime"\nexec "$@"\n')
+    wrap.chmod(0o755)
+    ident = runtime_id.identify(str(wrap), sys.executable)
+    assert ident["kind"] == "interpreter", ident
+    assert ident["python"] == sys.executable
+    assert ident["python_version"] == platform.python_version()
+    assert ident["freeze_method"] == "pip freeze --all"
+    from importlib import metadata
+
+    assert f"ray=={metadata.version('ray')}" in ident["freeze"]
+    assert ident["freeze_sha256"] == hashlib.sha256(
+        ("\n".join(ident["freeze"]) + "\n").encode()).hexdigest()
+    assert ident["id"].startswith(f"python {platform.python_version()} {sys.executable}, "
+                                  f"freeze sha256:{ident['freeze_sha256']}")
+
+
+def test_runtime_identity_failures_are_recorded_not_fatal(tmp_path: Path) -> None:
+    gone = runtime_id.identify(f"apptainer exec {tmp_path / 'missing.sif'}", "python3")
+    assert gone["kind"] == "unknown" and "not found on this host" in gone["reason"]
+    assert gone["id"] == f"unknown: {gone['reason']}"
+    assert "not found on PATH" in runtime_id.identify("no-such-runtime-cmd", "python3")["reason"]
+    assert runtime_id.identify("apptainer exec 'unclosed", "python3")["kind"] == "unknown"
+    broken = tmp_path / "broken.sh"
+    broken.write_text("#!/bin/bash\necho 'no such env' >&2\nexit 3\n")
+    broken.chmod(0o755)
+    ident = runtime_id.identify(str(broken), "python3")
+    assert ident["kind"] == "unknown" and "exited 3: no such env" in ident["reason"]
+
+
+# ---------------------------------------------------------------- one Ray on both sides
+
+
+def _stub_ray_runtime(tmp_path: Path, version: str) -> Runtime:
+    """A runtime prefix whose python imports a stub `ray` reporting ``version``."""
+    stub = tmp_path / "stub"
+    (stub / "ray").mkdir(parents=True)
+    (stub / "ray" / "__init__.py").write_text(f"__version__ = {version!r}\n")
+    wrap = tmp_path / "stub-runtime.sh"
+    wrap.write_text(f'#!/bin/bash\nexport PYTHONPATH={stub}\nexec "$@"\n')
+    wrap.chmod(0o755)
+    return Runtime(prefix=str(wrap), python=sys.executable)
+
+
+def test_ray_versions_mismatch_refuses_naming_both(tmp_path: Path) -> None:
+    from importlib import metadata
+
+    client = launch.client_ray_version()
+    assert client == metadata.version("ray")
+    runtime = _stub_ray_runtime(tmp_path, "2.9.3")
+    assert launch.runtime_ray_version(runtime) == "2.9.3"
+    versions = launch.ray_versions(client, "2.9.3")
+    assert versions == {"client": client, "cluster": "2.9.3", "match": False}
+    with pytest.raises(launch.LaunchError) as exc:
+        launch.refuse_mismatch(versions, runtime)
+    msg = str(exc.value)
+    assert f"has Ray {client}" in msg and "runs Ray 2.9.3" in msg
+    assert str(runtime.prefix) in msg and "ray[default]==2.9.3" in msg
+    assert f"whose Ray is {client}" in msg
+    assert exc.value.reason == f"ray version mismatch (client {client}, cluster 2.9.3)"
+    launch.refuse_mismatch(launch.ray_versions(client, client), runtime)  # equal: submits
+    launch.refuse_mismatch(launch.ray_versions(client, None), runtime)  # unknown: submits
+    with pytest.raises(launch.LaunchError, match="without a Ray version"):
+        launch.runtime_ray_version(Runtime(prefix="env", python="/bin/true"))
+
+
+def test_launcher_checks_ray_before_workers_and_records_both(tmp_path: Path) -> None:
+    """The head's published version is used; without one, the runtime is probed. Both
+    versions reach ``on_ray`` before a mismatch refuses."""
+    client = launch.client_ray_version()
+    lr, _ = _launcher(tmp_path, _stub_ray_runtime(tmp_path, "2.9.3"), None)
+    seen: list[dict] = []
+    lr.on_ray = seen.append
+    lr.check_ray({"ray_version": client})
+    assert seen[-1]["match"] is True and seen[-1]["cluster_from"] == "head.json"
+    with pytest.raises(launch.LaunchError, match="Ray version mismatch") as exc:
+        lr.check_ray({})  # no version published: `<prefix> <python> -c "import ray..."`
+    assert seen[-1] == {"client": client, "cluster": "2.9.3", "match": False,
+                        "client_cli": launch.RAY, "cluster_from": "runtime probe"}
+    assert "cluster 2.9.3" in exc.value.reason
+
+
+def test_attempt_record_names_runtime_and_ray(tmp_path: Path, monkeypatch) -> None:
+    """train.run records the runtime's identity (a local SIF: hashed into the layout's
+    cache) and both Ray versions; a mismatch ends the attempt with its reason."""
+    sif = tmp_path / "verl.sif"
+    sif.write_bytes(b"SIF image bytes")
+    cfg, layout, paths = _setup(tmp_path)
+    cfg = make_config(run={"name": "run"},
+                      cluster={"nodes": 1, "gpus_per_node": 0, "cpus_per_node": 1},
+                      train={"checkpoint_root": str(tmp_path / "ckpt"),
+                             "runtime": {"prefix": f"apptainer exec {sif}"}})
+    versions = {"client": "2.60.0", "cluster": "2.9.3", "match": False,
+                "client_cli": "ray", "cluster_from": "head.json"}
+
+    def fake_launch(spec, on_nodes=None, on_stop=None, on_ray=None):
+        on_nodes(["n1"])
+        rec = json.loads(Path(layout.attempt_record(1)).read_text())
+        assert rec["runtime"]["identity"]["kind"] == "sif" and rec["runtime"]["ray"] is None
+        on_ray(versions)
+        return launch.LaunchResult(1, "ray version mismatch (client 2.60.0, cluster 2.9.3)",
+                                   ["n1"], None, dict(versions))
+
+    monkeypatch.setattr(launch, "launch", fake_launch)
+    with pytest.raises(train.TrainFailed, match="attempt 1: ray version mismatch"):
+        _run(cfg, layout, paths)
+    rec = json.loads(Path(layout.attempt_record(1)).read_text())
+    assert rec["exit_reason"] == "ray version mismatch (client 2.60.0, cluster 2.9.3)"
+    rt = rec["runtime"]
+    assert (rt["prefix"], rt["python"]) == (f"apptainer exec {sif}", "python3")
+    assert rt["identity"]["kind"] == "sif" and rt["identity"]["image"] == str(sif)
+    assert rt["ray"] == versions
+    assert str(sif) in json.loads(Path(layout.runtime_id_cache).read_text())
+
+
+def test_trainer_double_logs_verls_memory_key() -> None:
+    """verl@220e903 (engine_workers.py + ray_trainer.py's "actor/" prefix) logs
+    actor/perf/max_memory_allocated_gb; the double logs the same key, not a bare perf/ one."""
+    from fixtures.trainer_double import double_module
+
+    data = double_module().metrics(1, 2)
+    assert data["actor/perf/max_memory_allocated_gb"] > 0
+    assert "actor/perf/max_memory_reserved_gb" in data
+    assert "perf/max_memory_allocated_gb" not in data

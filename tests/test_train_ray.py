@@ -170,8 +170,20 @@ def test_runtime_prefix_wraps_node_and_uses_its_ray(train_setup) -> None:
     res = run_train(setup)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     a1 = attempt(setup, 1)
-    assert a1["runtime"] == {"prefix": str(wrap), "python": sys.executable}
+    rt = a1["runtime"]
+    assert (rt["prefix"], rt["python"]) == (str(wrap), sys.executable)
+    # Named exactly: no image in the prefix, so the runtime's python and its pip freeze,
+    # run through the prefix; one Ray on both sides (the head's, published in head.json).
+    assert rt["identity"]["kind"] == "interpreter" and rt["identity"]["python"] == sys.executable
+    assert len(rt["identity"]["freeze_sha256"]) == 64 and rt["identity"]["freeze"]
+    from importlib import metadata
+
+    ray_version = metadata.version("ray")
+    assert rt["ray"] == {"client": ray_version, "cluster": ray_version, "match": True,
+                         "client_cli": str(Path(sys.executable).with_name("ray")),
+                         "cluster_from": "head.json"}
     logs = setup.results / "train" / "attempts" / "attempt-1"
+    assert f"ray versions: job client {ray_version}" in (logs / "launcher.log").read_text()
     node_log = "".join(p.read_text() for p in logs.glob("node-*.log"))
     assert "wrap.sh: runtime marker wrapped" in node_log
     assert f"ray CLI {shim}" in node_log

@@ -9,9 +9,11 @@
    object manager, dashboard agent, metrics, runtime-env agent, worker port range), per node
    sharing a host, and a node-local per-job ``--temp-dir``;
 3. starts the Ray head in its own ``srun --overlap -N1 -n1 -w <node>`` step (this module's
-   ``node`` command wrapping ``ray start --block``), waits until its GCS answers, then one
-   worker per other node (retried with backoff), and polls until every node and GPU is
-   registered (hard deadline; the error names the missing nodes);
+   ``node`` command wrapping ``ray start --block``), waits until its GCS answers, checks
+   that the job client's Ray (this env's) is the cluster's (the version the runtime's
+   python imports on the head, published in ``head.json``; a mismatch refuses, naming
+   both), then starts one worker per other node (retried with backoff), and polls until
+   every node and GPU is registered (hard deadline; the error names the missing nodes);
 4. ``ray job submit --submission-id <id> --runtime-env <merged> -- bash <launch.sh>``,
    streaming the job's output into ``driver.log`` and this process's stdout (the rule log),
    then asks ``ray job status`` explicitly (a STOPPED job makes ``submit`` exit 0);
@@ -31,7 +33,8 @@ Runtime (``spec.runtime``, from ``train.runtime``): every node process runs as
 Ray (and verl, in the Ray job) come from the runtime. The node mode needs only the standard
 library, ``psutil`` and ``ray`` there (so this module imports only standard-library parts
 of ``hy3rl`` at its top). The driver side (``ray job submit``) stays on this interpreter's Ray
-and reaches the head's dashboard over HTTP.
+and reaches the head's dashboard over HTTP; Ray promises no compatibility between client
+and cluster versions, so the two must be equal (:meth:`Launcher.check_ray`).
 
 ``Ray`` settings (``spec.ray``) and the runtime (``spec.runtime``) are the typed sections
 ``train.ray`` and ``train.runtime`` (hy3rl.settings); left out, the schema's defaults.
@@ -44,6 +47,7 @@ import contextlib
 import json
 import logging
 import os
+import platform
 import re
 import shlex
 import shutil
@@ -97,6 +101,78 @@ def default_ray() -> Ray:
     return Config.from_dict({}).train.ray
 
 
+# --------------------------------------------------------------------------- one Ray
+
+RAY_PROBE = "import ray; print('HY3RL_RAY_VERSION', ray.__version__)"
+
+
+def client_ray_version() -> str | None:
+    """The Ray of the job client: ``ray job submit`` (``RAY``) and the JobSubmissionClient
+    run from this interpreter's environment (its ``ray`` distribution); a ``ray`` taken from
+    PATH instead answers ``ray --version``. None when it cannot be told."""
+    if RAY == str(Path(sys.executable).with_name("ray")):
+        from importlib import metadata
+
+        try:
+            return metadata.version("ray")
+        except metadata.PackageNotFoundError:
+            return None
+    try:
+        out = subprocess.run([RAY, "--version"], capture_output=True, text=True, timeout=120,
+                             stdin=subprocess.DEVNULL).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    m = re.search(r"version\s+(\S+)", out)
+    return m.group(1) if m else None
+
+
+def runtime_desc(runtime: Runtime | None) -> str:
+    rt = resolve_runtime(runtime)
+    if rt["prefix"]:
+        return f"train.runtime `{rt['prefix']} {rt['python']}`"
+    return f"the workflow env's {rt['python']} (no train.runtime.prefix)"
+
+
+def runtime_ray_version(runtime: Runtime | None, timeout: float = 300) -> str:
+    """The Ray the runtime's python imports: ``<prefix> <python> -c "import ray; ..."`` run
+    here (the launcher's node; the cluster's Ray when the head's ``head.json`` does not say).
+    Raises LaunchError naming the command when it cannot be told."""
+    rt = resolve_runtime(runtime)
+    cmd = [*shlex.split(rt["prefix"]), rt["python"], "-c", RAY_PROBE]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                              stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise LaunchError(f"{shlex.join(cmd)}: {exc}") from None
+    for line in proc.stdout.splitlines():
+        if line.startswith("HY3RL_RAY_VERSION "):
+            return line.split(None, 1)[1].strip()
+    tail = (proc.stderr.strip() or proc.stdout.strip())[-500:]
+    raise LaunchError(f"{shlex.join(cmd)} exited {proc.returncode} without a Ray version: "
+                      f"{tail}")
+
+
+def ray_versions(client: str | None, cluster: str | None) -> dict[str, Any]:
+    """``{"client", "cluster", "match"}`` (``match`` None when either is unknown)."""
+    match = None if client is None or cluster is None else client == cluster
+    return {"client": client, "cluster": cluster, "match": match}
+
+
+def refuse_mismatch(versions: dict[str, Any], runtime: Runtime | None) -> None:
+    """One Ray on both sides: Ray promises no compatibility between a job client and a
+    cluster of other versions, so a mismatch refuses the submission, naming both."""
+    if versions.get("match") is not False:
+        return
+    client, cluster = versions["client"], versions["cluster"]
+    raise LaunchError(
+        f"Ray version mismatch: the job client (`{RAY} job submit`, this workflow's env) has "
+        f"Ray {client}, the cluster ({runtime_desc(runtime)}) runs Ray {cluster}; Ray does not "
+        f"promise compatibility between client and cluster versions, so nothing was "
+        f"submitted. Use one Ray on both sides: install ray[default]=={cluster} in the "
+        f"workflow's env (the job client), or give train.runtime a runtime whose Ray is "
+        f"{client}", f"ray version mismatch (client {client}, cluster {cluster})")
+
+
 class LaunchError(StageError):
     """The launch failed before or outside the trainer; the message names the node/file."""
 
@@ -127,6 +203,7 @@ class LaunchResult:
     reason: str
     nodes: list[str]
     job_status: str | None = None
+    ray_versions: dict[str, Any] = field(default_factory=dict)  # see ray_versions()
 
 
 @dataclass
@@ -348,6 +425,7 @@ def node_main(args: argparse.Namespace) -> int:
             log.error("port(s) %s already in use on %s: another Ray? (train.ray.port_base)",
                       busy, socket.gethostname())
             return 4
+        import ray
         import ray.util
 
         ip = ray.util.get_node_ip_address()
@@ -355,9 +433,12 @@ def node_main(args: argparse.Namespace) -> int:
                 "--include-dashboard=true", f"--dashboard-host={ip}",
                 f"--dashboard-port={ports.dashboard}",
                 f"--ray-client-server-port={ports.client_server}"]
+        # The cluster's Ray: the version this (the runtime's) interpreter imports; the
+        # launcher compares it with its job client's before submitting.
         write_text_atomic(Path(args.publish), json.dumps(
             {"node": args.name, "ip": ip, "gcs_port": ports.gcs,
-             "dashboard_port": ports.dashboard}))
+             "dashboard_port": ports.dashboard, "ray_version": ray.__version__,
+             "python": sys.executable, "python_version": platform.python_version()}))
     else:
         cmd += [f"--address={args.head_address}"]
     setup = args.setup or ":"
@@ -445,6 +526,8 @@ class Launcher:
         self.redactor = Redactor()  # the passed-through secrets, once known
         self.job_done = False
         self.on_stop: Callable[[str], None] | None = None
+        self.on_ray: Callable[[dict[str, Any]], None] | None = None
+        self.ray_versions: dict[str, Any] = {}
         self.t0 = time.monotonic()
 
     # ---- helpers
@@ -478,7 +561,9 @@ class Launcher:
                     f"{np_.logfile}:\n{np_.tail()}", reason)
 
     def node_cmd(self, node: Node, role: str, ports: Ports, head_address: str | None) -> list[str]:
-        scope = f"{self.job_id or 'local'}-{node.name}-{self.spec.submission_id}"
+        # Unique per launch: the SLURM job, else this launcher's pid (two local runs of the
+        # same run name on one host must not kill each other's Ray).
+        scope = f"{self.job_id or f'local{os.getpid()}'}-{node.name}-{self.spec.submission_id}"
         temp = Path(self.ray.temp_root) / f"hy3rl-ray-{self.job_id or os.getpid()}-{node.name}"
         rt = resolve_runtime(self.spec.runtime)
         if rt["prefix"]:
@@ -541,6 +626,31 @@ class Launcher:
         raise LaunchError(f"Ray head on {head.name} not alive after "
                           f"{self.ray.head_timeout_s:g}s; {np_.logfile}:\n{np_.tail()}",
                           f"ray failed to start on {head.name}")
+
+    def check_ray(self, info: dict[str, Any]) -> None:
+        """One Ray on both sides, before any worker starts or anything is submitted: the job
+        client's Ray (this env) against the cluster's (published by the head in head.json;
+        else probed through the runtime). Recorded (``on_ray``) before a mismatch refuses."""
+        cluster, source = info.get("ray_version"), "head.json"
+        if not cluster:
+            try:
+                cluster, source = runtime_ray_version(self.spec.runtime), "runtime probe"
+            except LaunchError as exc:
+                cluster, source = None, f"unknown: {exc}"
+        self.ray_versions = {**ray_versions(client_ray_version(), cluster),
+                             "client_cli": RAY, "cluster_from": source}
+        self.phase("ray versions: job client %s (%s), cluster %s (%s)",
+                   self.ray_versions["client"], RAY, cluster, source)
+        if self.ray_versions["match"] is None:
+            log.warning("cannot compare the Ray versions of the job client and the cluster "
+                        "(client %s, cluster %s): submitting anyway",
+                        self.ray_versions["client"], cluster)
+        if self.on_ray:
+            try:
+                self.on_ray(dict(self.ray_versions))
+            except Exception as exc:  # recording must not stop the launch
+                log.warning("on_ray: %s", exc)
+        refuse_mismatch(self.ray_versions, self.spec.runtime)
 
     def start_workers(self, plan: dict[str, Ports], address: str) -> None:
         for n in self.nodes[1:]:
@@ -724,6 +834,7 @@ class Launcher:
                 "job_id": self.job_id, "nodes": [asdict(n) for n in self.nodes],
                 "ports": {k: asdict(v) for k, v in plan.items()}})
             info = self.start_head(plan[self.nodes[0].name])
+            self.check_ray(info)
             self.dashboard = f"http://{info['ip']}:{info['dashboard_port']}"
             self.start_workers(plan, f"{info['ip']}:{info['gcs_port']}")
             self.wait_registered()
@@ -737,17 +848,22 @@ class Launcher:
         finally:
             self.teardown()
         self.phase("exit %d: %s", code, reason)
-        return LaunchResult(code, reason, [n.name for n in self.nodes], status)
+        return LaunchResult(code, reason, [n.name for n in self.nodes], status,
+                            dict(self.ray_versions))
 
 
 _SIGNUMS = {f"signal {s.name}": s.value for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
 
 
 def launch(spec: LaunchSpec, on_nodes: Callable[[list[str]], None] | None = None,
-           on_stop: Callable[[str], None] | None = None) -> LaunchResult:
+           on_stop: Callable[[str], None] | None = None,
+           on_ray: Callable[[dict[str, Any]], None] | None = None) -> LaunchResult:
     """Run one training job on Ray (see the module docstring). Signal handlers for SIGTERM,
     SIGINT and SIGUSR1 are installed for the duration (main thread only); ``on_stop(reason)``
-    is called at the first one, before the teardown (to record it while there is time)."""
+    is called at the first one, before the teardown (to record it while there is time).
+    ``on_ray(versions)``: the job client's and the cluster's Ray versions, once the head
+    runs (:func:`ray_versions` plus ``client_cli``, ``cluster_from``), before a mismatch
+    refuses the submission."""
     spec.log_dir.mkdir(parents=True, exist_ok=True)
     handler = logging.FileHandler(spec.log_dir / "launcher.log")
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s: %(message)s"))
@@ -758,6 +874,7 @@ def launch(spec: LaunchSpec, on_nodes: Callable[[list[str]], None] | None = None
     logging.getLogger("hy3rl").setLevel(logging.INFO)
     launcher = Launcher(spec)
     launcher.on_stop = on_stop
+    launcher.on_ray = on_ray
     old = {}
     if threading.current_thread() is threading.main_thread():
         for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):

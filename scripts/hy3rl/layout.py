@@ -171,6 +171,12 @@ class Layout:
         """The folder of an attempt's launcher, driver and per-node logs."""
         return f"{self.train_attempts}/attempt-{k}"
 
+    @property
+    def runtime_id_cache(self) -> str:
+        """The sha256 of a local runtime image (.sif), by path + size + mtime
+        (hy3rl.runtime_id; not a rule output)."""
+        return self._p("train/runtime_id_cache.json")
+
     def segment_sentinel(self, end: int | str) -> str:
         return self._p(f"train/segments/step{end}.json")
 

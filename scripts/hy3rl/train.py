@@ -9,9 +9,11 @@
    last by verl's rank 0 plus a whole ``data.pt``), point verl's tracker
    ``latest_checkpointed_iteration.txt`` at it and move newer incomplete saves aside
    (never deleting them);
-4. run the launcher (``hy3rl.launch``): Ray over the job's nodes, ``ray job submit`` of the
-   rendered ``launch.sh`` with this attempt's ``VERL_FILE_LOGGER_PATH``; meanwhile prune old
-   complete checkpoints (retention);
+4. name the runtime (``hy3rl.runtime_id``: image digest, SIF sha256, or interpreter and
+   ``pip freeze``) in the attempt record, then run the launcher (``hy3rl.launch``): Ray over
+   the job's nodes, one Ray version on the job client and the cluster (recorded; a mismatch
+   refuses), ``ray job submit`` of the rendered ``launch.sh`` with this attempt's
+   ``VERL_FILE_LOGGER_PATH``; meanwhile prune old complete checkpoints (retention);
 5. record the attempt, merge every attempt's metrics log (``hy3rl.verl_log``), and, when
    training reached its last step, write the sentinel ``done.json`` last.
 
@@ -427,7 +429,8 @@ class AttemptRecord:
     wall_s: float | None = None
     metrics_log: str = ""
     log_dir: str = ""
-    runtime: dict[str, str] = field(default_factory=dict)  # train.runtime, defaults filled
+    # train.runtime with defaults filled, its identity (hy3rl.runtime_id) and both sides' Ray
+    runtime: dict[str, Any] = field(default_factory=dict)
 
 
 def attempt_numbers(layout: Layout) -> list[int]:
@@ -547,7 +550,7 @@ def run(train: Train, cluster: Cluster, layout: Layout, *, keep_steps: Sequence[
     Raises :class:`LockHeld` while another live trainer holds the checkpoint directory,
     :class:`TrainFailed` when the attempt ended early (its record says why), and
     :class:`TrainError` for a bad input."""
-    from hy3rl import launch
+    from hy3rl import launch, runtime_id
 
     # Absolute paths: the Ray job runs in the verl clone, the node steps wherever srun puts
     # them.
@@ -583,7 +586,11 @@ def run(train: Train, cluster: Cluster, layout: Layout, *, keep_steps: Sequence[
             write_merged(attempts_dir, metrics)
             write_done(layout, start, total, sentinel, metrics)
             return
-        runtime = launch.resolve_runtime(train.runtime)
+        runtime: dict[str, Any] = dict(launch.resolve_runtime(train.runtime))
+        runtime["identity"] = runtime_id.identify(runtime["prefix"], runtime["python"],
+                                                  cache=Path(layout.runtime_id_cache))
+        runtime["ray"] = None  # filled once the Ray head runs (launch.Launcher.check_ray)
+        log.info("attempt %d: runtime %s", k, runtime["identity"]["id"])
         sub_id = f"{layout.run}-{me.job_id or 'local'}-{k}"
         attempt_metrics = Path(layout.attempt_metrics(k))
         log_dir = Path(layout.attempt_logs(k))
@@ -614,10 +621,13 @@ def run(train: Train, cluster: Cluster, layout: Layout, *, keep_steps: Sequence[
         try:
             result = launch.launch(
                 spec, on_nodes=lambda nodes: _record_nodes(record, rec, nodes),
-                on_stop=lambda reason: _record_stop(layout, record, rec, ckpt, reason))
+                on_stop=lambda reason: _record_stop(layout, record, rec, ckpt, reason),
+                on_ray=lambda versions: _record_ray(record, rec, versions))
         finally:
             pruner.stop.set()
             pruner.join(timeout=30)
+        if result.ray_versions:
+            rec["runtime"]["ray"] = result.ray_versions
         removed = prune(ckpt, keep, protected)
         best = newest_complete(scan(ckpt))
         end = best.step if best else None
@@ -655,6 +665,11 @@ def _record_stop(layout: Layout, record: Path, rec: dict[str, Any], ckpt: Path,
     best = newest_complete(scan(ckpt))
     snapshot = close_record(dict(rec), layout, best.step if best else None, reason, None)
     write_json_atomic(record, snapshot)
+
+
+def _record_ray(record: Path, rec: dict[str, Any], versions: dict[str, Any]) -> None:
+    rec["runtime"]["ray"] = dict(versions)
+    write_json_atomic(record, rec)
 
 
 def _record_nodes(record: Path, rec: dict[str, Any], nodes: list[str]) -> None:

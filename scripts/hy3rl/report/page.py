@@ -355,6 +355,45 @@ def data_rows(summary: Any) -> list[dict[str, Any]]:
             for k, v in find_key(summary, r"(sha|hash|digest|rows)")]
 
 
+RAY_MATCH = {True: "equal", False: "DIFFERENT: submission refused", None: "not compared"}
+
+
+def runtime_rows(found: Found) -> list[dict[str, Any]]:
+    """The training runtime as the newest attempt record names it (``runtime``:
+    ``train.runtime``, its identity by hy3rl.runtime_id, the job client's and the cluster's
+    Ray; docs/formats/train.md)."""
+    if not found.attempts:
+        return []
+    a = found.attempts[-1]
+    sec = f"training runtime ({found.rel(found.layout.attempt_record(a.attempt))})"
+    rt = a.raw.get("runtime")
+    if not isinstance(rt, Mapping) or not rt:
+        return [{"section": sec, "name": "runtime", "value": "not recorded"}]
+    rows = [("prefix", rt.get("prefix") or "(none: the workflow env)"),
+            ("python", rt.get("python"))]
+    ident = rt.get("identity")
+    if isinstance(ident, Mapping):
+        kind = ident.get("kind")
+        rows.append((f"identity ({kind})", ident.get("id")))
+        if kind == "image" and not ident.get("pinned"):
+            rows.append(("identity note", ident.get("note")))
+        if kind == "unknown":
+            rows.append(("identity reason", ident.get("reason")))
+        if kind == "interpreter":
+            freeze = ident.get("freeze") or []
+            rows += [("freeze_sha256", ident.get("freeze_sha256")),
+                     (f"freeze ({ident.get('freeze_method')})", "; ".join(map(str, freeze)))]
+    else:
+        rows.append(("identity", "not recorded"))
+    ray = rt.get("ray")
+    if isinstance(ray, Mapping):
+        rows.append(("ray (job client / cluster)", f"{ray.get('client')} / {ray.get('cluster')} "
+                     f"({RAY_MATCH.get(ray.get('match'), ray.get('match'))})"))
+    else:
+        rows.append(("ray (job client / cluster)", "not recorded (no Ray head ran)"))
+    return [{"section": sec, "name": n, "value": v} for n, v in rows]
+
+
 def provenance_rows(found: Found, env: Mapping[str, str]) -> list[dict[str, Any]]:
     opts = found.cfg.report
     rows = deps_rows(found)
@@ -389,6 +428,7 @@ def provenance_rows(found: Found, env: Mapping[str, str]) -> list[dict[str, Any]
             if _grader_impl(e.raw, g):
                 rows.append({"section": sec, "name": f"grader {g}",
                              "value": _grader_impl(e.raw, g)})
+    rows += runtime_rows(found)
     for a in found.attempts:
         rows.append({"section": "slurm", "name": f"attempt {a.attempt}",
                      "value": f"job {a.slurm_job_id}; nodes {','.join(a.nodes) or a.num_nodes}"})
