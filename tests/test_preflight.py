@@ -947,6 +947,10 @@ def test_preflight_errors_stop_the_workflow_on_the_slurm_cluster(
     bridge_report(res / "checks" / "bridge.json")  # passed (the bridge rule reads it)
     model = tmp_path / "model"  # what verl's checks read (the fake verl: a directory)
     model.mkdir()
+    (model / "config.json").write_text("{}")
+    from hy3rl import hub  # the model rule's manifest (an input of preflight)
+
+    hub.run(str(model), None, "", manifest=res / "model" / "manifest.json", progress=False)
     site = tmp_path / "site.yaml"
     train = {"checkpoint_root": str(tmp_path / "ckpt"),
              "env": {"ROLLOUT_MAX_MODEL_LEN": 100, "SAVE_FREQ": 50, "ACTOR_PP": 3}}

@@ -28,7 +28,6 @@ import dataclasses
 import fcntl
 import logging
 import os
-import re
 import shutil
 import socket
 import subprocess
@@ -42,6 +41,7 @@ import yaml
 
 from hy3rl.atomic import write_json_atomic, write_text_atomic
 from hy3rl.errors import StageError
+from hy3rl.pins import sha_problem
 from hy3rl.settings import Deps, Repos
 from hy3rl.timefmt import utc_now
 
@@ -49,7 +49,6 @@ log = logging.getLogger("hy3rl.deps")
 
 SCHEMA_VERSION = 1
 REPO_NAMES = tuple(f.name for f in dataclasses.fields(Repos))
-FULL_SHA = re.compile(r"^[0-9a-f]{40}$")
 LOCK_FILE = ".hy3rl-deps.lock"
 
 # Paths each clone is expected to hold at its pin (name, path, why). A missing one is a
@@ -151,18 +150,9 @@ def pins_of(deps: Deps) -> list[RepoPin]:
 
 def commit_problem(commit: str) -> str | None:
     """Why ``commit`` is not an acceptable pin, or None when it is a full 40-hex SHA."""
-    if not commit:
-        return "missing; pin a full 40-hex commit SHA"
-    if FULL_SHA.match(commit):
-        return None
-    if re.fullmatch(r"[0-9a-fA-F]{40}", commit):
-        return f"{commit!r} must be lowercase hex (as `git rev-parse` prints it)"
-    if re.fullmatch(r"[0-9a-fA-F]{4,39}", commit):
-        return (f"{commit!r} is a short SHA ({len(commit)} characters); pin the full 40-hex "
-                "SHA (`git rev-parse <short>` in a clone prints it): short SHAs can become "
-                "ambiguous")
-    return (f"{commit!r} is not a commit SHA; branch names and tags are refused because they "
-            "move: pin the full 40-hex SHA (`git ls-remote <url> <ref>` prints it)")
+    return sha_problem(commit, what="commit SHA", lowercase_as="`git rev-parse`",
+                       full_from="`git ls-remote <url> <ref>` or `git rev-parse <short>` in a "
+                                 "clone prints it")
 
 
 # --------------------------------------------------------------------------- git

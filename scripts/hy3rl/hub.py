@@ -56,13 +56,13 @@ from typing import Any
 from hy3rl.atomic import write_json_atomic
 from hy3rl.errors import StageError
 from hy3rl.layout import TINY_MODEL_DIR
+from hy3rl.pins import sha_problem
 from hy3rl.redact import Redactor
 from hy3rl.timefmt import utc_now
 
 log = logging.getLogger("hy3rl.hub")
 
 SCHEMA_VERSION = 1
-FULL_SHA = re.compile(r"^[0-9a-f]{40}$")
 HEX64 = re.compile(r"^[0-9a-f]{64}$")
 # Under model.dir: our partial files, completion markers and lock (never in the manifest).
 CACHE_DIR = ".cache/hy3rl"
@@ -337,18 +337,9 @@ def is_local_source(source: str) -> bool:
 
 def revision_problem(revision: str | None) -> str | None:
     """Why ``revision`` is not an acceptable pin, or None when it is a full 40-hex SHA."""
-    if not revision:
-        return "missing; pin a full 40-hex commit SHA of the hub repository"
-    if FULL_SHA.match(revision):
-        return None
-    if re.fullmatch(r"[0-9a-fA-F]{40}", revision):
-        return f"{revision!r} must be lowercase hex (as the hub prints commit SHAs)"
-    if re.fullmatch(r"[0-9a-fA-F]{4,39}", revision):
-        return (f"{revision!r} is a short SHA ({len(revision)} characters); pin the full "
-                "40-hex commit SHA: short SHAs can become ambiguous")
-    return (f"{revision!r} is not a commit SHA; branch names and tags are refused because "
-            "they move: pin the full 40-hex commit SHA (the repository's commit history on "
-            "the hub shows it)")
+    return sha_problem(revision, what="commit SHA of the hub repository",
+                       lowercase_as="the hub",
+                       full_from="the repository's commit history on the hub shows it")
 
 
 def hub_endpoint() -> str:
