@@ -171,6 +171,30 @@ class Layout:
         """The folder of an attempt's launcher, driver and per-node logs."""
         return f"{self.train_attempts}/attempt-{k}"
 
+    def attempt_node_logs(self, k: int | str, node: str) -> str:
+        """A node's Ray logs (raylet, gcs, workers), copied before its temp dir is removed."""
+        return f"{self.attempt_logs(k)}/nodes/{node}"
+
+    def attempt_diagnostics(self, k: int | str) -> str:
+        """What the watchdog collected before tearing down a hung attempt (per node)."""
+        return f"{self.attempt_logs(k)}/hang"
+
+    @property
+    def train_job_exit(self) -> str:
+        """Written by each training job as it ends: whether a resubmission may help, and the
+        nodes to exclude (read by the controller before it resubmits; hy3rl.resubmit)."""
+        return f"{self.train_attempts}/job-exit.json"
+
+    @property
+    def train_submissions(self) -> str:
+        """One line per resubmission decision of the controller (hy3rl.resubmit)."""
+        return f"{self.train_attempts}/submissions.jsonl"
+
+    @property
+    def train_notified(self) -> str:
+        """The attempts train.notify_command was already run for (hy3rl.notify)."""
+        return f"{self.train_attempts}/notified.json"
+
     @property
     def runtime_id_cache(self) -> str:
         """The sha256 of a local runtime image (.sif), by path + size + mtime

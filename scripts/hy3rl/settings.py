@@ -218,6 +218,13 @@ class Ray:
 
 
 @dataclass(frozen=True)
+class Watchdog:
+    stall_min: float | None
+    startup_min: float
+    poll_s: float
+
+
+@dataclass(frozen=True)
 class Train:
     reward_mode: str
     total_training_steps: int
@@ -231,6 +238,12 @@ class Train:
     checkpoint_keep: int
     segment_steps: int
     prune_interval_s: float
+    max_submissions: int
+    restarts_per_job: int
+    watchdog: Watchdog
+    time_limit_margin_min: float
+    node_logs_mb: float
+    notify_command: str
     ray_env_passthrough: list[str]
     runtime: Runtime
     ray: Ray
