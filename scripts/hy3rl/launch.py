@@ -65,9 +65,11 @@ from typing import TYPE_CHECKING, Any
 from hy3rl.atomic import write_json_atomic, write_text_atomic
 from hy3rl.errors import StageError
 from hy3rl.redact import Redactor, make_redactor
+from hy3rl.watchdog import StopRequest
 
 if TYPE_CHECKING:
     from hy3rl.settings import Ray, Runtime
+    from hy3rl.watchdog import Monitor
 
 log = logging.getLogger("hy3rl.launch")
 
@@ -170,15 +172,21 @@ def refuse_mismatch(versions: dict[str, Any], runtime: Runtime | None) -> None:
         f"promise compatibility between client and cluster versions, so nothing was "
         f"submitted. Use one Ray on both sides: install ray[default]=={cluster} in the "
         f"workflow's env (the job client), or give train.runtime a runtime whose Ray is "
-        f"{client}", f"ray version mismatch (client {client}, cluster {cluster})")
+        f"{client}", f"ray version mismatch (client {client}, cluster {cluster})",
+        outcome="refused")
 
 
 class LaunchError(StageError):
-    """The launch failed before or outside the trainer; the message names the node/file."""
+    """The launch failed before or outside the trainer; the message names the node/file.
+    ``outcome``: the attempt record's outcome (docs/formats/train.md); ``lost_nodes``: nodes
+    whose Ray died or did not start (not reused by a restart, excluded by a resubmission)."""
 
-    def __init__(self, message: str, reason: str | None = None):
+    def __init__(self, message: str, reason: str | None = None,
+                 outcome: str = "launcher_error", lost_nodes: list[str] | None = None):
         super().__init__(message)
         self.reason = reason or message
+        self.outcome = outcome
+        self.lost_nodes = list(lost_nodes or [])
 
 
 @dataclass
@@ -195,6 +203,10 @@ class LaunchSpec:
     cpus_per_node: int = 1
     ray: Ray | None = None  # train.ray; None: the schema's defaults
     runtime: Runtime | None = None  # train.runtime; None: the workflow's own env
+    exclude: list[str] = field(default_factory=list)  # allocation nodes not to use (lost)
+    monitor: Monitor | None = None  # hy3rl.watchdog: hangs and the time limit
+    poll_s: float = 5.0  # seconds between two monitor polls
+    node_logs_mb: float = 0.0  # per node: Ray logs copied to <log_dir>/nodes/<node>/
 
 
 @dataclass
@@ -204,6 +216,10 @@ class LaunchResult:
     nodes: list[str]
     job_status: str | None = None
     ray_versions: dict[str, Any] = field(default_factory=dict)  # see ray_versions()
+    outcome: str = "launcher_error"  # the attempt record's outcome (docs/formats/train.md)
+    lost_nodes: list[str] = field(default_factory=list)
+    stop_step: int | None = None  # the last logged step when the watchdog stopped the job
+    diagnostics: dict[str, Any] | None = None  # what the watchdog collected (hy3rl.nodelogs)
 
 
 @dataclass
@@ -475,6 +491,16 @@ def node_main(args: argparse.Namespace) -> int:
                     code = child.wait()
     n = kill_scope(args.scope, min(2.0, grace[0]))
     log.info("ray start exited %s; %d process(es) of the scope stopped", code, n)
+    if args.logs_out:
+        # The node's Ray logs outlive its temp dir (capped, each file's tail kept).
+        try:
+            from hy3rl.nodelogs import copy_ray_logs
+
+            copied = copy_ray_logs(temp, Path(args.logs_out), int(args.logs_cap_mb * 2**20))
+            log.info("Ray logs: %d file(s), %d bytes copied to %s", len(copied["files"]),
+                     copied["bytes"], args.logs_out)
+        except Exception as exc:  # the teardown goes on without them
+            log.warning("Ray logs not copied to %s: %s", args.logs_out, exc)
     shutil.rmtree(temp, ignore_errors=True)
     return 0 if stopping.is_set() else (code or 1)
 
@@ -528,6 +554,8 @@ class Launcher:
         self.on_stop: Callable[[str], None] | None = None
         self.on_ray: Callable[[dict[str, Any]], None] | None = None
         self.ray_versions: dict[str, Any] = {}
+        self.watch: StopRequest | None = None  # the watchdog's stop, when it stopped the job
+        self.diagnostics: dict[str, Any] | None = None
         self.t0 = time.monotonic()
 
     # ---- helpers
@@ -553,27 +581,41 @@ class Launcher:
             code = np_.poll()
             if code is not None:
                 if self.submitted:
-                    what, reason = "died", f"ray node {name} died"
+                    what, reason, outcome = "died", f"ray node {name} died", "node_lost"
                 else:
-                    what, reason = "failed to start", f"ray failed to start on {name}"
+                    what, reason, outcome = ("failed to start", f"ray failed to start on {name}",
+                                             "ray_failed")
                 raise LaunchError(
                     f"Ray on node {name} ({np_.role}) {what}: its step exited {code}; "
-                    f"{np_.logfile}:\n{np_.tail()}", reason)
+                    f"{np_.logfile}:\n{np_.tail()}", reason, outcome, [name])
 
-    def node_cmd(self, node: Node, role: str, ports: Ports, head_address: str | None) -> list[str]:
-        # Unique per launch: the SLURM job, else this launcher's pid (two local runs of the
-        # same run name on one host must not kill each other's Ray).
-        scope = f"{self.job_id or f'local{os.getpid()}'}-{node.name}-{self.spec.submission_id}"
-        temp = Path(self.ray.temp_root) / f"hy3rl-ray-{self.job_id or os.getpid()}-{node.name}"
+    def scope(self, node: Node) -> str:
+        """The node's Ray scope: unique per launch (the SLURM job, else this launcher's pid:
+        two local runs of the same run name on one host must not kill each other's Ray)."""
+        return f"{self.job_id or f'local{os.getpid()}'}-{node.name}-{self.spec.submission_id}"
+
+    def entry(self) -> list[str]:
+        """``<prefix> env PYTHONPATH=<scripts> <python>``: this workflow's package run by the
+        runtime's python (inside the runtime, only this workflow's package is added, nothing
+        of the host venv), or this interpreter without a prefix."""
         rt = resolve_runtime(self.spec.runtime)
         if rt["prefix"]:
-            # Inside the runtime: its python and (through --ray-cli) the ray on its PATH;
-            # PYTHONPATH carries only this workflow's package, nothing of the host venv.
-            entry = [*shlex.split(rt["prefix"]), "env", f"PYTHONPATH={SCRIPTS_DIR}",
-                     rt["python"]]
-        else:
-            entry = [rt["python"]]
-        inner = [*entry, "-m", "hy3rl.launch", "node", "--name", node.name,
+            return [*shlex.split(rt["prefix"]), "env", f"PYTHONPATH={SCRIPTS_DIR}",
+                    rt["python"]]
+        return [rt["python"]]
+
+    def on_node(self, node: Node, inner: list[str]) -> list[str]:
+        """``inner`` run on ``node``: its own ``srun --overlap`` step inside the job."""
+        if not self.job_id:
+            return inner
+        return ["srun", "--overlap", f"--jobid={self.job_id}", "--nodes=1", "--ntasks=1",
+                f"--nodelist={node.name}", "--kill-on-bad-exit=1", "--export=ALL", *inner]
+
+    def node_cmd(self, node: Node, role: str, ports: Ports, head_address: str | None) -> list[str]:
+        scope = self.scope(node)
+        temp = Path(self.ray.temp_root) / f"hy3rl-ray-{self.job_id or os.getpid()}-{node.name}"
+        rt = resolve_runtime(self.spec.runtime)
+        inner = [*self.entry(), "-m", "hy3rl.launch", "node", "--name", node.name,
                  "--role", role, "--temp-dir", str(temp), "--scope", scope,
                  "--ports", json.dumps(asdict(ports)),
                  "--num-cpus", str(self.spec.cpus_per_node),
@@ -586,10 +628,54 @@ class Launcher:
             inner += ["--head-address", str(head_address)]
         if rt["prefix"]:
             inner += ["--ray-cli", "ray"]
-        if not self.job_id:
-            return inner
-        return ["srun", "--overlap", f"--jobid={self.job_id}", "--nodes=1", "--ntasks=1",
-                f"--nodelist={node.name}", "--kill-on-bad-exit=1", "--export=ALL", *inner]
+        if self.spec.node_logs_mb > 0:
+            inner += ["--logs-out", str(self.spec.log_dir / "nodes" / node.name),
+                      "--logs-cap-mb", f"{self.spec.node_logs_mb:g}"]
+        return self.on_node(node, inner)
+
+    def diagnose(self, timeout: float = 120) -> dict[str, Any]:
+        """While a hung attempt still runs: on every node at once (its own step, inside the
+        runtime), ``hy3rl.nodelogs diagnose`` writes ``ray stack``, the GPU list and the
+        scope's processes to ``<log_dir>/hang/<node>/``. Returns what was and was not
+        collected; a node whose step does not finish in ``timeout`` is named."""
+        out = self.spec.log_dir / "hang"
+        ray_cli = "ray" if resolve_runtime(self.spec.runtime)["prefix"] else RAY
+        procs = {}
+        for n in self.nodes:
+            (out / n.name).mkdir(parents=True, exist_ok=True)
+            cmd = self.on_node(n, [*self.entry(), "-m", "hy3rl.nodelogs", "diagnose",
+                                   "--scope", self.scope(n), "--out", str(out / n.name),
+                                   "--ray-cli", ray_cli, "--timeout", str(timeout / 2)])
+            env = {k: v for k, v in os.environ.items()
+                   if not k.startswith(("SLURM_", "SRUN_", "SBATCH_"))}
+            env["HY3RL_NODE"] = n.name
+            with open(out / n.name / "step.log", "ab") as fh:
+                procs[n.name] = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT,
+                                                 stdin=subprocess.DEVNULL, env=env,
+                                                 start_new_session=True)
+        deadline = time.monotonic() + timeout
+        result: dict[str, Any] = {"dir": str(out), "collected": {}, "not_collected": {}}
+        for name, proc in procs.items():
+            try:
+                code = proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(OSError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                code = None
+            try:
+                found = json.loads((out / name / "diagnostics.json").read_text())
+            except (OSError, ValueError):
+                why = ("timed out" if code is None else f"its step exited {code}")
+                result["not_collected"][f"{name}/all"] = f"diagnostics on {name} {why}; " \
+                    f"see {out / name / 'step.log'}"
+                continue
+            result["collected"][name] = list(found.get("collected") or [])
+            for what, why in (found.get("not_collected") or {}).items():
+                result["not_collected"][f"{name}/{what}"] = why
+        self.phase("hang diagnostics in %s: collected %s; not collected %s", out,
+                   result["collected"], result["not_collected"])
+        return result
 
     # ---- phases
     def discover(self) -> None:
@@ -599,6 +685,18 @@ class Launcher:
             self.nodes = [Node(socket.gethostname(), socket.gethostname(),
                                os.cpu_count(), local_gpus())]
         check_allocation(self.nodes, self.spec)
+        lost = [n.name for n in self.nodes if n.name in self.spec.exclude]
+        if lost:
+            usable = [n for n in self.nodes if n.name not in self.spec.exclude]
+            if len(usable) < self.spec.nodes:
+                raise LaunchError(
+                    f"node(s) {', '.join(lost)} lost earlier in this job: {len(usable)} usable "
+                    f"node(s) left, the layout needs cluster.nodes={self.spec.nodes}; the job "
+                    "ends for a resubmission without them",
+                    f"layout does not fit without lost node(s) {' '.join(lost)}",
+                    "node_lost", lost)
+            self.nodes = usable[:self.spec.nodes]
+            self.phase("not using node(s) lost earlier in this job: %s", ", ".join(lost))
         self.phase("nodes: %s (job %s)", ", ".join(n.name for n in self.nodes),
                    self.job_id or "local")
 
@@ -625,7 +723,7 @@ class Launcher:
             self.stop_event.wait(1.0)
         raise LaunchError(f"Ray head on {head.name} not alive after "
                           f"{self.ray.head_timeout_s:g}s; {np_.logfile}:\n{np_.tail()}",
-                          f"ray failed to start on {head.name}")
+                          f"ray failed to start on {head.name}", "ray_failed", [head.name])
 
     def check_ray(self, info: dict[str, Any]) -> None:
         """One Ray on both sides, before any worker starts or anything is submitted: the job
@@ -705,7 +803,8 @@ class Launcher:
         raise LaunchError(
             f"after {self.ray.register_timeout_s:g}s, node(s) not registered with Ray: "
             f"{', '.join(missing) or 'none'}; GPUs registered {gpus:g} of {want_gpus}. "
-            f"Node logs in {self.spec.log_dir}", f"nodes not registered: {' '.join(missing)}")
+            f"Node logs in {self.spec.log_dir}", f"nodes not registered: {' '.join(missing)}",
+            "ray_failed", missing)
 
     def merged_runtime_env(self) -> Path:
         import yaml
@@ -750,9 +849,18 @@ class Launcher:
 
         reader = threading.Thread(target=pump, daemon=True)
         reader.start()
+        monitor = self.spec.monitor
+        if monitor is not None:
+            monitor.start()
+        next_poll = time.monotonic()
         while self.submit.poll() is None:
             self.check_stop()
-            self.stop_event.wait(0.5)
+            if monitor is not None and time.monotonic() >= next_poll:
+                next_poll = time.monotonic() + self.spec.poll_s
+                request = monitor.poll()
+                if request is not None:
+                    self.watchdog_stop(request)
+            self.stop_event.wait(min(0.5, self.spec.poll_s))
         reader.join(timeout=10)
         self.job_done = True
         self.check_stop()
@@ -778,6 +886,20 @@ class Launcher:
         if status == "STOPPED":
             return exit_code, "trainer stopped (STOPPED)", status
         return exit_code, f"trainer failed ({status}, exit {code})", status
+
+    def watchdog_stop(self, request: StopRequest) -> None:
+        """End the attempt for the watchdog: a hang is diagnosed first (while its processes
+        still live); the teardown then stops the Ray job and Ray on every node."""
+        self.phase("watchdog: %s", request.message)
+        self.watch = request
+        if request.diagnose:
+            try:
+                self.diagnostics = self.diagnose()
+            except Exception as exc:  # diagnostics must never keep a hung job alive
+                log.warning("hang diagnostics failed: %s", exc)
+                self.diagnostics = {"dir": str(self.spec.log_dir / "hang"), "collected": {},
+                                    "not_collected": {"all": f"diagnostics failed: {exc}"}}
+        raise LaunchError(request.message, request.message, request.outcome)
 
     def teardown(self) -> None:
         self.phase("teardown")
@@ -822,6 +944,7 @@ class Launcher:
         self.spec.log_dir.mkdir(parents=True, exist_ok=True)
         (self.spec.log_dir / "head.json").unlink(missing_ok=True)
         code, reason, status = 1, "launcher error", None
+        outcome, lost = "launcher_error", []
         try:
             self.discover()
             rt = resolve_runtime(self.spec.runtime)
@@ -840,16 +963,19 @@ class Launcher:
             self.wait_registered()
             runtime_env = self.merged_runtime_env()
             code, reason, status = self.run_job(runtime_env)
+            outcome = "succeeded" if code == 0 else "failed"
         except LaunchError as exc:
             log.error("%s", exc)
-            code, reason = 1, exc.reason
+            code, reason, outcome, lost = 1, exc.reason, exc.outcome, exc.lost_nodes
             if self.stop_reason:
                 code, reason = 128 + _SIGNUMS.get(self.stop_reason, 15), self.stop_reason
+                outcome, lost = "signal", []
         finally:
             self.teardown()
         self.phase("exit %d: %s", code, reason)
         return LaunchResult(code, reason, [n.name for n in self.nodes], status,
-                            dict(self.ray_versions))
+                            dict(self.ray_versions), outcome, lost,
+                            self.watch.step if self.watch else None, self.diagnostics)
 
 
 _SIGNUMS = {f"signal {s.name}": s.value for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
@@ -906,6 +1032,9 @@ def main(argv: list[str] | None = None) -> int:
     nd.add_argument("--setup", default="")
     nd.add_argument("--publish")
     nd.add_argument("--head-address")
+    nd.add_argument("--logs-out", default="",
+                    help="copy this node's Ray logs there before removing its temp dir")
+    nd.add_argument("--logs-cap-mb", type=float, default=0.0)
     nd.add_argument("--ray-cli", default="",
                     help="Ray CLI name resolved on this (runtime's) PATH; default: the one "
                          "next to this interpreter, else PATH")

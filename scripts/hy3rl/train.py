@@ -431,6 +431,18 @@ class AttemptRecord:
     log_dir: str = ""
     # train.runtime with defaults filled, its identity (hy3rl.runtime_id) and both sides' Ray
     runtime: dict[str, Any] = field(default_factory=dict)
+    # What ended it (docs/formats/train.md "Outcomes"), for people and for the controller's
+    # resubmission guard (hy3rl.resubmit).
+    outcome: str = "running"
+    failed_at_step: int | None = None
+    error: str | None = None
+    lost_nodes: list[str] = field(default_factory=list)
+    excluded_nodes: list[str] = field(default_factory=list)
+    job_attempt: int = 1
+    node_logs: dict[str, list[str]] = field(default_factory=dict)
+    diagnostics: dict[str, Any] | None = None
+    wandb: dict[str, Any] | None = None
+    crash_loop: str | None = None
 
 
 def attempt_numbers(layout: Layout) -> list[int]:
@@ -480,6 +492,7 @@ def finalise_stale(layout: Layout, end_step: int | None) -> list[int]:
         if rec.get("exit_reason") == "running":
             close_record(rec, layout, end_step,
                          "killed (no record written: job or controller killed)", None)
+            rec["outcome"] = "killed"
             rec["ended_at"] = None
             rec["wall_s"] = None
             write_json_atomic(Path(layout.attempt_record(k)), rec)
@@ -533,11 +546,131 @@ def logger_env_names(plan: Mapping[str, Any]) -> list[str]:
 # --------------------------------------------------------------------------- the stage
 
 
+@dataclass
+class JobStep:
+    """What the job does after an attempt that did not finish: ``restart`` in this
+    allocation, or end with ``retry`` (whether a resubmission may help), ``reason`` (for
+    job-exit.json and the error) and the nodes a resubmission must ``exclude``."""
+
+    restart: bool
+    retry: bool
+    reason: str
+    exclude: list[str] = field(default_factory=list)
+
+
+def after_attempt(rec: Mapping[str, Any], records: Sequence[Mapping[str, Any]], *,
+                  restarts_left: int, lost: Sequence[str], allocation: Sequence[str],
+                  nodes_needed: int, time_left: float | None,
+                  interval: float | None) -> JobStep:
+    """The decision after attempt ``rec`` (``records``: every attempt of the run so far,
+    ``rec`` last; ``lost``: nodes lost in this job, ``rec``'s included). A failure restarts
+    in the allocation while restarts are left and at least one save interval of time is
+    (unknown times do not prevent it); a crash loop (hy3rl.resubmit.crash_loop) never
+    restarts nor resubmits; a lost node restarts only if the layout still fits without it."""
+    from hy3rl.resubmit import crash_loop
+
+    outcome, reason = rec.get("outcome"), str(rec.get("exit_reason"))
+    exclude = sorted(set(lost))
+    if outcome in ("stopped_for_time_limit", "time_limit", "preempted"):
+        return JobStep(False, True, reason, exclude)
+    if outcome in ("refused", "cancelled"):
+        return JobStep(False, False, reason, exclude)
+    loop = crash_loop(list(records))
+    if loop:
+        return JobStep(False, False, loop, exclude)
+    fits = len([n for n in allocation if n not in set(lost)]) >= nodes_needed
+    has_time = time_left is None or interval is None or time_left >= interval
+    if restarts_left > 0 and has_time and fits:
+        return JobStep(True, True, reason, exclude)
+    why = ("no restart left in this job" if restarts_left <= 0 else
+           f"{time_left:.0f}s left, one save interval needs {interval:.0f}s" if not has_time
+           else f"the layout needs {nodes_needed} node(s) without {', '.join(exclude)}")
+    return JobStep(False, True, f"{reason}; {why}: ends for a resubmission", exclude)
+
+
+def classify_signal(reason: str, job_id: str | None, time_left: float | None) -> str:
+    """The outcome of an attempt stopped by a signal: SLURM's SIGTERM (or SIGUSR1) within
+    two minutes of the job's end is its time limit, earlier it is a preemption (or a
+    scancel: the same to the workflow, which resubmits); SIGINT, or any signal outside
+    SLURM, is a cancellation."""
+    if not job_id or "SIGINT" in reason:
+        return "cancelled"
+    if time_left is not None and time_left <= 120:
+        return "time_limit"
+    return "preempted"
+
+
+ERROR_LINE = re.compile(r"^\s*(?:\([^)]*\)\s*)?([A-Za-z_][\w.]*(?:Error|Exception|Interrupt)"
+                        r"\b:?.*)$")
+
+
+def last_error(driver_log: Path) -> str | None:
+    """The trainer's last error line (``SomeError: message``) in its output, for the record
+    and the crash-loop message; None when there is none."""
+    try:
+        with open(driver_log, "rb") as fh:
+            fh.seek(max(0, os.path.getsize(driver_log) - 256 * 1024))
+            text = fh.read().decode(errors="replace")
+    except OSError:
+        return None
+    found = None
+    for line in text.splitlines():
+        m = ERROR_LINE.match(re.sub(r"\x1b\[[0-9;]*m", "", line))
+        if m:
+            found = m.group(1).strip()
+    return found[:300] if found else None
+
+
+def sbatch_excluded(job_id: str | None) -> list[str]:
+    """The nodes the job's sbatch excluded (``scontrol show job``'s ExcNodeList)."""
+    if not job_id:
+        return []
+    try:
+        text = subprocess.run(["scontrol", "show", "job", str(job_id)], capture_output=True,
+                              text=True, timeout=60).stdout
+        m = re.search(r"\bExcNodeList=(\S+)", text)
+        if not m or m.group(1) == "(null)":
+            return []
+        return subprocess.run(["scontrol", "show", "hostnames", m.group(1)],
+                              capture_output=True, text=True, timeout=60).stdout.split()
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        log.warning("scontrol show job %s: %s", job_id, exc)
+        return []
+
+
+def time_left(job_id: str | None) -> float | None:
+    """Seconds until SLURM ends this job; None without SLURM."""
+    from hy3rl.watchdog import slurm_time_left
+
+    return slurm_time_left(job_id) if job_id else None
+
+
+def run_metrics(layout: Layout) -> list[dict[str, Any]]:
+    """Every attempt's metrics lines (their measured times feed the watchdog)."""
+    lines: list[dict[str, Any]] = []
+    for k in attempt_numbers(layout):
+        with contextlib.suppress(Exception):
+            lines += read_metrics(Path(layout.attempt_metrics(k)))
+    return lines
+
+
+def write_job_exit(layout: Layout, job: str, attempts: list[int], step: JobStep | None,
+                   reason: str) -> None:
+    """``train/attempts/job-exit.json`` (docs/formats/train.md): read by the controller
+    before it resubmits (hy3rl.resubmit)."""
+    write_json_atomic(Path(layout.train_job_exit), {
+        "job": job, "ended_at": utc_now(), "attempts": attempts,
+        "retry": bool(step and step.retry), "reason": step.reason if step else reason,
+        "exclude": list(step.exclude) if step else []})
+
+
 def run(train: Train, cluster: Cluster, layout: Layout, *, keep_steps: Sequence[int],
-        plan: Path, launch_script: Path, runtime_env: Path, sentinel: Path, metrics: Path,
-        until: int | None = None) -> None:
-    """One training attempt (see the module doc) of run ``layout.run`` on the checkpoint
-    directory ``layout.checkpoint_dir``, its records under ``layout.train_attempts``.
+        train_hash: str, plan: Path, launch_script: Path, runtime_env: Path, sentinel: Path,
+        metrics: Path, until: int | None = None) -> None:
+    """The training job (see the module doc) of run ``layout.run`` on the checkpoint
+    directory ``layout.checkpoint_dir``, its records under ``layout.train_attempts``: one
+    attempt, then restarts in this allocation after a failure (``train.restarts_per_job``;
+    :func:`after_attempt`), each a new attempt record.
 
     Inputs: ``plan`` (preflight/plan.json), ``launch_script`` (preflight/launch.sh),
     ``runtime_env`` (deps/runtime_env.yaml). Outputs: ``metrics`` (train/metrics.jsonl, the
@@ -546,17 +679,18 @@ def run(train: Train, cluster: Cluster, layout: Layout, *, keep_steps: Sequence[
     segment's ``segments/step<N>.json``). ``until``: a segment's last step (the launch gets
     ``trainer.total_training_steps=<until>`` appended); None runs to the plan's total.
     ``keep_steps``: the steps retention never prunes (``Config.eval_keep_steps``).
+    ``train_hash``: ``Config.train_hash``; with W&B on, every attempt logs into the one run
+    ``<run.name>-<train_hash[:8]>`` (``WANDB_RUN_ID``, ``WANDB_RESUME=allow``; files under
+    ``train/wandb``). As the job ends it writes ``job-exit.json`` (whether a resubmission may
+    help, nodes to exclude).
 
     Raises :class:`LockHeld` while another live trainer holds the checkpoint directory,
-    :class:`TrainFailed` when the attempt ended early (its record says why), and
+    :class:`TrainFailed` when the job ended early (the records say why), and
     :class:`TrainError` for a bad input."""
-    from hy3rl import launch, runtime_id
-
     # Absolute paths: the Ray job runs in the verl clone, the node steps wherever srun puts
     # them.
     layout = dataclasses.replace(layout, results_root=os.path.abspath(layout.results_root))
-    attempts_dir = Path(layout.train_attempts)
-    attempts_dir.mkdir(parents=True, exist_ok=True)
+    Path(layout.train_attempts).mkdir(parents=True, exist_ok=True)
     metrics = Path(os.path.abspath(metrics))
     plan_path = Path(plan).resolve()
     plan_doc = read_plan(plan_path)
@@ -567,104 +701,270 @@ def run(train: Train, cluster: Cluster, layout: Layout, *, keep_steps: Sequence[
         raise TrainError(f"{plan_path}: checkpoint.dir {planned} differs from the run's "
                          f"checkpoint directory {ckpt} (train.checkpoint_root/run.name); "
                          "rerun preflight")
-    target = total if until is None else min(int(until), total)
-    keep = train.checkpoint_keep
-    protected = [int(s) for s in keep_steps]
-
+    job = Job(train, cluster, layout, plan_doc, target=total if until is None
+              else min(int(until), total), total=total, keep_steps=[int(s) for s in keep_steps],
+              launch_script=Path(launch_script).resolve(),
+              runtime_env=Path(runtime_env).resolve(), metrics=metrics, train_hash=train_hash)
     k = (attempt_numbers(layout) or [0])[-1] + 1
     me = my_lock_info(k)
-    lock_actions = acquire_lock(ckpt, me)
-    rec: dict[str, Any] = {}
-    record = Path(layout.attempt_record(k))
+    job.lock_actions = acquire_lock(ckpt, me)
+    step: JobStep | None = None
     try:
         best = newest_complete(scan(ckpt))
         finalise_stale(layout, best.step if best else None)
+        while True:
+            rec = job.attempt(k, me)
+            if rec is None or rec["outcome"] == "succeeded":
+                job.finish(sentinel)
+                write_job_exit(layout, job.name, job.attempts, None, "finished")
+                return
+            records = [load_attempt(layout, i) for i in attempt_numbers(layout)]
+            job.lost += [n for n in rec.get("lost_nodes") or [] if n not in job.lost]
+            step = after_attempt(
+                rec, records, restarts_left=train.restarts_per_job - (len(job.attempts) - 1),
+                lost=job.lost, allocation=job.allocation or rec.get("nodes") or [],
+                nodes_needed=cluster.nodes, time_left=time_left(me.job_id),
+                interval=job.save_interval())
+            if not step.retry and rec["outcome"] not in ("refused", "cancelled"):
+                rec["crash_loop"] = step.reason
+                write_json_atomic(Path(layout.attempt_record(k)), rec)
+            if not step.restart:
+                break
+            log.info("attempt %d: %s; restarting in this allocation (restart %d of %d)", k,
+                     rec["exit_reason"], len(job.attempts), train.restarts_per_job)
+            k += 1
+        write_job_exit(layout, job.name, job.attempts, step, "")
+        raise TrainFailed(f"{step.reason}; newest complete checkpoint "
+                          f"{job.end_step}; logs in {layout.attempt_logs(k)}"
+                          + ("" if step.retry else "; not resubmitted"), 1)
+    except TrainFailed:
+        raise
+    except BaseException as exc:
+        job.close_running(exc)
+        with contextlib.suppress(Exception):
+            if not isinstance(exc, LockHeld):
+                write_job_exit(layout, job.name, job.attempts, None,
+                               f"the job ended on an error: {exc}")
+        raise
+    finally:
+        release_lock(ckpt, me)
+
+
+@dataclass
+class Job:
+    """One training job (SLURM allocation or local run) and its attempts."""
+
+    train: Train
+    cluster: Cluster
+    layout: Layout
+    plan: Mapping[str, Any]
+    target: int
+    total: int
+    keep_steps: list[int]
+    launch_script: Path
+    runtime_env: Path
+    metrics: Path
+    train_hash: str
+    lock_actions: list[str] = field(default_factory=list)
+    attempts: list[int] = field(default_factory=list)
+    lost: list[str] = field(default_factory=list)
+    allocation: list[str] = field(default_factory=list)
+    excluded: list[str] | None = None
+    runtime: dict[str, Any] | None = None
+    rec: dict[str, Any] = field(default_factory=dict)  # the attempt running now
+    end_step: int | None = None
+
+    @property
+    def name(self) -> str:
+        return os.environ.get("SLURM_JOB_ID") or f"local-{os.getpid()}"
+
+    @property
+    def save_freq(self) -> int:
+        try:
+            return int(plan_value(self.plan, "trainer.save_freq") or -1)
+        except (TypeError, ValueError):
+            return -1
+
+    def save_interval(self) -> float | None:
+        from hy3rl.watchdog import save_interval_s, save_seconds, step_seconds
+
+        lines = run_metrics(self.layout)
+        return save_interval_s(self.save_freq, step_seconds(lines), save_seconds(lines),
+                               self.train.time_limit_margin_min * 60)
+
+    def attempt(self, k: int, me: LockInfo) -> dict[str, Any] | None:
+        """Run attempt ``k``; its closed record, or None when training is already done."""
+        from hy3rl import launch, runtime_id
+        from hy3rl.watchdog import Monitor
+
+        layout, ckpt, train, cluster = self.layout, self.layout.checkpoint_dir, self.train, \
+            self.cluster
         start, resume_actions = prepare_resume(ckpt, k)
-        if start >= target:
+        if start >= self.target:
             log.info("training already reached step %d (this job's last step %d, total %d): "
-                     "nothing to launch", start, target, total)
-            write_merged(attempts_dir, metrics)
-            write_done(layout, start, total, sentinel, metrics)
-            return
-        runtime: dict[str, Any] = dict(launch.resolve_runtime(train.runtime))
-        runtime["identity"] = runtime_id.identify(runtime["prefix"], runtime["python"],
-                                                  cache=Path(layout.runtime_id_cache))
-        runtime["ray"] = None  # filled once the Ray head runs (launch.Launcher.check_ray)
+                     "nothing to launch", start, self.target, self.total)
+            return None
+        if self.runtime is None:
+            runtime: dict[str, Any] = dict(launch.resolve_runtime(train.runtime))
+            runtime["identity"] = runtime_id.identify(runtime["prefix"], runtime["python"],
+                                                      cache=Path(layout.runtime_id_cache))
+            runtime["ray"] = None  # filled once the Ray head runs (launch.Launcher.check_ray)
+            self.runtime = runtime
+            self.excluded = sbatch_excluded(me.job_id)
+        runtime = json.loads(json.dumps(self.runtime))
         log.info("attempt %d: runtime %s", k, runtime["identity"]["id"])
         sub_id = f"{layout.run}-{me.job_id or 'local'}-{k}"
         attempt_metrics = Path(layout.attempt_metrics(k))
         log_dir = Path(layout.attempt_logs(k))
+        record = Path(layout.attempt_record(k))
+        history = run_metrics(layout)
         attempt = AttemptRecord(
             attempt=k, run=layout.run, executor=me.executor, slurm_job_id=me.job_id,
             host=me.host, nodes=[], num_nodes=cluster.nodes,
             gpus_per_node=cluster.gpus_per_node, cpus_per_node=cluster.cpus_per_node,
             submission_id=sub_id, checkpoint_dir=str(ckpt), start_step=start,
-            resume_actions=lock_actions + resume_actions, metrics_log=attempt_metrics.name,
-            log_dir=log_dir.name, runtime=runtime)
-        rec = dataclasses.asdict(attempt)
+            resume_actions=(self.lock_actions if not self.attempts else []) + resume_actions,
+            metrics_log=attempt_metrics.name, log_dir=log_dir.name, runtime=runtime,
+            job_attempt=len(self.attempts) + 1,
+            excluded_nodes=sorted(set(self.excluded or []) | set(self.lost)))
+        rec = self.rec = dataclasses.asdict(attempt)
+        self.attempts.append(k)
         write_json_atomic(record, rec)
         log.info("attempt %d: submission %s, checkpoint dir %s, start step %d, until step "
-                 "%d of %d", k, sub_id, ckpt, start, target, total)
+                 "%d of %d", k, sub_id, ckpt, start, self.target, self.total)
 
+        wd = train.watchdog
+        monitor = Monitor(
+            metrics=attempt_metrics, save_freq=self.save_freq, total_steps=self.target,
+            stall_min=wd.stall_min, startup_min=wd.startup_min,
+            margin_s=train.time_limit_margin_min * 60,
+            is_saved=lambda s: check_complete(ckpt / f"global_step_{s}", s)[0],
+            time_left=lambda: time_left(me.job_id), history=history)
         spec = launch.LaunchSpec(
-            submission_id=sub_id, launch_script=Path(launch_script).resolve(),
-            runtime_env=Path(runtime_env).resolve(), log_dir=log_dir,
-            launch_args=[] if target == total else [f"trainer.total_training_steps={target}"],
+            submission_id=sub_id, launch_script=self.launch_script,
+            runtime_env=self.runtime_env, log_dir=log_dir,
+            launch_args=[] if self.target == self.total
+            else [f"trainer.total_training_steps={self.target}"],
             env_vars={"VERL_FILE_LOGGER_PATH": str(attempt_metrics)},
-            passthrough_env=sorted(set(logger_env_names(plan_doc))
+            passthrough_env=sorted(set(logger_env_names(self.plan))
                                    | set(train.ray_env_passthrough)),
             nodes=cluster.nodes, gpus_per_node=cluster.gpus_per_node,
             cpus_per_node=cluster.cpus_per_node, ray=train.ray, runtime=train.runtime,
-        )
-        pruner = Pruner(ckpt, keep, protected, train.prune_interval_s)
+            exclude=list(self.lost), monitor=monitor, poll_s=wd.poll_s,
+            node_logs_mb=train.node_logs_mb)
+        spec.env_vars.update(self.wandb_env())
+        pruner = Pruner(ckpt, train.checkpoint_keep, self.keep_steps, train.prune_interval_s)
         pruner.start()
+        signal_outcome: list[str] = []
         try:
             result = launch.launch(
-                spec, on_nodes=lambda nodes: _record_nodes(record, rec, nodes),
-                on_stop=lambda reason: _record_stop(layout, record, rec, ckpt, reason),
+                spec, on_nodes=lambda nodes: self.on_nodes(record, nodes),
+                on_stop=lambda reason: signal_outcome.append(
+                    self.on_signal(record, reason, me.job_id)),
                 on_ray=lambda versions: _record_ray(record, rec, versions))
         finally:
             pruner.stop.set()
             pruner.join(timeout=30)
         if result.ray_versions:
             rec["runtime"]["ray"] = result.ray_versions
-        removed = prune(ckpt, keep, protected)
+        removed = prune(ckpt, train.checkpoint_keep, self.keep_steps)
         best = newest_complete(scan(ckpt))
-        end = best.step if best else None
-        close_record(rec, layout, end, result.reason, result.exit_code)
+        self.end_step = best.step if best else None
+        outcome = signal_outcome[0] if result.outcome == "signal" and signal_outcome \
+            else result.outcome
+        close_record(rec, layout, self.end_step, result.reason, result.exit_code)
+        self.describe(rec, outcome, result, log_dir)
+        rec["wandb"] = self.wandb_record(spec.env_vars, log_dir / "driver.log")
         write_json_atomic(record, rec)
-        n = write_merged(attempts_dir, metrics)
-        log.info("attempt %d: %s (exit %s); newest complete checkpoint %s; %s steps lost; "
-                 "%d merged metric lines; pruned %s", k, result.reason, result.exit_code,
-                 end, rec["steps_lost"], n, sorted(pruner.removed + removed))
-        if result.exit_code != 0:
-            raise TrainFailed(f"attempt {k}: {result.reason} (exit {result.exit_code}); "
-                              f"newest complete checkpoint {end}; logs in {log_dir}",
-                              result.exit_code or 1)
-        if end is None or end < target:
+        n = write_merged(Path(layout.train_attempts), self.metrics)
+        log.info("attempt %d: %s (%s, exit %s); newest complete checkpoint %s; %s steps lost; "
+                 "%d merged metric lines; pruned %s", k, rec["exit_reason"], outcome,
+                 result.exit_code, self.end_step, rec["steps_lost"], n,
+                 sorted(pruner.removed + removed))
+        if outcome == "succeeded" and (self.end_step is None or self.end_step < self.target):
             raise TrainError(f"the trainer exited 0 but the newest complete checkpoint is "
-                             f"{end}, not step {target}")
-        write_done(layout, end, total, sentinel, metrics)
-    except BaseException as exc:
-        if rec and rec.get("exit_reason") == "running":
-            reason = (f"launcher error: {exc}" if not isinstance(exc, KeyboardInterrupt)
-                      else "signal SIGINT")
-            best = newest_complete(scan(ckpt))
-            close_record(rec, layout, best.step if best else None, reason, 1)
-            write_json_atomic(record, rec)
-            with contextlib.suppress(Exception):
-                write_merged(attempts_dir, metrics)
-        raise
-    finally:
-        release_lock(ckpt, me)
+                             f"{self.end_step}, not step {self.target}")
+        return rec
 
+    def describe(self, rec: dict[str, Any], outcome: str, result: Any, log_dir: Path) -> None:
+        """The record's outcome fields (docs/formats/train.md)."""
+        rec["outcome"] = outcome
+        rec["lost_nodes"] = list(result.lost_nodes)
+        if outcome in ("failed", "hung", "launcher_error"):
+            last = rec.get("last_logged_step")
+            rec["failed_at_step"] = (last if last is not None else rec["start_step"]) + 1
+            rec["error"] = last_error(log_dir / "driver.log")
+        if outcome == "stopped_for_time_limit" and rec.get("steps_lost"):
+            rec["exit_reason"] = (f"stopped after the save of step {result.stop_step} before "
+                                  f"the time limit: {rec['steps_lost']} step(s) lost (the next "
+                                  "step was logged before the trainer stopped)")
+        if outcome in ("time_limit", "preempted"):
+            rec["exit_reason"] = f"{outcome.replace('_', ' ')} ({result.reason})"
+        rec["diagnostics"] = result.diagnostics
+        nodes_dir = log_dir / "nodes"
+        root = Path(self.layout.train_attempts)
+        rec["node_logs"] = {
+            d.name: sorted(str(f.relative_to(root)) for f in d.rglob("*") if f.is_file())
+            for d in sorted(nodes_dir.iterdir()) if d.is_dir()} if nodes_dir.is_dir() else {}
 
-def _record_stop(layout: Layout, record: Path, rec: dict[str, Any], ckpt: Path,
-                 reason: str) -> None:
-    """At a signal, record the attempt at once (SLURM kills KillWait seconds later)."""
-    best = newest_complete(scan(ckpt))
-    snapshot = close_record(dict(rec), layout, best.step if best else None, reason, None)
-    write_json_atomic(record, snapshot)
+    def wandb_env(self) -> dict[str, str]:
+        """W&B on (the plan's effective loggers): one run id for every attempt, and its files
+        under train/wandb (the Ray job's working dir is removed with its session; a
+        WANDB_DIR in train.ray_env_passthrough wins)."""
+        from hy3rl import wandb_run
+
+        env = wandb_run.env(self.layout.run, self.train_hash,
+                            (self.plan.get("loggers") or {}).get("list") or [])
+        if env:
+            wandb_dir = Path(self.layout.train_dir) / "wandb"
+            wandb_dir.mkdir(parents=True, exist_ok=True)
+            env["WANDB_DIR"] = str(wandb_dir)
+        return env
+
+    def wandb_record(self, job_env: Mapping[str, str], driver_log: Path) -> dict | None:
+        from hy3rl import wandb_run
+
+        try:
+            output = driver_log.read_text(errors="replace")[-2**20:]
+        except OSError:
+            output = ""
+        project = plan_value(self.plan, "trainer.project_name")
+        return wandb_run.record(job_env, str(project) if project else None, output)
+
+    def on_nodes(self, record: Path, nodes: list[str]) -> None:
+        if not self.allocation:
+            self.allocation = list(nodes)
+        _record_nodes(record, self.rec, nodes)
+
+    def on_signal(self, record: Path, reason: str, job_id: str | None) -> str:
+        """At a signal, record the attempt at once (SLURM kills KillWait seconds later)."""
+        outcome = classify_signal(reason, job_id, time_left(job_id))
+        best = newest_complete(scan(self.layout.checkpoint_dir))
+        snapshot = close_record(dict(self.rec), self.layout, best.step if best else None,
+                                reason, None)
+        snapshot["outcome"] = outcome
+        write_json_atomic(record, snapshot)
+        return outcome
+
+    def close_running(self, exc: BaseException) -> None:
+        """The job is ending on an exception while an attempt is still recorded running."""
+        rec = self.rec
+        if not rec or rec.get("exit_reason") != "running":
+            return
+        reason = (f"launcher error: {exc}" if not isinstance(exc, KeyboardInterrupt)
+                  else "signal SIGINT")
+        best = newest_complete(scan(self.layout.checkpoint_dir))
+        close_record(rec, self.layout, best.step if best else None, reason, 1)
+        rec["outcome"] = "cancelled" if isinstance(exc, KeyboardInterrupt) else "launcher_error"
+        write_json_atomic(Path(self.layout.attempt_record(rec["attempt"])), rec)
+        with contextlib.suppress(Exception):
+            write_merged(Path(self.layout.train_attempts), self.metrics)
+
+    def finish(self, sentinel: Path) -> None:
+        """Training reached this job's last step: merge, then the sentinel, written last."""
+        best = newest_complete(scan(self.layout.checkpoint_dir))
+        write_merged(Path(self.layout.train_attempts), self.metrics)
+        write_done(self.layout, best.step if best else 0, self.total, sentinel, self.metrics)
 
 
 def _record_ray(record: Path, rec: dict[str, Any], versions: dict[str, Any]) -> None:
@@ -694,7 +994,8 @@ def write_done(layout: Layout, final: int, total: int, path: Path, metrics: Path
         "incomplete_moved_aside": sorted(p.name for p in ckpt.glob("global_step_*.incomplete-*")),
         "attempts": [{key: a.get(key) for key in
                       ("attempt", "slurm_job_id", "nodes", "start_step", "end_step",
-                       "steps_lost", "exit_reason", "started_at", "ended_at", "wall_s")}
+                       "steps_lost", "outcome", "exit_reason", "started_at", "ended_at",
+                       "wall_s")}
                      for a in attempts],
         "steps_lost_total": sum(a.get("steps_lost") or 0 for a in attempts),
         "metrics": str(Path(os.path.abspath(metrics))),
