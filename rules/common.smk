@@ -147,27 +147,9 @@ def preflight_targets():
 
 # ---- train ----
 # The config values that re-run training (rules train and train_segment): the launch, the
-# data and model, the shape and the checkpoint root. Not: Ray timeouts and ports, the
-# retention (checkpoint_keep, prune interval, eval.steps), ray_env_passthrough, time limits.
-TRAIN_TRIGGERS = (
-    "run.name",
-    "cluster.nodes",
-    "cluster.gpus_per_node",
-    "data",
-    "model.source",
-    "model.revision",
-    "train.reward_mode",
-    "train.total_training_steps",
-    "train.env",
-    "train.loggers",
-    "train.algorithm",
-    "train.reward_function",
-    "train.launch_script",
-    "train.verl_overrides",
-    "train.checkpoint_root",
-    "train.segment_steps",
-    "train.runtime",
-)
+# data and model, the shape and the checkpoint root; hy3rl.settings.RETRAIN_KEYS says
+# which (the W&B run id hashes the same keys: hy3rl.wandb_run.train_hash).
+from hy3rl.settings import RETRAIN_KEYS as TRAIN_TRIGGERS
 
 
 def train_targets():
@@ -176,9 +158,49 @@ def train_targets():
 
 
 def train_job_resources():
-    """The training job: cluster.nodes x cluster.gpus_per_node, cluster.train_time_min."""
+    """The training job: cluster.nodes x cluster.gpus_per_node, cluster.train_time_min;
+    its slurm_extra is train_slurm_extra, evaluated before each submission."""
     c = CFG.cluster
-    return gpu_job_resources(c.nodes, c.gpus_per_node, c.train_time_min)
+    res = gpu_job_resources(c.nodes, c.gpus_per_node, c.train_time_min)
+    res["slurm_extra"] = train_slurm_extra
+    return res
+
+
+# ---- train: resubmission (hy3rl.resubmit) ----
+from hy3rl.timefmt import utc_now
+
+# When this controller started: attempt records and job-exit.json files older than this
+# belong to earlier invocations, and never refuse or restrict this one's submissions.
+CONTROLLER_STARTED = utc_now()
+
+
+def train_retries():
+    """`retries` of rules train and train_segment: a job is submitted at most
+    train.max_submissions times per invocation (the global `retries: 0` stays)."""
+    return CFG.train.max_submissions - 1
+
+
+def train_slurm_extra(wildcards, attempt):
+    """slurm_extra of submission `attempt` of a training job. Snakemake evaluates it when it
+    selects the job (never while building the DAG nor in a dry run, where attempt is 1),
+    again before each resubmission. Attempt 1: gpu_job_resources' flags. Later: the same
+    plus `--exclude=<nodes>` when hy3rl.resubmit.decide names nodes, or a WorkflowError with
+    its message when resubmitting cannot help (a crash loop, a refused job): the workflow
+    stops before sbatch, so no GPU node is allocated. The job's own Snakemake (exec mode
+    remote, on the compute node) decides nothing and gets the flags."""
+    c = CFG.cluster
+    base = gpu_job_resources(c.nodes, c.gpus_per_node, c.train_time_min)["slurm_extra"]
+    if not workflow.is_main_process:
+        return base
+    from hy3rl.resubmit import ResubmitError, decide, with_exclude
+
+    try:
+        decision = decide(LAYOUT, attempt, CONTROLLER_STARTED)
+    except ResubmitError as exc:
+        raise WorkflowError(str(exc))
+    if decision.stop:
+        raise WorkflowError(f"{decision.stop}; not resubmitted")
+    return with_exclude(base, decision.exclude)
 
 
 def train_base_inputs():
@@ -298,10 +320,16 @@ def report_outputs():
     }
 
 
+# train.notify_command's watcher in this controller (hy3rl.notify.Watcher), when onstart
+# started one; onsuccess/onerror stop it with a last pass.
+NOTIFY_WATCHERS = []
+
+
 onstart:
     # Before anything is submitted (never during a dry run): when a training job is to run,
     # refuse while a live trainer holds the checkpoint directory's lock (a relaunch after
-    # the controller was killed). Jobs' own Snakemake runs with --no-hooks.
+    # the controller was killed), and watch the attempt records for train.notify_command.
+    # Jobs' own Snakemake runs with --no-hooks.
     if gpu_enabled() and any(
         job.rule.name in ("train", "train_segment")
         for job in workflow.dag.needrun_jobs()
@@ -312,3 +340,19 @@ onstart:
             check_lock_free(LAYOUT.checkpoint_dir)
         except LockHeld as exc:
             raise WorkflowError(str(exc))
+        if CFG.train.notify_command:
+            from hy3rl.notify import Watcher
+
+            watcher = Watcher(CFG.train.notify_command, LAYOUT)
+            NOTIFY_WATCHERS.append(watcher.start())
+
+
+onsuccess:
+    # train.notify_command: the attempts that ended since the watcher's last poll.
+    for watcher in NOTIFY_WATCHERS:
+        watcher.stop()
+
+
+onerror:
+    for watcher in NOTIFY_WATCHERS:
+        watcher.stop()

@@ -11,6 +11,13 @@
 # retention or the time limit do not); retention keeps eval.steps but choosing other
 # evaluation steps never retrains. Force a retrain after other changes with `-R train`.
 # A relaunch while a live trainer holds the checkpoint directory stops in `onstart:`.
+#
+# Both rules are resubmitted without a person (train_retries(): up to train.max_submissions
+# submissions of a job per invocation; the profile's global `retries: 0` stays for every
+# other rule): a segment job is one stretch of the same run and meets the same failures.
+# Before each resubmission, train_slurm_extra (rules/common.smk, hy3rl.resubmit) reads the
+# failed job's records: it adds `--exclude` for lost nodes, and stops the workflow before
+# sbatch when resubmitting cannot help (a crash loop, a refused job).
 
 
 STAGE_TARGETS.append(train_targets)
@@ -27,6 +34,7 @@ if gpu_enabled() and train_segment_ends():
             LAYOUT.log("train_segment_step{end}"),
         wildcard_constraints:
             end=r"\d+",
+        retries: train_retries()
         threads: 1
         resources:
             **train_job_resources(),
@@ -46,6 +54,7 @@ if gpu_enabled():
             metrics=LAYOUT.train_metrics,
         log:
             LAYOUT.log("train"),
+        retries: train_retries()
         threads: 1
         resources:
             **train_job_resources(),

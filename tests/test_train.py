@@ -655,13 +655,17 @@ def test_attempt_record_names_runtime_and_ray(tmp_path: Path, monkeypatch) -> No
         assert rec["runtime"]["identity"]["kind"] == "sif" and rec["runtime"]["ray"] is None
         on_ray(versions)
         return launch.LaunchResult(1, "ray version mismatch (client 2.60.0, cluster 2.9.3)",
-                                   ["n1"], None, dict(versions))
+                                   ["n1"], None, dict(versions), "refused")
 
     monkeypatch.setattr(launch, "launch", fake_launch)
-    with pytest.raises(train.TrainFailed, match="attempt 1: ray version mismatch"):
+    with pytest.raises(train.TrainFailed, match="^ray version mismatch .*; not resubmitted"):
         _run(cfg, layout, paths)
+    assert train.attempt_numbers(layout) == [1]  # a refusal is never restarted
     rec = json.loads(Path(layout.attempt_record(1)).read_text())
     assert rec["exit_reason"] == "ray version mismatch (client 2.60.0, cluster 2.9.3)"
+    assert rec["outcome"] == "refused"
+    exit_doc = json.loads(Path(layout.train_job_exit).read_text())
+    assert exit_doc["retry"] is False and exit_doc["attempts"] == [1]
     rt = rec["runtime"]
     assert (rt["prefix"], rt["python"]) == (f"apptainer exec {sif}", "python3")
     assert rt["identity"]["kind"] == "sif" and rt["identity"]["image"] == str(sif)

@@ -52,6 +52,9 @@ def _override(tmp: Path) -> Path:
             "checkpoint_root": str(tmp / "ckpt"), "total_training_steps": TOTAL,
             "env": {"SAVE_FREQ": SAVE_FREQ, "TEST_FREQ": SAVE_FREQ},
             "checkpoint_keep": 1, "prune_interval_s": 1,
+            # a person's rerun after a failure: no restart, no resubmission (the unattended
+            # path is tests/test_train_slurm.py's)
+            "restarts_per_job": 0, "max_submissions": 1,
             "ray": {"register_timeout_s": 120, "head_timeout_s": 120},
         },
         "eval": {"n_samples": 2, "max_tokens": 8, "num_problems": 5, "steps": [SAVE_FREQ]},

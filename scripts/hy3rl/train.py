@@ -561,7 +561,7 @@ class JobStep:
 def after_attempt(rec: Mapping[str, Any], records: Sequence[Mapping[str, Any]], *,
                   restarts_left: int, lost: Sequence[str], allocation: Sequence[str],
                   nodes_needed: int, time_left: float | None,
-                  interval: float | None) -> JobStep:
+                  interval: float | None, attempts_dir: str | None = None) -> JobStep:
     """The decision after attempt ``rec`` (``records``: every attempt of the run so far,
     ``rec`` last; ``lost``: nodes lost in this job, ``rec``'s included). A failure restarts
     in the allocation while restarts are left and at least one save interval of time is
@@ -575,7 +575,7 @@ def after_attempt(rec: Mapping[str, Any], records: Sequence[Mapping[str, Any]], 
         return JobStep(False, True, reason, exclude)
     if outcome in ("refused", "cancelled"):
         return JobStep(False, False, reason, exclude)
-    loop = crash_loop(list(records))
+    loop = crash_loop(list(records), attempts_dir)
     if loop:
         return JobStep(False, False, loop, exclude)
     fits = len([n for n in allocation if n not in set(lost)]) >= nodes_needed
@@ -693,14 +693,19 @@ def run(train: Train, cluster: Cluster, layout: Layout, *, keep_steps: Sequence[
     Path(layout.train_attempts).mkdir(parents=True, exist_ok=True)
     metrics = Path(os.path.abspath(metrics))
     plan_path = Path(plan).resolve()
-    plan_doc = read_plan(plan_path)
-    total = total_steps_from_plan(plan_doc, plan_path)
     ckpt = layout.checkpoint_dir
-    planned = (plan_doc.get("checkpoint") or {}).get("dir")
-    if planned and os.path.abspath(planned) != str(ckpt):
-        raise TrainError(f"{plan_path}: checkpoint.dir {planned} differs from the run's "
-                         f"checkpoint directory {ckpt} (train.checkpoint_root/run.name); "
-                         "rerun preflight")
+    try:
+        plan_doc = read_plan(plan_path)
+        total = total_steps_from_plan(plan_doc, plan_path)
+        planned = (plan_doc.get("checkpoint") or {}).get("dir")
+        if planned and os.path.abspath(planned) != str(ckpt):
+            raise TrainError(f"{plan_path}: checkpoint.dir {planned} differs from the run's "
+                             f"checkpoint directory {ckpt} (train.checkpoint_root/run.name); "
+                             "rerun preflight")
+    except TrainError as exc:  # a resubmission cannot fix a bad input
+        write_job_exit(layout, os.environ.get("SLURM_JOB_ID") or f"local-{os.getpid()}", [],
+                       None, f"{exc}")
+        raise
     job = Job(train, cluster, layout, plan_doc, target=total if until is None
               else min(int(until), total), total=total, keep_steps=[int(s) for s in keep_steps],
               launch_script=Path(launch_script).resolve(),
@@ -724,7 +729,7 @@ def run(train: Train, cluster: Cluster, layout: Layout, *, keep_steps: Sequence[
                 rec, records, restarts_left=train.restarts_per_job - (len(job.attempts) - 1),
                 lost=job.lost, allocation=job.allocation or rec.get("nodes") or [],
                 nodes_needed=cluster.nodes, time_left=time_left(me.job_id),
-                interval=job.save_interval())
+                interval=job.save_interval(), attempts_dir=layout.train_attempts)
             if not step.retry and rec["outcome"] not in ("refused", "cancelled"):
                 rec["crash_loop"] = step.reason
                 write_json_atomic(Path(layout.attempt_record(k)), rec)
@@ -811,6 +816,10 @@ class Job:
             runtime["ray"] = None  # filled once the Ray head runs (launch.Launcher.check_ray)
             self.runtime = runtime
             self.excluded = sbatch_excluded(me.job_id)
+            restarts = os.environ.get("SLURM_RESTART_COUNT", "0")
+            if restarts not in ("", "0"):
+                resume_actions.append(f"SLURM requeued job {me.job_id} ({restarts} time(s): "
+                                      "preempted, or a node failed) and it resumes here")
         runtime = json.loads(json.dumps(self.runtime))
         log.info("attempt %d: runtime %s", k, runtime["identity"]["id"])
         sub_id = f"{layout.run}-{me.job_id or 'local'}-{k}"
