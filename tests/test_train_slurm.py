@@ -36,8 +36,10 @@ class SlurmTrain:
     def __init__(self, setup: TrainSetup, profile_args: list[str], **train_cfg):
         self.setup = setup
         self.work = setup.root
+        # The stop-before-the-time-limit margin fits the test cluster's 10-minute jobs.
         cfg = {"checkpoint_root": str(setup.ckpt_root), "prune_interval_s": 1,
-               "checkpoint_keep": 2, "ray": {"register_timeout_s": 120, "head_timeout_s": 120}}
+               "checkpoint_keep": 2, "time_limit_margin_min": 0.5,
+               "ray": {"register_timeout_s": 120, "head_timeout_s": 120}}
         for key, value in train_cfg.items():
             if isinstance(value, dict):
                 cfg.setdefault(key, {}).update(value)

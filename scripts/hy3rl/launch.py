@@ -355,20 +355,11 @@ def port_plan(job_key: int, nodes: list[Node], ray: Ray) -> dict[str, Ports]:
 
 def scope_processes(scope: str) -> list:
     """Processes (of any name: Ray retitles its workers) whose environment carries
-    ``HY3RL_RAY_SCOPE=<scope>``, excluding this process."""
-    import psutil
+    ``HY3RL_RAY_SCOPE=<scope>``, and their descendants, excluding this process
+    (hy3rl.nodelogs.scope_processes: the one definition of a node's scope)."""
+    from hy3rl.nodelogs import scope_processes as in_scope
 
-    me = os.getpid()
-    found = []
-    for p in psutil.process_iter(["pid"]):
-        if p.pid == me:
-            continue
-        try:
-            if p.environ().get(SCOPE_VAR) == scope:
-                found.append(p)
-        except (psutil.Error, OSError):
-            continue
-    return found
+    return in_scope(scope)
 
 
 def kill_scope(scope: str, grace: float) -> int:
@@ -904,11 +895,21 @@ class Launcher:
     def teardown(self) -> None:
         self.phase("teardown")
         if self.submitted and not self.job_done and self.dashboard:
-            # Bounded: SLURM's KillWait after a SIGTERM may be a few seconds only.
-            with contextlib.suppress(subprocess.TimeoutExpired, OSError):
-                subprocess.run([RAY, "job", "stop", "--no-wait", "--address", self.dashboard,
-                                self.spec.submission_id], capture_output=True, timeout=15)
+            # Bounded: SLURM's KillWait after a SIGTERM may be a few seconds only. The job
+            # client in this process first (no CLI start-up: a stop right after a save must
+            # land before the next step), the CLI if that fails.
+            try:
+                from ray.job_submission import JobSubmissionClient
+
+                JobSubmissionClient(self.dashboard).stop_job(self.spec.submission_id)
                 self.phase("ray job stop %s", self.spec.submission_id)
+            except Exception as exc:
+                log.warning("ray job stop via the job client: %s; trying the CLI", exc)
+                with contextlib.suppress(subprocess.TimeoutExpired, OSError):
+                    subprocess.run([RAY, "job", "stop", "--no-wait", "--address",
+                                    self.dashboard, self.spec.submission_id],
+                                   capture_output=True, timeout=15)
+                    self.phase("ray job stop %s (CLI)", self.spec.submission_id)
         if self.submit and self.submit.poll() is None:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.submit.wait(5)

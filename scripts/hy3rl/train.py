@@ -903,10 +903,13 @@ class Job:
             last = rec.get("last_logged_step")
             rec["failed_at_step"] = (last if last is not None else rec["start_step"]) + 1
             rec["error"] = last_error(log_dir / "driver.log")
-        if outcome == "stopped_for_time_limit" and rec.get("steps_lost"):
-            rec["exit_reason"] = (f"stopped after the save of step {result.stop_step} before "
-                                  f"the time limit: {rec['steps_lost']} step(s) lost (the next "
-                                  "step was logged before the trainer stopped)")
+        if outcome == "stopped_for_time_limit" and (rec.get("steps_lost") or
+                                                    rec.get("end_step") != result.stop_step):
+            # The trainer went on while it was being stopped: say what really happened.
+            lost = rec.get("steps_lost") or 0
+            rec["exit_reason"] = (f"stopped after the save of step {rec.get('end_step')} "
+                                  f"before the time limit: {lost} steps lost (asked to stop "
+                                  f"after the save of step {result.stop_step})")
         if outcome in ("time_limit", "preempted"):
             rec["exit_reason"] = f"{outcome.replace('_', ' ')} ({result.reason})"
         rec["diagnostics"] = result.diagnostics
