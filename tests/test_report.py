@@ -10,6 +10,7 @@ import base64
 import csv
 import io
 import json
+import os
 import re
 import subprocess
 import sys
@@ -708,3 +709,75 @@ def test_provenance_names_the_runtime_of_the_newest_attempt(report_run_factory):
     del rec["runtime"]
     (results / "train" / "attempts" / "attempt-2.json").write_text(json.dumps(rec))
     assert rows(_build(results, _config()))["runtime"]["value"] == "not recorded"
+
+
+def test_failed_attempts_link_their_logs_and_the_wandb_run(report_run_factory, tmp_path):
+    """Attempt 1 hung: the page lists its outcome, exit reason and error, and links its
+    folder, each node's Ray logs (copied by hy3rl.nodelogs, listed as the train stage lists
+    them) and the hang diagnostics, relative to the page; a log the record names that is
+    gone is shown as not found. Attempt 2 succeeded: no logs listed. Both logged into one
+    W&B run, whose page attempt 2's output printed."""
+    from hy3rl.nodelogs import copy_ray_logs
+
+    results = report_run_factory()
+    layout = Layout.of_results(results)
+    ray_logs = tmp_path / "ray" / "session_2026-11-21_08-00-00_1" / "logs"
+    ray_logs.mkdir(parents=True)
+    for name in ("raylet.out", "gcs_server.out", "worker-01-02.err"):
+        (ray_logs / name).write_text(f"{name}: last lines\n")
+    copy_ray_logs(tmp_path / "ray", Path(layout.attempt_node_logs(1, "gpu-n1")), 10**6)
+    attempts_dir = Path(layout.train_attempts)
+    node_logs = {"gpu-n1": sorted(str(f.relative_to(attempts_dir)) for f in Path(
+        layout.attempt_node_logs(1, "gpu-n1")).rglob("*") if f.is_file()),
+        "gpu-n2": ["attempt-1/nodes/gpu-n2/raylet.out"]}  # named, but gone since
+    hang = Path(layout.attempt_diagnostics(1)).resolve()  # the launcher writes it absolute
+    (hang / "gpu-n1").mkdir(parents=True)
+    (hang / "gpu-n1" / "ray_stack.txt").write_text("stack\n")
+    run_id, url = "test-run-0123abcd", "https://wandb.ai/lab/hy3rl/runs/test-run-0123abcd"
+    for k, extra in ((1, {"outcome": "hung", "exit_reason": "hung at step 28 (no progress "
+                          "for 31 min)", "failed_at_step": 28,
+                          "error": "RuntimeError: NCCL watchdog timeout", "node_logs": node_logs,
+                          "diagnostics": {"dir": str(hang), "collected": {"gpu-n1": [
+                              "ray_stack.txt"]}, "not_collected": {}},
+                          "wandb": {"run_id": run_id, "project": "hy3rl", "url": None}}),
+                     (2, {"outcome": "succeeded", "node_logs": {},
+                          "wandb": {"run_id": run_id, "project": "hy3rl", "url": url}})):
+        path = Path(layout.attempt_record(k))
+        path.write_text(json.dumps({**json.loads(path.read_text()), **extra}))
+
+    files = _build(results, _config())
+    att = _csv(files["attempts.csv"])
+    assert [(a["outcome"], a["failed_at_step"], a["error"]) for a in att] == [
+        ("hung", "28", "RuntimeError: NCCL watchdog timeout"), ("succeeded", "", "")]
+    html = files["index.html"].decode()
+    failed = re.search(r'<ul id="failed-attempts">(.*?)</ul>', html, re.S).group(1)
+    assert "attempt 1: hung, hung at step 28 (no progress for 31 min); error " \
+           "<code>RuntimeError: NCCL watchdog timeout</code>" in failed
+    assert "attempt 2" not in failed
+    links = dict((label, href) for href, label in re.findall(r'<a href="([^"]+)">([^<]+)</a>',
+                                                             failed))
+    assert set(links) == {"attempt folder", "gpu-n1: raylet.out", "gpu-n1: gcs_server.out",
+                          "gpu-n1: worker-01-02.err", "gpu-n1: copied.json",
+                          "hang diagnostics"}
+    def target(href: str) -> Path:  # where the link leads from the page's folder
+        return Path(os.path.normpath(Path(layout.report_dir) / href))
+
+    for label, href in links.items():
+        assert not href.startswith("/") and target(href).exists(), (label, href)
+    assert target(links["gpu-n1: raylet.out"]).read_text() == "raylet.out: last lines\n"
+    assert target(links["hang diagnostics"]).resolve() == hang
+    assert "gpu-n2: raylet.out (<code>train/attempts/attempt-1/nodes/gpu-n2/raylet.out</code>" \
+           " not found)" in failed
+    runs = re.findall(r'<p class="wandb-run">(.*?)</p>', html, re.S)
+    assert len(runs) == 1
+    assert f"W&amp;B run <code>{run_id}</code> (project hy3rl; attempts 1, 2): " \
+           f'<a href="{url}">{url}</a>' in runs[0]
+
+
+def test_an_offline_wandb_run_is_named_without_a_link(report_run_factory):
+    results = report_run_factory(RunSpec(extra_attempt={
+        "wandb": {"run_id": "test-run-0123abcd", "project": None, "url": None}}))
+    html = _build(results, _config())["index.html"].decode()
+    runs = re.findall(r'<p class="wandb-run">(.*?)</p>', html, re.S)
+    assert len(runs) == 1 and "<code>test-run-0123abcd</code> (project n/a; attempts 1, 2)" \
+        in runs[0] and "no run page recorded" in runs[0] and "href" not in runs[0]

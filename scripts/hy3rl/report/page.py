@@ -9,6 +9,7 @@ import base64
 import csv
 import io
 import json
+import os
 import platform
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
@@ -38,8 +39,8 @@ from hy3rl.report.read import (
 TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
 
 ATTEMPT_HEADER = ["attempt", "slurm_job_id", "nodes", "gpus_per_node", "start_step", "end_step",
-                  "last_logged_step", "steps_lost", "exit_reason", "started", "ended", "hours",
-                  "gpu_hours"]
+                  "last_logged_step", "steps_lost", "outcome", "exit_reason", "failed_at_step",
+                  "error", "started", "ended", "hours", "gpu_hours"]
 EVAL_HEADER = ["tag", "step", "n", "problems", "grader", "avg@n", "bootstrap_95", "sampling_se",
                "pass@n", "maj@n", "pass@k", "maj@k", "grader_failures", "format_failure_rate",
                "format_failures", "truncation_rate", "mean_response_tokens"]
@@ -181,6 +182,37 @@ def claims(found: Found, threshold: float) -> list[dict[str, str]]:
                  "published": "first ~0.84, peak ~0.88 (steps 80-110), last ~0.86",
                  "this_run": this, "verdict": verdict})
     return rows
+
+
+def failed_attempts(found: Found) -> list[dict[str, Any]]:
+    """Per failed attempt (``Attempt.failed``): its outcome, exit reason and error, and the
+    logs its record names, each with ``href`` relative to the page (the report folder)."""
+    page_dir = os.path.abspath(found.layout.report_dir)
+    run_dir = os.path.abspath(found.layout.results)
+    return [{"attempt": a.attempt, "outcome": a.outcome, "exit_reason": a.exit_reason,
+             "error": a.error,
+             "logs": [{**asdict(link),
+                       "href": os.path.relpath(os.path.join(run_dir, link.path), page_dir)}
+                      for link in a.logs]}
+            for a in found.attempts if a.failed]
+
+
+def wandb_runs(found: Found) -> list[dict[str, Any]]:
+    """The W&B runs the attempt records name (``wandb``; one for a whole training run), in
+    order: run id, project, the attempts that logged there, and the run page's URL when an
+    attempt's output printed one (an http(s) URL only; offline runs have none)."""
+    runs: dict[str, dict[str, Any]] = {}
+    for a in found.attempts:
+        if not a.wandb:
+            continue
+        run = runs.setdefault(str(a.wandb["run_id"]), {
+            "run_id": str(a.wandb["run_id"]), "project": None, "url": None, "attempts": []})
+        run["attempts"].append(a.attempt)
+        run["project"] = a.wandb.get("project") or run["project"]
+        url = a.wandb.get("url")
+        if isinstance(url, str) and url.startswith(("https://", "http://")):
+            run["url"] = url
+    return list(runs.values())
 
 
 def gpu_hours_summary(found: Found) -> dict[str, Any]:
@@ -485,6 +517,8 @@ def render(found: Found, redact: Redactor, env: Mapping[str, str], figs: Mapping
         gpu=gpu_hours_summary(found),
         attempts=att_rows,
         att_header=ATTEMPT_HEADER,
+        failed=failed_attempts(found),
+        wandb=wandb_runs(found),
         resume=resume_points(found.attempts, found.logs),
         notes=found.notes,
         notice=notice,

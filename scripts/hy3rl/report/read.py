@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -109,6 +110,20 @@ def by_step(records: Iterable[dict[str, Any]]) -> dict[int, dict[str, Any]]:
 
 # ---- training attempts (train/attempts/attempt-<k>.json) ----
 
+# Outcomes of an attempt that did not fail (docs/formats/train.md `outcome`): still running,
+# finished, or stopped by the launcher right after a save before the time limit.
+NOT_FAILED = ("running", "succeeded", "stopped_for_time_limit")
+
+
+@dataclass
+class LogLink:
+    """A log an attempt record names: what it is, its path relative to the run directory
+    (or absolute, outside it), whether it exists now."""
+
+    label: str
+    path: str
+    exists: bool
+
 
 @dataclass
 class Attempt:
@@ -124,12 +139,46 @@ class Attempt:
     last_logged_step: int | None = None
     steps_lost: int | None = None
     exit_reason: str | None = None
+    outcome: str | None = None
+    failed_at_step: int | None = None
+    error: str | None = None
+    wandb: dict[str, Any] | None = None
     started: str | None = None
     ended: str | None = None
     hours: float | None = None
     gpu_hours: float | None = None
     log_path: str | None = None
+    logs: list[LogLink] = field(default_factory=list)  # a failed attempt's, else none
     raw: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def failed(self) -> bool:
+        """Closed by anything but success or the stop before the time limit (a record
+        without ``outcome``: its exit reason is not ``succeeded``/``running``)."""
+        return (self.outcome or self.exit_reason or "running") not in NOT_FAILED
+
+
+def record_logs(layout: Layout, raw: Mapping[str, Any]) -> list[LogLink]:
+    """The logs an attempt record names (docs/formats/train.md): its ``log_dir``, each
+    node's copied Ray logs (``node_logs``, relative to train/attempts/) and the hang
+    diagnostics' ``dir``, each as a :class:`LogLink`."""
+    attempts = Path(layout.train_attempts)
+    run_dir = os.path.abspath(layout.results)
+
+    def link(label: str, path: Any) -> LogLink:
+        p = attempts / str(path)  # an absolute path stays as it is
+        shown = os.path.relpath(os.path.abspath(p), run_dir)
+        return LogLink(label, str(p.resolve()) if shown.startswith("..") else shown,
+                       p.exists())
+
+    links = [link("attempt folder", raw["log_dir"])] if raw.get("log_dir") else []
+    node_logs = raw.get("node_logs")
+    for node, files in sorted(node_logs.items()) if isinstance(node_logs, Mapping) else []:
+        links += [link(f"{node}: {Path(str(f)).name}", f) for f in files or []]
+    diag = raw.get("diagnostics")
+    if isinstance(diag, Mapping) and diag.get("dir"):
+        links.append(link("hang diagnostics", diag["dir"]))
+    return links
 
 
 def read_attempt(path: Path, k: int, default_gpus_per_node: int | None) -> Attempt:
@@ -159,6 +208,7 @@ def read_attempt(path: Path, k: int, default_gpus_per_node: int | None) -> Attem
         gpu_hours = hours * num_nodes * gpn if hours is not None and num_nodes and gpn else None
     job = _first(raw, "slurm_job_id", "job_id", "jobid")
     reason = _first(raw, "exit_reason", "reason", "status", "exit_status")
+    wandb = raw.get("wandb")
     return Attempt(
         attempt=k,
         slurm_job_id=None if job is None else str(job),
@@ -170,6 +220,10 @@ def read_attempt(path: Path, k: int, default_gpus_per_node: int | None) -> Attem
         last_logged_step=_int_or_none(_first(raw, "last_logged_step", "last_step")),
         steps_lost=_int_or_none(_first(raw, "steps_lost", "lost_steps")),
         exit_reason=None if reason is None else str(reason),
+        outcome=None if raw.get("outcome") is None else str(raw["outcome"]),
+        failed_at_step=_int_or_none(raw.get("failed_at_step")),
+        error=None if raw.get("error") is None else str(raw["error"]),
+        wandb=dict(wandb) if isinstance(wandb, Mapping) and wandb.get("run_id") else None,
         started=started.isoformat() if started else None,
         ended=ended.isoformat() if ended else None,
         hours=hours,
@@ -458,6 +512,8 @@ def gather(cfg: Config, layout: Layout) -> Found:
     attempts = sorted((read_attempt(p, k, cfg.cluster.gpus_per_node) for k, p in records),
                       key=lambda a: a.attempt)
     for a in attempts:
+        if a.failed:
+            a.logs = record_logs(layout, a.raw)
         p = layout.attempt_metrics(a.attempt)
         if Path(p).exists():
             a.log_path = rel(p)

@@ -1,0 +1,51 @@
+"""The trainer double's own behaviour that the train stage's tests rely on
+(tests/fixtures/trainer_double.py): measured step and save times, a persistent crash, slow
+steps. Run as a plain script (``run_double``), without Ray."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from fixtures.trainer_double import run_double
+
+
+def _lines(work: Path) -> dict[int, dict]:
+    return {r["step"]: r["data"] for r in map(json.loads,
+                                               (work / "metrics.jsonl").read_text().splitlines())}
+
+
+def test_step_and_save_times_are_measured(tmp_path: Path):
+    """timing_s/step is the step's wall time with its save (verl's marked_timer("step")
+    wraps the save); timing_s/save_checkpoint only on save steps, as long as the save took;
+    slow_from makes the steps from k on take $HY3RL_DOUBLE_SLOW_S."""
+    faults = tmp_path / "faults.json"
+    faults.write_text(json.dumps({"slow_from": 3}))
+    proc = run_double(tmp_path / "w", total=3, save_freq=2, env={
+        "HY3RL_DOUBLE_STEP_S": "0.05", "HY3RL_DOUBLE_SAVE_S": "0.4",
+        "HY3RL_DOUBLE_SLOW_S": "0.6", "HY3RL_DOUBLE_FAULTS": str(faults)})
+    assert proc.returncode == 0, proc.stderr
+    data = _lines(tmp_path / "w")
+    assert "timing_s/save_checkpoint" not in data[1]
+    assert 0.05 <= data[1]["timing_s/step"] < 0.4
+    assert data[2]["timing_s/save_checkpoint"] >= 0.4  # step 2 saves (save_freq)
+    assert data[2]["timing_s/step"] >= data[2]["timing_s/save_checkpoint"] + 0.05
+    # step 3: slow (0.6 s) and saved (the last step)
+    assert data[3]["timing_s/step"] >= 0.6 + data[3]["timing_s/save_checkpoint"]
+    assert json.loads(faults.read_text()) == {"slow_from": 3}  # persistent
+
+
+def test_crash_always_at_crashes_every_attempt_at_the_same_step(tmp_path: Path):
+    """crash_always_at stays in the faults file: each attempt resumes from step 1's save
+    and crashes at step 2 with the same error; a one-shot crash_at is gone after firing."""
+    faults = tmp_path / "faults.json"
+    faults.write_text(json.dumps({"crash_always_at": 2, "crash_at": 3}))
+    env = {"HY3RL_DOUBLE_STEP_S": "0", "HY3RL_DOUBLE_FAULTS": str(faults)}
+    errors = []
+    for _ in range(2):
+        proc = run_double(tmp_path / "w", total=4, save_freq=1, env=env)
+        assert proc.returncode != 0
+        errors.append(proc.stderr.strip().splitlines()[-1])
+    assert errors == ["RuntimeError: main_ppo double: injected crash at step 2"] * 2
+    assert json.loads(faults.read_text()) == {"crash_always_at": 2, "crash_at": 3}
+    assert (tmp_path / "w" / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "1"
