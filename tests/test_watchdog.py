@@ -83,7 +83,7 @@ def test_hang_after_progress_and_at_startup(tmp_path: Path) -> None:
     clock.now += 2
     req = m.poll()
     assert req and req.outcome == "hung" and req.diagnose and req.step == 1
-    assert req.message.startswith("hung at step 2 (no progress for 1.0 min")
+    assert req.message.startswith("hung at step 2 (no progress for 1.02 min")
 
     m2 = monitor(tmp_path / "x", clock, metrics=tmp_path / "none.jsonl")
     m2.start()

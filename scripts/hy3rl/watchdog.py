@@ -241,4 +241,4 @@ class Monitor:
 
 
 def _minutes(seconds: float) -> str:
-    return f"{seconds / 60:.1f} min"
+    return f"{seconds / 60:.3g} min"
