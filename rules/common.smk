@@ -176,8 +176,11 @@ CONTROLLER_STARTED = utc_now()
 
 def train_retries():
     """`retries` of rules train and train_segment: a job is submitted at most
-    train.max_submissions times per invocation (the global `retries: 0` stays)."""
-    return CFG.train.max_submissions - 1
+    train.max_submissions times per invocation (the global `retries: 0` stays). Only the
+    controller retries: the job's own Snakemake (exec mode remote, inside the allocation)
+    gets 0, or it would rerun the rule in the same allocation, bypassing
+    train.restarts_per_job, the guard and the time limit."""
+    return CFG.train.max_submissions - 1 if workflow.is_main_process else 0
 
 
 def train_slurm_extra(wildcards, attempt):

@@ -450,10 +450,12 @@ def test_dry_run_and_the_jobs_own_snakemake_decide_nothing(tmp_path: Path):
     proc = run_snakemake(["-n", layout.train_done, *args, "--allowed-rules", "train"], work)
     assert "slurm_extra=--ntasks-per-node=1 --exclusive," in proc.stdout
     # The job side (what the SLURM executor runs on the node): exec mode remote, with the
-    # job's attempt number; it runs the job (which fails on the plan) and decides nothing.
+    # job's attempt number; it runs the job (which fails on the plan) once, never retries it
+    # inside the allocation (only the controller resubmits), and decides nothing.
     proc = run_snakemake([layout.train_done, *args, "--allowed-rules", "train", "--mode",
                           "remote", "--attempt", "3"], work, check=False)
     out = proc.stdout + proc.stderr
-    assert "Error in rule train:" in out and "crash loop" not in out, out
+    assert out.count("Error in rule train:") == 1 and "crash loop" not in out, out
+    assert "Trying to restart" not in out, out
     assert "refused by tests/test_resubmit.py" in (work / layout.log("train")).read_text()
     assert not (work / layout.train_submissions).exists()
