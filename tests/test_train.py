@@ -501,7 +501,11 @@ def test_runtime_env_secrets_redacted_in_logs(tmp_path: Path, monkeypatch, caplo
     merged = yaml.safe_load(path.read_text())
     assert merged["env_vars"] == {"A": "1", "VERL_FILE_LOGGER_PATH": "/m.jsonl",
                                   "HF_TOKEN": token, "WANDB_MODE": "offline"}
-    assert path.stat().st_mode & 0o777 == 0o600
+    assert path.stat().st_mode & 0o777 == 0o600 and not path.is_relative_to(tmp_path)
+    kept = yaml.safe_load((tmp_path / "runtime_env.yaml").read_text())  # the attempt's copy
+    assert kept["env_vars"]["HF_TOKEN"] == "[REDACTED]" and kept["env_vars"]["A"] == "1"
+    lr.teardown()
+    assert not path.exists()  # the file with the key lives only while the job is submitted
     assert token not in caplog.text and "'HF_TOKEN': '[REDACTED]'" in caplog.text
     assert "'WANDB_MODE': 'offline'" in caplog.text
     assert lr.redactor.text(f"login with {token} ok\n") == "login with [REDACTED] ok\n"

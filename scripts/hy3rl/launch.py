@@ -55,6 +55,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -546,6 +547,7 @@ class Launcher:
         self.on_ray: Callable[[dict[str, Any]], None] | None = None
         self.ray_versions: dict[str, Any] = {}
         self.watch: StopRequest | None = None  # the watchdog's stop, when it stopped the job
+        self.secret_files: list[Path] = []  # removed in the teardown
         self.diagnostics: dict[str, Any] | None = None
         self.t0 = time.monotonic()
 
@@ -811,11 +813,18 @@ class Launcher:
         # hy3rl.redact's one policy: values under secret-looking names, known token shapes.
         self.redactor = make_redactor(env, [])
         merged = {**base, "env_vars": env}
-        path = self.spec.log_dir / "runtime_env.yaml"
-        write_text_atomic(path, yaml.safe_dump(merged, sort_keys=False), mode=0o600)
-        self.phase("runtime env %s (from %s): env_vars %s", path, self.spec.runtime_env,
-                   self.redactor(env))
-        return path
+        # The real one (it may hold passed-through keys) lives only while the job is
+        # submitted: a private temp file (0600), removed in the teardown; the attempt's
+        # folder keeps a redacted copy. No output holds a key.
+        fd, name = tempfile.mkstemp(prefix="hy3rl-runtime-env-", suffix=".yaml")
+        with os.fdopen(fd, "w") as fh:
+            fh.write(yaml.safe_dump(merged, sort_keys=False))
+        self.secret_files.append(Path(name))
+        kept = self.spec.log_dir / "runtime_env.yaml"
+        write_text_atomic(kept, yaml.safe_dump(self.redactor(merged), sort_keys=False))
+        self.phase("runtime env %s (from %s; redacted copy %s): env_vars %s", name,
+                   self.spec.runtime_env, kept, self.redactor(env))
+        return Path(name)
 
     def run_job(self, runtime_env: Path) -> tuple[int, str, str]:
         from ray.job_submission import JobSubmissionClient
@@ -894,6 +903,8 @@ class Launcher:
 
     def teardown(self) -> None:
         self.phase("teardown")
+        for path in self.secret_files:
+            path.unlink(missing_ok=True)
         if self.submitted and not self.job_done and self.dashboard:
             # Bounded: SLURM's KillWait after a SIGTERM may be a few seconds only. The job
             # client in this process first (no CLI start-up: a stop right after a save must
