@@ -686,3 +686,19 @@ def test_trainer_double_logs_verls_memory_key() -> None:
     assert data["actor/perf/max_memory_allocated_gb"] > 0
     assert "actor/perf/max_memory_reserved_gb" in data
     assert "perf/max_memory_allocated_gb" not in data
+
+
+def test_copied_logs_are_redacted_with_the_one_policy(tmp_path: Path) -> None:
+    """Ray's runtime_env_agent.log holds the job's env vars: the node's copies of its logs
+    (and the hang diagnostics) are rewritten with the passed-through keys [REDACTED]."""
+    from hy3rl.redact import make_redactor
+
+    key = "wandb-key-0123456789abcdef0123456789"
+    agent = tmp_path / "runtime_env_agent.log"
+    agent.write_text(f'env_vars: {{"WANDB_API_KEY": "{key}", "WANDB_MODE": "offline"}}\n')
+    plain = tmp_path / "raylet.out"
+    plain.write_text("nothing secret\n")
+    redactor = make_redactor({"WANDB_API_KEY": key, "WANDB_MODE": "offline"}, [])
+    assert launch.redact_files(redactor, [agent, plain, tmp_path / "gone.log"]) == 1
+    assert key not in agent.read_text() and "[REDACTED]" in agent.read_text()
+    assert "offline" in agent.read_text() and plain.read_text() == "nothing secret\n"

@@ -379,6 +379,23 @@ def kill_scope(scope: str, grace: float) -> int:
     return len(procs)
 
 
+def redact_files(redactor: Redactor, paths: list[Path]) -> int:
+    """Rewrite the files (copied logs, diagnostics) whose text holds a secret, with it
+    ``[REDACTED]``; returns how many changed. Unreadable files are left as they are."""
+    changed = 0
+    for path in paths:
+        try:
+            text = path.read_bytes().decode(errors="surrogateescape")
+            clean = redactor.text(text)
+            if clean != text:
+                write_text_atomic(path, clean.encode(errors="surrogateescape")
+                                  .decode(errors="replace"))
+                changed += 1
+        except OSError as exc:
+            log.warning("%s: not redacted: %s", path, exc)
+    return changed
+
+
 def _port_free(port: int) -> bool:
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -489,6 +506,10 @@ def node_main(args: argparse.Namespace) -> int:
             from hy3rl.nodelogs import copy_ray_logs
 
             copied = copy_ray_logs(temp, Path(args.logs_out), int(args.logs_cap_mb * 2**20))
+            # Ray logs the runtime env (passed-through keys included): redact the copies
+            # with the one policy, knowing this step's environment (the launcher's).
+            redact_files(make_redactor(dict(os.environ), []),
+                         [Path(args.logs_out) / f for f in copied["files"]])
             log.info("Ray logs: %d file(s), %d bytes copied to %s", len(copied["files"]),
                      copied["bytes"], args.logs_out)
         except Exception as exc:  # the teardown goes on without them
@@ -666,6 +687,8 @@ class Launcher:
             result["collected"][name] = list(found.get("collected") or [])
             for what, why in (found.get("not_collected") or {}).items():
                 result["not_collected"][f"{name}/{what}"] = why
+        redact_files(make_redactor(dict(os.environ), []),
+                     [f for f in out.rglob("*") if f.is_file()])
         self.phase("hang diagnostics in %s: collected %s; not collected %s", out,
                    result["collected"], result["not_collected"])
         return result
