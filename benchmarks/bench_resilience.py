@@ -93,16 +93,19 @@ class Scenario:
 
 
 HANG_AT, CRASH_AT = 5, 7
+# time_limit_margin_min: the default (10 min) would not fit the test cluster's 10-minute
+# jobs, so that every job would stop at its first save; the scenarios that do not measure
+# the time limit use 0.5 min, as tests/test_train_slurm.py does.
 SCENARIOS = {
     "hang": Scenario("hang", total=8, save_freq=2, step_s=0.5, faults={"hang_at": HANG_AT},
-                     train={"max_submissions": 1,
+                     train={"max_submissions": 1, "time_limit_margin_min": 0.5,
                             "watchdog": {"stall_min": 0.25, "poll_s": 0.5}}),
     "time_limit": Scenario("time_limit", total=24, save_freq=4, step_s=1.0,
                            train={"max_submissions": 5, "restarts_per_job": 0,
                                   "time_limit_margin_min": 0.25, "watchdog": {"poll_s": 0.2}},
                            cluster={"train_time_min": 1}, timeout_s=1200),
     "crash": Scenario("crash", total=12, save_freq=4, step_s=0.3, faults={"crash_at": CRASH_AT},
-                      train={"max_submissions": 1}),
+                      train={"max_submissions": 1, "time_limit_margin_min": 0.5}),
     # 100 steps of 1 s cannot fit in one 2-minute job (less its 15 s margin): >= 1 time limit.
     "combined": Scenario("combined", total=100, save_freq=4, step_s=1.0,
                          faults={"crash_at": CRASH_AT},
