@@ -702,3 +702,64 @@ def test_copied_logs_are_redacted_with_the_one_policy(tmp_path: Path) -> None:
     assert launch.redact_files(redactor, [agent, plain, tmp_path / "gone.log"]) == 1
     assert key not in agent.read_text() and "[REDACTED]" in agent.read_text()
     assert "offline" in agent.read_text() and plain.read_text() == "nothing secret\n"
+
+
+def _rec(k: int, outcome: str, start: int, end: int, failed_at: int | None = None,
+         lost: list[str] | None = None) -> dict:
+    return {"attempt": k, "outcome": outcome, "exit_reason": f"{outcome} reason",
+            "start_step": start, "end_step": end, "last_logged_step": end,
+            "failed_at_step": failed_at, "lost_nodes": lost or [], "log_dir": f"attempt-{k}",
+            "error": None}
+
+
+def test_after_attempt_restarts_ends_or_stops() -> None:
+    """The job's decision after an attempt: restart in the allocation while restarts and one
+    save interval of time are left; end for a resubmission otherwise; never restart a
+    refusal; stop (no retry) on a crash loop; a lost node only when the layout fits."""
+    def decide(rec, records=None, **kw):
+        args = {"restarts_left": 2, "lost": rec["lost_nodes"], "allocation": ["n1", "n2"],
+                "nodes_needed": 2, "time_left": 3600.0, "interval": 600.0}
+        args.update(kw)
+        return train.after_attempt(rec, records or [rec], **args)
+
+    crash = _rec(1, "failed", 0, 20, failed_at=27)
+    assert decide(crash).restart
+    no_time = decide(crash, time_left=500.0)
+    assert (no_time.restart, no_time.retry) == (False, True)
+    assert "500s left, one save interval needs 600s" in no_time.reason
+    assert not decide(crash, restarts_left=0).restart
+    assert decide(crash, time_left=None, interval=None).restart  # unknown: allowed
+    for outcome in ("stopped_for_time_limit", "time_limit", "preempted"):
+        step = decide(_rec(1, outcome, 0, 20))
+        assert (step.restart, step.retry) == (False, True), outcome
+    for outcome in ("refused", "cancelled"):
+        step = decide(_rec(1, outcome, 0, 20))
+        assert (step.restart, step.retry) == (False, False), outcome
+    again = _rec(2, "failed", 20, 20, failed_at=27)
+    loop = decide(again, [crash, again])
+    assert (loop.restart, loop.retry) == (False, False)
+    assert loop.reason.startswith("crash loop at step 27: attempts 1 and 2 failed there")
+    lost = _rec(1, "node_lost", 0, 20, lost=["n2"])
+    step = decide(lost)
+    assert (step.restart, step.retry, step.exclude) == (False, True, ["n2"])
+    assert "the layout needs 2 node(s) without n2" in step.reason
+    assert decide(lost, allocation=["n1", "n2", "n3"]).restart  # a spare node: it fits
+
+
+@pytest.mark.parametrize(("reason", "job", "left", "outcome"), [
+    ("signal SIGTERM", "42", 30.0, "time_limit"),
+    ("signal SIGTERM", "42", 3600.0, "preempted"),
+    ("signal SIGUSR1", "42", None, "preempted"),
+    ("signal SIGINT", "42", 30.0, "cancelled"),
+    ("signal SIGTERM", None, None, "cancelled")])
+def test_classify_signal(reason: str, job: str | None, left: float | None, outcome: str) -> None:
+    assert train.classify_signal(reason, job, left) == outcome
+
+
+def test_last_error_line(tmp_path: Path) -> None:
+    log = tmp_path / "driver.log"
+    log.write_text("step:4\nTraceback (most recent call last):\n  File x\n"
+                   "\x1b[31mRuntimeError: CUDA error: an illegal memory access\x1b[0m\n"
+                   "(TaskRunner pid=1) ValueError: bad batch\nwandb: finished\n")
+    assert train.last_error(log) == "ValueError: bad batch"
+    assert train.last_error(tmp_path / "none.log") is None
