@@ -260,7 +260,7 @@ def decisions_since(layout: Layout, since: datetime) -> list[dict[str, Any]]:
 # --------------------------------------------------------------------------- SLURM
 
 
-def _run(cmd: list[str]) -> str | None:
+def slurm_output(cmd: list[str]) -> str | None:
     """stdout of a SLURM command, None when it is missing, fails or times out."""
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=SLURM_TIMEOUT_S)
@@ -275,7 +275,7 @@ def hostnames(nodelist: str) -> list[str]:
     nodelist = nodelist.strip()
     if not nodelist or nodelist in ("None assigned", "(null)"):
         return []
-    out = _run(["scontrol", "show", "hostnames", nodelist])
+    out = slurm_output(["scontrol", "show", "hostnames", nodelist])
     names = out.split() if out else []
     return names or [nodelist]
 
@@ -298,9 +298,10 @@ def slurm_job(job_id: str) -> SlurmJob | None:
     """The job's state and nodes: ``sacct`` (knows finished jobs where accounting is on),
     else ``scontrol show job`` (jobs still in the controller's memory); None when neither
     knows it."""
-    found = parse_sacct(_run(["sacct", "-X", "-n", "-P", "-j", job_id,
-                              "-o", "State,NodeList"]) or "")
-    found = found or parse_scontrol_job(_run(["scontrol", "show", "job", "-o", job_id]) or "")
+    found = parse_sacct(slurm_output(["sacct", "-X", "-n", "-P", "-j", job_id,
+                                      "-o", "State,NodeList"]) or "")
+    found = found or parse_scontrol_job(
+        slurm_output(["scontrol", "show", "job", "-o", job_id]) or "")
     if found is None:
         return None
     state, nodelist = found
@@ -312,7 +313,7 @@ def slurm_node_states(nodes: Sequence[str]) -> dict[str, str]:
     when sinfo cannot tell."""
     if not nodes:
         return {}
-    out = _run(["sinfo", "-h", "-N", "-n", ",".join(nodes), "-o", "%N %T"])
+    out = slurm_output(["sinfo", "-h", "-N", "-n", ",".join(nodes), "-o", "%N %T"])
     states: dict[str, str] = {}
     for line in (out or "").splitlines():
         parts = line.split()

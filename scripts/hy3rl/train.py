@@ -623,19 +623,11 @@ def last_error(driver_log: Path) -> str | None:
 
 def sbatch_excluded(job_id: str | None) -> list[str]:
     """The nodes the job's sbatch excluded (``scontrol show job``'s ExcNodeList)."""
-    if not job_id:
-        return []
-    try:
-        text = subprocess.run(["scontrol", "show", "job", str(job_id)], capture_output=True,
-                              text=True, timeout=60).stdout
-        m = re.search(r"\bExcNodeList=(\S+)", text)
-        if not m or m.group(1) == "(null)":
-            return []
-        return subprocess.run(["scontrol", "show", "hostnames", m.group(1)],
-                              capture_output=True, text=True, timeout=60).stdout.split()
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        log.warning("scontrol show job %s: %s", job_id, exc)
-        return []
+    from hy3rl.resubmit import hostnames, slurm_output
+
+    text = slurm_output(["scontrol", "show", "job", str(job_id)]) if job_id else None
+    m = re.search(r"\bExcNodeList=(\S+)", text or "")
+    return hostnames(m.group(1)) if m else []
 
 
 def time_left(job_id: str | None) -> float | None:
@@ -646,12 +638,13 @@ def time_left(job_id: str | None) -> float | None:
 
 
 def run_metrics(layout: Layout) -> list[dict[str, Any]]:
-    """Every attempt's metrics lines (their measured times feed the watchdog)."""
-    lines: list[dict[str, Any]] = []
-    for k in attempt_numbers(layout):
-        with contextlib.suppress(Exception):
-            lines += read_metrics(Path(layout.attempt_metrics(k)))
-    return lines
+    """This run's metrics so far, merged (their measured times feed the watchdog); none
+    when a log cannot be read (the merge after the attempt names the line)."""
+    try:
+        return merged_attempts(Path(layout.train_attempts))
+    except StageError as exc:
+        log.warning("measured times unavailable: %s", exc)
+        return []
 
 
 def write_job_exit(layout: Layout, job: str, attempts: list[int], step: JobStep | None,
