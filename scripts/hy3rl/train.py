@@ -647,6 +647,11 @@ def run_metrics(layout: Layout) -> list[dict[str, Any]]:
         return []
 
 
+def job_name() -> str:
+    """This job in job-exit.json: the SLURM job id, ``local-<pid>`` on one machine."""
+    return os.environ.get("SLURM_JOB_ID") or f"local-{os.getpid()}"
+
+
 def write_job_exit(layout: Layout, job: str, attempts: list[int], step: JobStep | None,
                    reason: str) -> None:
     """``train/attempts/job-exit.json`` (docs/formats/train.md): read by the controller
@@ -696,8 +701,7 @@ def run(train: Train, cluster: Cluster, layout: Layout, *, keep_steps: Sequence[
                              f"checkpoint directory {ckpt} (train.checkpoint_root/run.name); "
                              "rerun preflight")
     except TrainError as exc:  # a resubmission cannot fix a bad input
-        write_job_exit(layout, os.environ.get("SLURM_JOB_ID") or f"local-{os.getpid()}", [],
-                       None, f"{exc}")
+        write_job_exit(layout, job_name(), [], None, f"{exc}")
         raise
     job = Job(train, cluster, layout, plan_doc, target=total if until is None
               else min(int(until), total), total=total, keep_steps=[int(s) for s in keep_steps],
@@ -714,7 +718,7 @@ def run(train: Train, cluster: Cluster, layout: Layout, *, keep_steps: Sequence[
             rec = job.attempt(k, me)
             if rec is None or rec["outcome"] == "succeeded":
                 job.finish(sentinel)
-                write_job_exit(layout, job.name, job.attempts, None, "finished")
+                write_job_exit(layout, job_name(), job.attempts, None, "finished")
                 return
             records = [load_attempt(layout, i) for i in attempt_numbers(layout)]
             job.lost += [n for n in rec.get("lost_nodes") or [] if n not in job.lost]
@@ -731,7 +735,7 @@ def run(train: Train, cluster: Cluster, layout: Layout, *, keep_steps: Sequence[
             log.info("attempt %d: %s; restarting in this allocation (restart %d of %d)", k,
                      rec["exit_reason"], len(job.attempts), train.restarts_per_job)
             k += 1
-        write_job_exit(layout, job.name, job.attempts, step, "")
+        write_job_exit(layout, job_name(), job.attempts, step, "")
         raise TrainFailed(f"{step.reason}; newest complete checkpoint "
                           f"{job.end_step}; logs in {layout.attempt_logs(k)}"
                           + ("" if step.retry else "; not resubmitted"), 1)
@@ -741,7 +745,7 @@ def run(train: Train, cluster: Cluster, layout: Layout, *, keep_steps: Sequence[
         job.close_running(exc)
         with contextlib.suppress(Exception):
             if not isinstance(exc, LockHeld):
-                write_job_exit(layout, job.name, job.attempts, None,
+                write_job_exit(layout, job_name(), job.attempts, None,
                                f"the job ended on an error: {exc}")
         raise
     finally:
@@ -771,10 +775,6 @@ class Job:
     runtime: dict[str, Any] | None = None
     rec: dict[str, Any] = field(default_factory=dict)  # the attempt running now
     end_step: int | None = None
-
-    @property
-    def name(self) -> str:
-        return os.environ.get("SLURM_JOB_ID") or f"local-{os.getpid()}"
 
     @property
     def save_freq(self) -> int:
