@@ -51,13 +51,16 @@ def attempt(setup, k: int) -> dict:
 def test_die_mid_save_then_resume_to_done(train_setup) -> None:
     setup = train_setup(total=6, save_freq=2, keep=1)
     setup.config["eval"] = {"steps": [2]}  # retention keeps eval.steps (Config.eval_keep_steps)
+    setup.config["train"]["restarts_per_job"] = 0  # a person's rerun (no restart in the job)
     setup.set_faults(die_mid_save=4)
 
     first = run_train(setup)
     assert first.returncode == 1, first.stdout[-3000:] + first.stderr[-3000:]
-    assert "error: attempt 1: trainer failed (FAILED" in first.stderr, first.stderr[-3000:]
+    assert "error: trainer failed (FAILED, exit 1); no restart left in this job: ends for a " \
+        "resubmission; newest complete checkpoint 2" in first.stderr, first.stderr[-3000:]
     a1 = attempt(setup, 1)
     assert a1["exit_reason"].startswith("trainer failed (FAILED"), a1
+    assert a1["outcome"] == "failed" and a1["failed_at_step"] == 4, a1
     assert (a1["start_step"], a1["end_step"], a1["last_logged_step"], a1["steps_lost"]) == \
         (0, 2, 3, 1)
     assert a1["nodes"] and a1["slurm_job_id"] is None
@@ -120,9 +123,12 @@ def test_sigterm_stops_job_and_ray(train_setup) -> None:
     out.close()
     log = (setup.root / "train.log").read_text()
     assert code == 1, log[-3000:]
-    assert "error: attempt 1: signal SIGTERM (exit 143)" in log, log[-3000:]
+    # outside SLURM a signal is a cancellation: no restart, no resubmission
+    assert "error: signal SIGTERM; newest complete checkpoint 2; logs in " in log, log[-3000:]
+    assert "; not resubmitted" in log
     a1 = attempt(setup, 1)
-    assert a1["exit_reason"] == "signal SIGTERM", a1
+    assert a1["exit_reason"] == "signal SIGTERM" and a1["outcome"] == "cancelled", a1
+    assert train.attempt_numbers(setup.layout()) == [1]
     assert a1["end_step"] == 2
     assert "ray job stop t-local-1" in log
     assert not (setup.ckpt / train.LOCK_NAME).exists()

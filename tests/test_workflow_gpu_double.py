@@ -106,6 +106,9 @@ def test_gpu_dag_crash_resume_evaluate_report(tmp_path: Path, monkeypatch) -> No
         "HY3RL_DOUBLE_FAULTS": str(faults), "HY3RL_DOUBLE_STEP_S": "0.2",
         "HY3RL_DOUBLE_HF_SOURCE": str(work / "resources" / "tiny-hy3"),
         "CUDA_VISIBLE_DEVICES": "0",  # one GPU declared to Ray; torch here is CPU-only
+        # The script's loggers include wandb (the double calls wandb.init as verl does):
+        # offline, as a site without a W&B key runs it.
+        "WANDB_MODE": "offline",
     }
     args = ["--profile", str(wf / "profiles" / "local"), "--configfile",
             str(wf / "config" / "config.yaml"), str(override)]
