@@ -269,9 +269,10 @@ def test_hang_is_detected_diagnosed_and_restarted_in_the_job(slurm_train) -> Non
 def test_time_limit_every_job_ends_right_after_a_save(slurm_train) -> None:
     """A 1-minute job limit, a run that needs several: each job stops its trainer right
     after a save before the limit, Snakemake resubmits it, and no step is lost."""
-    # 40 steps of 1.5 s cannot fit in one 1-minute job, whatever the start-up takes.
-    st = slurm_train(total=40, save_freq=4, step_s=1.5, max_submissions=5, restarts_per_job=0,
-                     time_limit_margin_min=0.25, watchdog={"poll_s": 0.2})
+    # 44 steps of 1 s cannot fit in one 1-minute job with its start-up (10-25 s here) and
+    # the stop's margin; two or three jobs do.
+    st = slurm_train(total=44, save_freq=4, step_s=1.0, max_submissions=5, restarts_per_job=0,
+                     time_limit_margin_min=0.2, watchdog={"poll_s": 0.2})
     st.cluster = {"train_time_min": 1}
     st.write_config()
     st.run(check=True)
@@ -286,9 +287,9 @@ def test_time_limit_every_job_ends_right_after_a_save(slurm_train) -> None:
     assert recs[-1]["outcome"] == "succeeded"
     assert len({r["slurm_job_id"] for r in recs}) == len(recs)  # one job each
     done = json.loads((st.train_dir / "done.json").read_text())
-    assert done["final_step"] == 40 and done["steps_lost_total"] == 0
+    assert done["final_step"] == 44 and done["steps_lost_total"] == 0
     merged = [json.loads(x) for x in (st.train_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in merged] == list(range(41))
+    assert [m["step"] for m in merged] == list(range(45))
 
 
 def test_crash_loop_stops_before_another_submission(slurm_train) -> None:
