@@ -54,10 +54,15 @@ CPUS_PER_NODE = 2
 REAL_MEMORY_MB = 8000
 BASE_PORT = int(os.environ.get("HY3RL_SLURM_BASE_PORT", "17817"))
 READY_TIMEOUT_S = 90
+START_ATTEMPTS = 3
 
 
 class ClusterError(RuntimeError):
     """The test cluster could not be started, reached or stopped; says why."""
+
+
+class DaemonDied(ClusterError):
+    """A daemon of a cluster being started died (a fresh start may succeed)."""
 
 
 @dataclass
@@ -155,6 +160,20 @@ def _alive(pid: int, state_dir: str) -> bool:
     if stat.rsplit(")", 1)[1].split()[0] == "Z":
         return False
     return f"{STATE_ENV}={state_dir}".encode() in environ
+
+
+def _ended(pid: int) -> str:
+    """How a dead daemon that this process started ended (``killed by SIGSEGV``,
+    ``exit 1``); '' when it is not our child or still runs."""
+    try:
+        got, status = os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        return ""
+    if got == 0:
+        return ""
+    if os.WIFSIGNALED(status):
+        return f"killed by {signal.Signals(os.WTERMSIG(status)).name}"
+    return f"exit {os.WEXITSTATUS(status)}"
 
 
 def _tail(path: Path, n: int = 25) -> str:
@@ -363,14 +382,32 @@ def wait_ready(info: ClusterInfo, timeout: float = READY_TIMEOUT_S,
         if all(_usable(states.get(n, ""), require_idle) for n in info.nodes):
             return
         time.sleep(1)
+    raise _failure(info, f"not ready after {timeout:.0f}s", states)
+
+
+def _failure(info: ClusterInfo, what: str, states: dict[str, str] | None = None) -> ClusterError:
+    """The error for a cluster that did not come up: :class:`DaemonDied` naming the dead
+    daemons and how they ended when there are any, else ``what``; with the daemons' logs."""
     logs = "\n".join(
         f"--- {p.name}\n{_tail(p)}" for p in sorted(info.log_dir.glob("*"))
     )
-    dead = [n for n, p in info.pids.items() if not _alive(p, info.state_dir)]
-    raise ClusterError(
-        f"SLURM test cluster not ready after {timeout:.0f}s: node states {states}, "
-        f"dead daemons {dead}; state dir {info.state_dir}\n{logs}"
+    dead = {n: _ended(p) for n, p in info.pids.items() if not _alive(p, info.state_dir)}
+    if dead:
+        what = f"daemons died: {', '.join(f'{n} ({e})' if e else n for n, e in dead.items())}"
+    return (DaemonDied if dead else ClusterError)(
+        f"SLURM test cluster {what}; node states {states or {}}; "
+        f"state dir {info.state_dir}\n{logs}"
     )
+
+
+def _wait_pidfile(info: ClusterInfo, name: str, pidfile: Path, timeout: float = 30) -> None:
+    """Wait until daemon ``name`` has written ``pidfile`` (it is up and listening); raise
+    :class:`DaemonDied` with how it ended and the logs if it dies first."""
+    deadline = time.monotonic() + timeout
+    while not pidfile.exists():
+        if not _alive(info.pids[name], info.state_dir) or time.monotonic() > deadline:
+            raise _failure(info, f"{name} wrote no {pidfile} within {timeout:.0f}s")
+        time.sleep(0.1)
 
 
 def _check_prerequisites() -> None:
@@ -421,15 +458,32 @@ def _start_locked(persistent: bool) -> ClusterInfo:
         info.save()
         _spawn(info, "slurmctld", ["slurmctld", "-D", "-i", "-c"])
         info.save()
-        time.sleep(1)
+        _wait_pidfile(info, "slurmctld", state / "run" / "slurmctld.pid")
+        # One slurmd at a time, each up (its pid file is written once it listens) before
+        # the next starts.
         for n in info.nodes:
             _spawn(info, f"slurmd-{n}", ["slurmd", "-D", "-N", n])
-        info.save()
+            info.save()
+            _wait_pidfile(info, f"slurmd-{n}", state / "run" / f"slurmd-{n}.pid")
         wait_ready(info)
     except BaseException:
         _stop_locked(info, keep_state=True)
         raise
     return info
+
+
+def _start_fresh(persistent: bool) -> ClusterInfo:
+    """:func:`_start_locked`, tried again (in a new state dir) when a daemon died while
+    starting. Seen twice here, under full test runs only: a slurmd gone within its first
+    0.2 s, no line logged (cause not found; how it ended is now in the error). Raises with
+    every attempt's error if all fail."""
+    errors = []
+    for _ in range(START_ATTEMPTS):
+        try:
+            return _start_locked(persistent)
+        except DaemonDied as exc:
+            errors.append(str(exc))
+    raise ClusterError(f"{START_ATTEMPTS} starts failed:\n" + "\n\n".join(errors))
 
 
 def _stop_locked(info: ClusterInfo, keep_state: bool = False) -> None:
@@ -486,7 +540,7 @@ def start(persistent: bool = True) -> ClusterInfo:
     with _flock(START_LOCK, fcntl.LOCK_EX, timeout=300):
         info = _current_locked()
         if info is None:
-            return _start_locked(persistent)  # waits until both nodes are idle
+            return _start_fresh(persistent)  # waits until both nodes are idle
         if persistent and not info.persistent:
             info.persistent = True
             info.save()
