@@ -184,6 +184,23 @@ def verl(fake_verl_repo):
     return fake_verl_repo()
 
 
+WANDB_NAMES = ("WANDB_API_KEY", "WANDB_MODE", "WANDB_BASE_URL")
+FAKE_KEY = "0123456789abcdef0123456789abcdef01234567"
+
+
+@pytest.fixture(autouse=True)
+def wandb_login(tmp_path_factory, monkeypatch) -> Path:
+    """Every test here runs as a user who ran `wandb login` (a key for api.wandb.ai in the
+    netrc file, ``$NETRC``) and has no WANDB_* variable set: the scripted loggers include
+    wandb, so rule `wandb` passes. Returns the netrc file (tests of the rule change it)."""
+    path = tmp_path_factory.mktemp("home") / ".netrc"
+    path.write_text(f"machine api.wandb.ai\n  login user\n  password {FAKE_KEY}\n")
+    for name in WANDB_NAMES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("NETRC", str(path))
+    return path
+
+
 # --------------------------------------------------------------------------- the paper plan
 
 
@@ -445,6 +462,62 @@ def test_default_config_plan_is_made_but_not_launched(verl, tmp_path):
     assert plan.effective["data.train_batch_size"] == 4
     assert plan.effective["trainer.default_local_dir"] == str(
         tmp_path / "results/tiny-default/checkpoints")
+
+
+WANDB_CASES = {  # environment, netrc text (None: no file) -> status, message part
+    "netrc login": ({}, "keep", "pass", None),
+    "api key": ({"WANDB_API_KEY": FAKE_KEY}, None, "pass", None),
+    "offline": ({"WANDB_MODE": "offline"}, None, "pass", None),
+    "disabled": ({"WANDB_MODE": "disabled"}, None, "pass", None),
+    "nothing": ({}, None, "error", "WANDB_API_KEY is not set, there is no {netrc}, and "
+                "WANDB_MODE is not set. verl's wandb.init would fail when the trainer starts"),
+    "online, no key": ({"WANDB_MODE": "online"}, None, "error", "WANDB_MODE is 'online'"),
+    "misspelt mode": ({"WANDB_MODE": "ofline", "WANDB_API_KEY": FAKE_KEY}, None, "error",
+                      "WANDB_MODE='ofline' is not a W&B mode"),
+    "other server": ({"WANDB_BASE_URL": "https://wandb.example.org"}, "keep", "error",
+                     "{netrc} has no key for wandb.example.org"),
+    "other server's key": ({"WANDB_BASE_URL": "https://wandb.example.org"},
+                           f"machine wandb.example.org login u password {FAKE_KEY}\n",
+                           "pass", None),
+    "broken netrc": ({}, f"machine api.wandb.ai\n{FAKE_KEY}\n", "error",  # key, no keyword
+                     "{netrc} cannot be parsed (line 3)"),
+    "empty key": ({}, "machine api.wandb.ai login u\n", "error", "{netrc} has no key for "
+                  "api.wandb.ai"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(WANDB_CASES))
+def test_wandb_rule(verl, tmp_path, monkeypatch, wandb_login, case):
+    """Rule wandb on the paper plan (the script's loggers: console, wandb): verl calls
+    wandb.init at the trainer's start, after the allocation; a job that cannot start W&B is
+    refused before it."""
+    environ, netrc_text, status, message = WANDB_CASES[case]
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    if netrc_text is None:
+        wandb_login.unlink()
+    elif netrc_text != "keep":
+        wandb_login.write_text(netrc_text)
+    plan = plan_for(paper_cfg(tmp_path), verl, tmp_path)
+    res = rule(plan, "wandb")
+    assert res.status == status, res
+    if message:
+        assert message.format(netrc=wandb_login) in res.messages[0], res.messages
+        assert not plan.ok and any(e.startswith("wandb: ") for e in plan.errors)
+    assert FAKE_KEY not in json.dumps(res.messages)
+
+
+def test_wandb_rule_not_run_without_gpu_and_waivable(verl, tmp_path, wandb_login):
+    wandb_login.unlink()  # no key anywhere
+    plan = plan_for(default_cfg(tmp_path), verl, tmp_path, bridge_check=None)
+    assert rule(plan, "wandb").messages == ["not run: no GPU allocation (cluster.gpu is false)"]
+    cfg = paper_cfg(tmp_path)
+    cfg["train"]["loggers"] = ["console"]  # no wandb: nothing to start
+    assert rule(plan_for(cfg, verl, tmp_path, name="console"), "wandb").status == "pass"
+    cfg = paper_cfg(tmp_path)
+    cfg["preflight"]["waive"] = ["disk", "wandb"]  # e.g. the training image carries the key
+    plan = plan_for(cfg, verl, tmp_path, name="waived")
+    assert rule(plan, "wandb").status == "waived" and plan.ok
 
 
 def test_required_rollout_tp_table():

@@ -13,12 +13,15 @@ docs/formats/preflight.md.
 from __future__ import annotations
 
 import math
+import netrc
+import os
 import shlex
 import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from hy3rl.preflight.resolve import PAPER_DEFAULT, Override, Resolution, select
 from hy3rl.settings import Cluster, Config
@@ -60,6 +63,8 @@ RULES: dict[str, str] = {
     "oom_rollout_memory": "warning: rollout weights per GPU leave little room for the KV cache",
     "oom_micro_batch": "warning: static micro batches whose tokens exceed the token budget",
     "runtime_tag": "warning: train.runtime.prefix names a docker:// image by tag (it can move)",
+    "wandb": "GPU runs with wandb in trainer.logger: W&B can start in the training job (a key "
+             "in WANDB_API_KEY or the netrc file, or WANDB_MODE offline/disabled)",
 }
 NOT_WAIVABLE = {"compose"}
 
@@ -710,6 +715,56 @@ def _runtime_tag(r: _Rules, prefix: str) -> None:
                f"file (see config/paper.yaml)")
 
 
+WANDB_MODES = ("online", "offline", "disabled", "dryrun", "shared", "run")
+WANDB_NO_KEY_MODES = ("offline", "disabled", "dryrun")
+WANDB_DEFAULT_URL = "https://api.wandb.ai"
+
+
+def netrc_path(environ: Mapping[str, str]) -> Path:
+    """The netrc file W&B reads its key from: ``$NETRC``, else ``~/.netrc``."""
+    return Path(environ.get("NETRC") or "~/.netrc").expanduser()
+
+
+def _wandb(r: _Rules, loggers: list[str], gpu: bool, environ: Mapping[str, str]) -> None:
+    """wandb: verl's Tracking calls ``wandb.init`` when the trainer starts, after the
+    allocation; without a key (and not offline) it fails there, on every attempt. Read from
+    this environment, which the training job inherits (sbatch exports it; the launcher
+    passes the WANDB_* names to the Ray job)."""
+    if "wandb" not in loggers:
+        return
+    if not gpu:
+        r.not_run("wandb", NO_GPU)
+        return
+    mode = environ.get("WANDB_MODE", "")
+    if mode and mode not in WANDB_MODES:
+        r.error("wandb", f"WANDB_MODE={mode!r} is not a W&B mode ({', '.join(WANDB_MODES)}): "
+                "wandb.init refuses it when the trainer starts")
+        return
+    if mode in WANDB_NO_KEY_MODES or environ.get("WANDB_API_KEY"):
+        return
+    url = environ.get("WANDB_BASE_URL") or WANDB_DEFAULT_URL
+    host = urlsplit(url).netloc or url
+    path = netrc_path(environ)
+    try:
+        entry = netrc.netrc(path).authenticators(host)
+    except FileNotFoundError:
+        found = f"there is no {path}"
+    except netrc.NetrcParseError as exc:  # its message can quote a key: only the line
+        found = f"{path} cannot be parsed (line {exc.lineno})"
+    except OSError as exc:
+        found = f"{path} cannot be read ({exc.strerror})"
+    else:
+        if entry and entry[2]:
+            return
+        found = f"{path} has no key for {host}"
+    r.error("wandb", f"trainer.logger includes wandb, but the training job would have no W&B "
+            f"key: WANDB_API_KEY is not set, {found}, and WANDB_MODE is "
+            f"{repr(mode) if mode else 'not set'}. verl's wandb.init would fail when the "
+            f"trainer starts, after the allocation. Export WANDB_API_KEY (the launcher passes "
+            f"it to the Ray job), run `wandb login`, set WANDB_MODE=offline, or leave wandb "
+            f"out of train.loggers")
+
+
 def _with_waivers(r: _Rules, waive: list[str]) -> list[RuleResult]:
     """Every rule in RULES order: pass unless recorded; a waived error or warning shows as
     waived (the schema refuses unknown names and `compose`)."""
@@ -729,10 +784,12 @@ def check_rules(cfg: Config, res: Resolution, eff: Mapping[str, Any],
                 facts: Mapping[str, Any], ckpt_check: Mapping[str, Any] | None,
                 weights: int | None, weights_from: str, *, verl_checks: list[VerlCheck],
                 bridge: Mapping[str, Any] | None, bridge_path: Path | None,
+                environ: Mapping[str, str] | None = None,
                 ) -> tuple[list[RuleResult], dict]:
     """Every rule on the composed values, verl's own checks (``verl_checks``) and the bridge
     check's report (``bridge``, read from ``bridge_path``; None when absent); returns the
-    results and the checkpoint facts."""
+    results and the checkpoint facts. ``environ`` (default: this process's) is the
+    environment the training job inherits."""
     r = _Rules()
     s = Shape.of(cfg.cluster, eff)
     _numbers(r, eff)
@@ -754,6 +811,7 @@ def check_rules(cfg: Config, res: Resolution, eff: Mapping[str, Any],
     _val_on_resume(r, eff, facts, s)
     _prompts_over_max(r, facts, s)
     _runtime_tag(r, cfg.train.runtime.prefix)
+    _wandb(r, res.loggers, s.gpu, os.environ if environ is None else environ)
     return _with_waivers(r, cfg.preflight.waive), ck
 
 
