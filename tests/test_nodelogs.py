@@ -312,6 +312,8 @@ def test_no_process_no_nvidia_smi(tmp_path: Path, monkeypatch) -> None:
     assert rec["collected"] == []
     assert rec["not_collected"] == {
         "ray stack": "'ray' not found on this node's PATH",
+        "driver": "no Ray job driver on this node (it runs below Ray's JobSupervisor, on the "
+                  "head node)",
         "gpus": "nvidia-smi not found on this node",
         "processes": f"no process on this node carries {SCOPE_VAR}=t-nodelogs-nobody"}
     assert sorted(p.name for p in (tmp_path / "hang").iterdir()) == ["diagnostics.json"]

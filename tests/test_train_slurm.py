@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -256,6 +257,12 @@ def test_hang_is_detected_diagnosed_and_restarted_in_the_job(slurm_train) -> Non
     assert any("nvidia-smi" in why for why in diag["not_collected"].values()), diag
     hang_dir = st.train_dir / "attempts" / "attempt-1" / "hang"
     assert "Stack dump for" in (hang_dir / "n1" / "ray-stack.txt").read_text()  # py-spy's
+    # the driver (the trainer's loop, left out by `ray stack`), where it runs: the head node
+    assert "driver-stack.txt" in diag["collected"]["n1"], diag
+    assert diag["not_collected"]["n2"]["driver"].startswith("no Ray job driver on this node")
+    driver = (hang_dir / "n1" / "driver-stack.txt").read_text()
+    assert driver.startswith("Stack dump for the Ray job's driver, pid "), driver[:500]
+    assert re.search(r"\n\s+main \(.*main_ppo\.py:\d+\)", driver), driver[:3000]
     assert "HY3RL_RAY_SCOPE" in (hang_dir / "n1" / "processes.txt").read_text()
     # logs that survive the teardown: each node's raylet log, listed in the record
     for node in ("n1", "n2"):

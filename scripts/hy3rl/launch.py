@@ -649,9 +649,9 @@ class Launcher:
 
     def diagnose(self, timeout: float = 120) -> dict[str, Any]:
         """While a hung attempt still runs: on every node at once (its own step, inside the
-        runtime), ``hy3rl.nodelogs diagnose`` writes ``ray stack``, the GPU list and the
-        scope's processes to ``<log_dir>/hang/<node>/``. Returns what was and was not
-        collected; a node whose step does not finish in ``timeout`` is named."""
+        runtime), ``hy3rl.nodelogs diagnose`` writes ``ray stack``, the driver's stack, the
+        GPU list and the scope's processes to ``<log_dir>/hang/<node>/``. Returns what was
+        and was not collected; a node whose step does not finish in ``timeout`` is named."""
         out = self.spec.log_dir / "hang"
         ray_cli = "ray" if resolve_runtime(self.spec.runtime)["prefix"] else RAY
         procs = {}

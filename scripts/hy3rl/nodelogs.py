@@ -17,10 +17,12 @@ not a regular file); ``left_out`` counts the files, and their bytes, that found 
 under the cap (counted, not listed: a node may have thousands of worker logs).
 
 :func:`collect_diagnostics` writes ``ray-stack.txt`` (``ray stack``: py-spy dumps of the
-Ray workers on the node), ``gpus.txt`` (``nvidia-smi``) and ``processes.txt`` (the
-processes of the node's Ray scope, ``HY3RL_RAY_SCOPE``) into ``out_dir``, and
-``diagnostics.json``: ``{"node", "collected": [file names], "not_collected": {what:
-reason}}`` with ``what`` one of ``ray stack``, ``gpus``, ``processes``.
+Ray workers on the node), ``driver-stack.txt`` (a py-spy dump of the Ray job's driver, the
+trainer's main loop, which ``ray stack`` leaves out; on the node where it runs),
+``gpus.txt`` (``nvidia-smi``) and ``processes.txt`` (the processes of the node's Ray scope,
+``HY3RL_RAY_SCOPE``) into ``out_dir``, and ``diagnostics.json``: ``{"node", "collected":
+[file names], "not_collected": {what: reason}}`` with ``what`` one of ``ray stack``,
+``driver``, ``gpus``, ``processes``.
 
 CLI (prints the JSON record, exits 0 whatever it could collect)::
 
@@ -440,15 +442,76 @@ def ray_stack(ray_cli: str, timeout: float) -> tuple[str | None, str]:
     return text, ""
 
 
+def job_drivers(scope: str) -> list[psutil.Process]:
+    """The Ray job's driver on this node: the top-most Python processes below Ray's
+    ``ray::JobSupervisor`` actor of the scope (it runs the entrypoint in a shell: ``sh -c``,
+    ``bash launch.sh``, which execs ``python3 -m <entrypoint>``). Empty on other nodes."""
+
+    def topmost_python(p: psutil.Process) -> list[psutil.Process]:
+        found = []
+        with contextlib.suppress(psutil.Error):
+            for child in p.children():
+                try:
+                    is_python = child.name().startswith("python")
+                except psutil.Error:
+                    continue
+                found += [child] if is_python else topmost_python(child)
+        return found
+
+    drivers = []
+    for p in scope_processes(scope):
+        try:
+            title = " ".join(p.cmdline())
+        except psutil.Error:
+            continue
+        if title.startswith("ray::JobSupervisor"):
+            drivers += topmost_python(p)
+    return drivers
+
+
+def driver_stack(scope: str, ray_cli: str, timeout: float) -> tuple[str | None, str]:
+    """driver-stack.txt: ``py-spy dump`` of each :func:`job_drivers` process (py-spy looked
+    up next to ``ray_cli``, then on PATH, as for ``ray stack``), run as the job's user;
+    (text, "") or (None, why not)."""
+    drivers = job_drivers(scope)
+    if not drivers:
+        return None, ("no Ray job driver on this node (it runs below Ray's JobSupervisor, "
+                      "on the head node)")
+    cli = shutil.which(ray_cli)
+    path = os.environ.get("PATH", "")
+    search = os.pathsep.join([str(Path(cli).parent), path]) if cli else path
+    pyspy = shutil.which("py-spy", path=search)
+    if not pyspy:
+        return None, f"py-spy not found (next to {ray_cli} nor on PATH)"
+    parts, failures = [], []
+    for p in drivers:
+        try:
+            cmd = " ".join(p.cmdline())[:300]
+            code, text = run_bounded([pyspy, "dump", "--pid", str(p.pid)], timeout)
+        except (psutil.Error, OSError) as exc:
+            failures.append(f"pid {p.pid}: {exc}")
+            continue
+        if code != 0 or "\nThread " not in f"\n{text}":
+            failures.append(f"py-spy dump --pid {p.pid} "
+                            f"{'timed out' if code is None else f'exited {code}'}: "
+                            f"{_last_line(text)}")
+            continue
+        parts.append(f"Stack dump for the Ray job's driver, pid {p.pid}: {cmd}\n{text}")
+    if not parts:
+        return None, "; ".join(failures)
+    return "\n".join(parts + [f"not dumped: {f}" for f in failures]), ""
+
+
 def collect_diagnostics(scope: str, out_dir: Path, ray_cli: str, timeout: float = 60) -> dict:
-    """Collect ray-stack.txt, gpus.txt and processes.txt for a hung attempt into
-    ``out_dir`` while its processes still live, and write ``diagnostics.json`` (module
-    docstring), which it returns. The three run side by side, each external command
+    """Collect ray-stack.txt, driver-stack.txt, gpus.txt and processes.txt for a hung
+    attempt into ``out_dir`` while its processes still live, and write ``diagnostics.json``
+    (module docstring), which it returns. The four run side by side, each external command
     bounded by ``timeout``, so the whole takes about ``timeout`` seconds at most. Never
     raises: what could not be collected has a reason."""
     out_dir = Path(out_dir)
     record: dict[str, Any] = {"node": node_name(), "collected": [], "not_collected": {}}
     jobs = {"ray stack": ("ray-stack.txt", lambda: ray_stack(ray_cli, timeout)),
+            "driver": ("driver-stack.txt", lambda: driver_stack(scope, ray_cli, timeout)),
             "gpus": ("gpus.txt", lambda: gpu_report(timeout)),
             "processes": ("processes.txt", lambda: _processes(scope))}
     results: dict[str, tuple[str | None, str]] = {}

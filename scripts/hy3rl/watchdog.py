@@ -9,7 +9,8 @@ logger, one line per step, written after the step's save) and answers with a
   derives it from this run's measured times: the larger of 30 minutes and three times the
   slowest step plus the slowest save, ``stall_limit_s``), or no first line within
   ``train.watchdog.startup_min`` of the submission. The launcher collects ``ray stack``, the
-  GPU/process lists and the node logs, then stops the Ray job and Ray on every node.
+  driver's stack, the GPU/process lists and the node logs, then stops the Ray job and Ray
+  on every node.
 - **stopped_for_time_limit**: a complete save of step N whose metrics line is written (verl
   logs a step after saving it), and less time left before the job's end (SLURM's, from
   ``squeue -o %L``; none on one machine) than one more save interval: ``save_freq`` x the
