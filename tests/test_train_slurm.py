@@ -259,7 +259,7 @@ def test_hang_is_detected_diagnosed_and_restarted_in_the_job(slurm_train) -> Non
     assert "Stack dump for" in (hang_dir / "n1" / "ray-stack.txt").read_text()  # py-spy's
     # the driver (the trainer's loop, left out by `ray stack`), where it runs: the head node
     assert "driver-stack.txt" in diag["collected"]["n1"], diag
-    assert diag["not_collected"]["n2"]["driver"].startswith("no Ray job driver on this node")
+    assert diag["not_collected"]["n2/driver"].startswith("no Ray job driver on this node")
     driver = (hang_dir / "n1" / "driver-stack.txt").read_text()
     assert driver.startswith("Stack dump for the Ray job's driver, pid "), driver[:500]
     assert re.search(r"\n\s+main \(.*main_ppo\.py:\d+\)", driver), driver[:3000]
