@@ -410,6 +410,13 @@ def _last_line(text: str) -> str:
 SUDO_SHIM = '#!/bin/sh\n[ "$1" = true ] && exit 0\nexec "$@"\n'
 
 
+def tool_path(cli: str | None) -> str:
+    """PATH with the folder of the Ray CLI ``cli`` (when found) first: where Ray's own
+    py-spy is installed."""
+    path = os.environ.get("PATH", "")
+    return os.pathsep.join([str(Path(cli).parent), path]) if cli else path
+
+
 def ray_stack(ray_cli: str, timeout: float) -> tuple[str | None, str]:
     """ray-stack.txt: ``<ray_cli> stack`` (py-spy dumps of every Ray worker on this node),
     with the :data:`SUDO_SHIM` first on PATH and ``ray_cli``'s folder next (where Ray's own
@@ -422,7 +429,7 @@ def ray_stack(ray_cli: str, timeout: float) -> tuple[str | None, str]:
         sudo = Path(shim) / "sudo"
         sudo.write_text(SUDO_SHIM)
         sudo.chmod(0o755)
-        path = os.pathsep.join([shim, str(Path(cli).parent), os.environ.get("PATH", "")])
+        path = os.pathsep.join([shim, tool_path(cli)])
         try:
             code, text = run_bounded([cli, "stack"], timeout, env={**os.environ, "PATH": path})
         except OSError as exc:
@@ -477,10 +484,7 @@ def driver_stack(scope: str, ray_cli: str, timeout: float) -> tuple[str | None, 
     if not drivers:
         return None, ("no Ray job driver on this node (it runs below Ray's JobSupervisor, "
                       "on the head node)")
-    cli = shutil.which(ray_cli)
-    path = os.environ.get("PATH", "")
-    search = os.pathsep.join([str(Path(cli).parent), path]) if cli else path
-    pyspy = shutil.which("py-spy", path=search)
+    pyspy = shutil.which("py-spy", path=tool_path(shutil.which(ray_cli)))
     if not pyspy:
         return None, f"py-spy not found (next to {ray_cli} nor on PATH)"
     parts, failures = [], []

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from hy3rl import wandb_run
 from hy3rl.preflight.resolve import PAPER_DEFAULT, Override, Resolution, select
 from hy3rl.settings import Cluster, Config
 from hy3rl.verl_checks import FAIL, NOT_RUN, VerlCheck
@@ -730,7 +731,7 @@ def _wandb(r: _Rules, loggers: list[str], gpu: bool, environ: Mapping[str, str])
     allocation; without a key (and not offline) it fails there, on every attempt. Read from
     this environment, which the training job inherits (sbatch exports it; the launcher
     passes the WANDB_* names to the Ray job)."""
-    if "wandb" not in loggers:
+    if not wandb_run.enabled(loggers):
         return
     if not gpu:
         r.not_run("wandb", NO_GPU)
