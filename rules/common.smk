@@ -337,7 +337,7 @@ onstart:
         job.rule.name in ("train", "train_segment")
         for job in workflow.dag.needrun_jobs()
     ):
-        from hy3rl.train import LockHeld, check_lock_free
+        from hy3rl.ckptdir import LockHeld, check_lock_free
 
         try:
             check_lock_free(LAYOUT.checkpoint_dir)

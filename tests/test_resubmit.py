@@ -25,6 +25,7 @@ import yaml
 from fixtures.common import REPO_ROOT, make_config, run_snakemake
 from fixtures.trainer_double import plan_json
 from hy3rl.atomic import write_json_atomic
+from hy3rl.ckptdir import LOCK_NAME, my_lock_info
 from hy3rl.layout import Layout
 from hy3rl.resubmit import (
     Decision,
@@ -37,7 +38,7 @@ from hy3rl.resubmit import (
     parse_scontrol_job,
     with_exclude,
 )
-from hy3rl.train import LOCK_NAME, AttemptRecord, my_lock_info
+from hy3rl.train import AttemptRecord
 
 # The controller started half an hour ago: the first job's records are dated before now,
 # where decide() dates its decisions; a later job's records after.

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from fixtures.common import REPO_ROOT, make_config
 from fixtures.trainer_double import launch_sh, partial_checkpoint, plan_json
-from hy3rl import launch, runtime_id, train, verl_log
+from hy3rl import ckptdir, launch, runtime_id, train, verl_log
 from hy3rl.errors import StageError
 from hy3rl.layout import Layout
 from hy3rl.settings import Runtime
@@ -33,31 +33,31 @@ def ckpt(tmp_path: Path, ckpt_writer) -> Path:
 
 def test_complete_checkpoints_detected(ckpt: Path) -> None:
     partial_checkpoint(ckpt, 6)
-    states = {c.step: c for c in train.scan(ckpt)}
+    states = {c.step: c for c in ckptdir.scan(ckpt)}
     assert sorted(states) == [2, 4, 6]
     assert states[2].complete and states[4].complete
     assert not states[6].complete and "ckpt_contents.json" in states[6].reason
-    assert train.read_tracker(ckpt) == 4
-    assert train.newest_complete(states.values()).step == 4
+    assert ckptdir.read_tracker(ckpt) == 4
+    assert ckptdir.newest_complete(states.values()).step == 4
 
 
 def test_truncated_data_pt_is_incomplete(ckpt: Path) -> None:
     data = ckpt / "global_step_4" / "data.pt"
     data.write_bytes(data.read_bytes()[:20])
-    ok, why = train.check_complete(ckpt / "global_step_4", 4)
+    ok, why = ckptdir.check_complete(ckpt / "global_step_4", 4)
     assert not ok and "data.pt" in why
     manifest = ckpt / "global_step_2" / "actor" / "ckpt_contents.json"
     manifest.write_text(json.dumps({"global_step": 3}))
-    ok, why = train.check_complete(ckpt / "global_step_2", 2)
+    ok, why = ckptdir.check_complete(ckpt / "global_step_2", 2)
     assert not ok and "global_step 3 != 2" in why
 
 
 def test_resume_moves_incomplete_newest_aside(ckpt: Path, caplog) -> None:
     partial_checkpoint(ckpt, 6)
-    caplog.set_level(logging.INFO, "hy3rl.train")
-    start, actions = train.prepare_resume(ckpt, attempt=2)
+    caplog.set_level(logging.INFO, "hy3rl.ckptdir")
+    start, actions = ckptdir.prepare_resume(ckpt, attempt=2)
     assert start == 4
-    assert train.read_tracker(ckpt) == 4
+    assert ckptdir.read_tracker(ckpt) == 4
     assert not (ckpt / "global_step_6").exists()
     aside = ckpt / "global_step_6.incomplete-2"
     assert (aside / "actor" / "optimizer" / "dist_ckpt" / "__0_0.distcp").exists()  # kept
@@ -68,9 +68,9 @@ def test_resume_moves_incomplete_newest_aside(ckpt: Path, caplog) -> None:
 def test_resume_rewrites_tracker_naming_incomplete(ckpt: Path, ckpt_writer, caplog) -> None:
     ckpt_writer(ckpt, 6)  # tracker -> 6, then the manifest goes missing
     (ckpt / "global_step_6" / "actor" / "ckpt_contents.json").unlink()
-    caplog.set_level(logging.INFO, "hy3rl.train")
-    start, actions = train.prepare_resume(ckpt, attempt=3)
-    assert start == 4 and train.read_tracker(ckpt) == 4
+    caplog.set_level(logging.INFO, "hy3rl.ckptdir")
+    start, actions = ckptdir.prepare_resume(ckpt, attempt=3)
+    assert start == 4 and ckptdir.read_tracker(ckpt) == 4
     assert "tracker named step 6" in caplog.text and "rewritten to 4" in caplog.text
     assert (ckpt / "global_step_6.incomplete-3").is_dir()
 
@@ -78,18 +78,18 @@ def test_resume_rewrites_tracker_naming_incomplete(ckpt: Path, ckpt_writer, capl
 def test_resume_without_complete_checkpoint(tmp_path: Path) -> None:
     root = tmp_path / "ckpt"
     partial_checkpoint(root, 2)
-    (root / train.TRACKER).write_text("2")
-    start, actions = train.prepare_resume(root, attempt=1)
+    (root / ckptdir.TRACKER).write_text("2")
+    start, actions = ckptdir.prepare_resume(root, attempt=1)
     assert start == 0
-    assert not (root / train.TRACKER).exists()
-    assert (root / f"{train.TRACKER}.invalid-1").read_text() == "2"
+    assert not (root / ckptdir.TRACKER).exists()
+    assert (root / f"{ckptdir.TRACKER}.invalid-1").read_text() == "2"
     assert (root / "global_step_2.incomplete-1").is_dir()
 
 
 def test_bad_tracker_is_an_error(ckpt: Path) -> None:
-    (ckpt / train.TRACKER).write_text("four")
-    with pytest.raises(train.TrainError, match="latest_checkpointed_iteration.txt"):
-        train.prepare_resume(ckpt, attempt=1)
+    (ckpt / ckptdir.TRACKER).write_text("four")
+    with pytest.raises(ckptdir.CheckpointDirError, match="latest_checkpointed_iteration.txt"):
+        ckptdir.prepare_resume(ckpt, attempt=1)
 
 
 # ---------------------------------------------------------------- retention
@@ -99,46 +99,46 @@ def test_retention_keeps_newest_and_eval_steps(ckpt: Path, ckpt_writer) -> None:
     for step in (6, 8):
         ckpt_writer(ckpt, step)
     partial_checkpoint(ckpt, 10)
-    removed = train.prune(ckpt, keep=2, protected=[2])
+    removed = ckptdir.prune(ckpt, keep=2, protected=[2])
     assert removed == [4]
-    assert sorted(c.step for c in train.scan(ckpt)) == [2, 6, 8, 10]
+    assert sorted(c.step for c in ckptdir.scan(ckpt)) == [2, 6, 8, 10]
     assert not list(ckpt.glob(".pruning-*"))
-    assert train.prune(ckpt, keep=0, protected=[]) == []  # 0 keeps everything
+    assert ckptdir.prune(ckpt, keep=0, protected=[]) == []  # 0 keeps everything
 
 
 def test_retention_never_prunes_before_newer_complete(tmp_path: Path, ckpt_writer) -> None:
     root = tmp_path / "c"
     ckpt_writer(root, 2)
     partial_checkpoint(root, 4)  # a save in progress
-    assert train.prune(root, keep=1, protected=[]) == []
+    assert ckptdir.prune(root, keep=1, protected=[]) == []
     assert (root / "global_step_2").is_dir()
-    ckpts = train.scan(root)
-    assert train.retention_victims(ckpts, keep=1, protected=[]) == []
+    ckpts = ckptdir.scan(root)
+    assert ckptdir.retention_victims(ckpts, keep=1, protected=[]) == []
 
 
 # ---------------------------------------------------------------- lock
 
 
-def _me(job: str | None = "200", pid: int = 1) -> train.LockInfo:
-    return train.LockInfo(job_id=job, executor="slurm" if job else "local", host="h",
+def _me(job: str | None = "200", pid: int = 1) -> ckptdir.LockInfo:
+    return ckptdir.LockInfo(job_id=job, executor="slurm" if job else "local", host="h",
                           pid=pid, pid_create_time=None, attempt=1, acquired_at="t")
 
 
 def test_lock_refuses_live_job_and_takes_over_stale(tmp_path: Path, caplog) -> None:
     root = tmp_path / "c"
-    assert train.acquire_lock(root, _me("100")) == []
-    with pytest.raises(train.LockHeld, match=r"SLURM job 100 .*scancel 100"):
-        train.acquire_lock(root, _me("200"), alive=lambda info: True)
-    assert json.loads((root / train.LOCK_NAME).read_text())["job_id"] == "100"
-    caplog.set_level(logging.INFO, "hy3rl.train")
-    actions = train.acquire_lock(root, _me("200"), alive=lambda info: False)
+    assert ckptdir.acquire_lock(root, _me("100")) == []
+    with pytest.raises(ckptdir.LockHeld, match=r"SLURM job 100 .*scancel 100"):
+        ckptdir.acquire_lock(root, _me("200"), alive=lambda info: True)
+    assert json.loads((root / ckptdir.LOCK_NAME).read_text())["job_id"] == "100"
+    caplog.set_level(logging.INFO, "hy3rl.ckptdir")
+    actions = ckptdir.acquire_lock(root, _me("200"), alive=lambda info: False)
     assert actions and "stale lock of SLURM job 100" in actions[0]
     assert "took over the stale lock" in caplog.text
-    assert json.loads((root / train.LOCK_NAME).read_text())["job_id"] == "200"
-    train.release_lock(root, _me("100"))  # not ours: stays
-    assert (root / train.LOCK_NAME).exists()
-    train.release_lock(root, _me("200"))
-    assert not (root / train.LOCK_NAME).exists()
+    assert json.loads((root / ckptdir.LOCK_NAME).read_text())["job_id"] == "200"
+    ckptdir.release_lock(root, _me("100"))  # not ours: stays
+    assert (root / ckptdir.LOCK_NAME).exists()
+    ckptdir.release_lock(root, _me("200"))
+    assert not (root / ckptdir.LOCK_NAME).exists()
 
 
 def test_local_lock_alive_check_uses_real_processes(tmp_path: Path) -> None:
@@ -146,18 +146,18 @@ def test_local_lock_alive_check_uses_real_processes(tmp_path: Path) -> None:
 
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        holder = train.LockInfo(None, "local", socket.gethostname(), live.pid,
-                                train._pid_create_time(live.pid), 1, "t")
-        assert train.lock_holder_alive(holder)
-        holder_reused = train.LockInfo(None, "local", socket.gethostname(), live.pid,
+        holder = ckptdir.LockInfo(None, "local", socket.gethostname(), live.pid,
+                                ckptdir._pid_create_time(live.pid), 1, "t")
+        assert ckptdir.lock_holder_alive(holder)
+        holder_reused = ckptdir.LockInfo(None, "local", socket.gethostname(), live.pid,
                                        1.0, 1, "t")  # same pid, another process
-        assert not train.lock_holder_alive(holder_reused)
+        assert not ckptdir.lock_holder_alive(holder_reused)
     finally:
         live.kill()
         live.wait()
-    assert not train.lock_holder_alive(holder)
-    with pytest.raises(train.LockHeld, match="another host"):
-        train.lock_holder_alive(train.LockInfo(None, "local", "elsewhere", 1, None, 1, "t"))
+    assert not ckptdir.lock_holder_alive(holder)
+    with pytest.raises(ckptdir.LockHeld, match="another host"):
+        ckptdir.lock_holder_alive(ckptdir.LockInfo(None, "local", "elsewhere", 1, None, 1, "t"))
 
 
 # ---------------------------------------------------------------- metrics / attempts
@@ -252,9 +252,9 @@ def _live_lock(ckpt_dir: Path, live: subprocess.Popen) -> None:
     import socket
 
     ckpt_dir.mkdir(parents=True, exist_ok=True)
-    (ckpt_dir / train.LOCK_NAME).write_text(json.dumps({
+    (ckpt_dir / ckptdir.LOCK_NAME).write_text(json.dumps({
         "job_id": None, "executor": "local", "host": socket.gethostname(),
-        "pid": live.pid, "pid_create_time": train._pid_create_time(live.pid),
+        "pid": live.pid, "pid_create_time": ckptdir._pid_create_time(live.pid),
         "attempt": 4, "acquired_at": "t"}))
 
 
@@ -263,18 +263,18 @@ def test_run_refuses_when_lock_held_by_live_process(tmp_path: Path) -> None:
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         _live_lock(layout.checkpoint_dir, live)
-        with pytest.raises(train.LockHeld) as exc:
+        with pytest.raises(ckptdir.LockHeld) as exc:
             _run(cfg, layout, paths)
         assert isinstance(exc.value, StageError)
-        with pytest.raises(train.LockHeld, match="second trainer"):
-            train.check_lock_free(layout.checkpoint_dir)  # what onstart: runs
+        with pytest.raises(ckptdir.LockHeld, match="second trainer"):
+            ckptdir.check_lock_free(layout.checkpoint_dir)  # what onstart: runs
     finally:
         live.kill()
         live.wait()
     assert f"local process {live.pid}" in str(exc.value)
     assert "second trainer" in str(exc.value)
     assert not Path(layout.attempt_record(1)).exists()
-    train.check_lock_free(layout.checkpoint_dir)  # the holder is gone: free
+    ckptdir.check_lock_free(layout.checkpoint_dir)  # the holder is gone: free
 
 
 def test_hy3rl_train_refusal_is_a_message_and_exit_1(tmp_path: Path) -> None:
@@ -314,7 +314,7 @@ def test_plan_checkpoint_dir_must_be_the_layouts(tmp_path: Path) -> None:
     with pytest.raises(train.TrainError, match=rf"checkpoint.dir /elsewhere/run differs .*"
                        rf"{re.escape(str(layout.checkpoint_dir))}.*rerun preflight"):
         _run(cfg, layout, paths)
-    assert not (layout.checkpoint_dir / train.LOCK_NAME).exists()
+    assert not (layout.checkpoint_dir / ckptdir.LOCK_NAME).exists()
 
 
 def test_nothing_to_launch_rewrites_done(tmp_path: Path, ckpt_writer) -> None:
@@ -331,7 +331,7 @@ def test_nothing_to_launch_rewrites_done(tmp_path: Path, ckpt_writer) -> None:
     assert done["metrics"] == str(paths["metrics"]) and paths["metrics"].exists()
     assert done["kept_checkpoints"] == [2, 4] and done["attempts"] == []
     assert done["written_at"].endswith("+00:00")
-    assert not (layout.checkpoint_dir / train.LOCK_NAME).exists()
+    assert not (layout.checkpoint_dir / ckptdir.LOCK_NAME).exists()
 
 
 # ---------------------------------------------------------------- launcher pieces

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from fixtures.common import REPO_ROOT, run_snakemake
 from fixtures.trainer_double import leftover_ray as leftover
-from hy3rl import train
+from hy3rl import ckptdir, train
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -64,10 +64,10 @@ def test_die_mid_save_then_resume_to_done(train_setup) -> None:
     assert (a1["start_step"], a1["end_step"], a1["last_logged_step"], a1["steps_lost"]) == \
         (0, 2, 3, 1)
     assert a1["nodes"] and a1["slurm_job_id"] is None
-    assert train.read_tracker(setup.ckpt) == 2
-    assert not train.check_complete(setup.ckpt / "global_step_4", 4)[0]
+    assert ckptdir.read_tracker(setup.ckpt) == 2
+    assert not ckptdir.check_complete(setup.ckpt / "global_step_4", 4)[0]
     assert not (setup.results / "train" / "done.json").exists()
-    assert not (setup.ckpt / train.LOCK_NAME).exists()
+    assert not (setup.ckpt / ckptdir.LOCK_NAME).exists()
     logs = setup.results / "train" / "attempts" / "attempt-1"
     assert "dying in the middle of saving step 4" in (logs / "driver.log").read_text()
     assert "all 1 node(s)" in (logs / "launcher.log").read_text()
@@ -117,7 +117,7 @@ def test_sigterm_stops_job_and_ray(train_setup) -> None:
             break
         time.sleep(1)
     assert proc.poll() is None, (setup.root / "train.log").read_text()[-3000:]
-    assert (setup.ckpt / train.LOCK_NAME).exists()
+    assert (setup.ckpt / ckptdir.LOCK_NAME).exists()
     proc.send_signal(signal.SIGTERM)
     code = proc.wait(timeout=120)
     out.close()
@@ -131,7 +131,7 @@ def test_sigterm_stops_job_and_ray(train_setup) -> None:
     assert train.attempt_numbers(setup.layout()) == [1]
     assert a1["end_step"] == 2
     assert "ray job stop t-local-1" in log
-    assert not (setup.ckpt / train.LOCK_NAME).exists()
+    assert not (setup.ckpt / ckptdir.LOCK_NAME).exists()
     assert not leftover("t-local-1"), "Ray processes left after SIGTERM"
 
 

@@ -22,7 +22,7 @@ import pytest
 import yaml
 from fixtures.common import REPO_ROOT, SNAKEMAKE, run_snakemake
 from fixtures.trainer_double import TrainSetup, leftover_ray
-from hy3rl import train
+from hy3rl import ckptdir
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -109,7 +109,7 @@ def wait_for(cond, timeout: float, what: str, every: float = 1.0):
 def no_leftovers(st: SlurmTrain, job_id: str) -> None:
     assert not leftover_ray(f"{RUN}-{job_id}-"), f"Ray processes of job {job_id} left"
     assert not list(Path("/tmp").glob(f"hy3rl-ray-{job_id}-*")), "node temp dirs left"
-    assert not (st.setup.ckpt / train.LOCK_NAME).exists()
+    assert not (st.setup.ckpt / ckptdir.LOCK_NAME).exists()
 
 
 def test_crash_then_incomplete_save_then_resume(slurm_train) -> None:
@@ -136,8 +136,8 @@ def test_crash_then_incomplete_save_then_resume(slurm_train) -> None:
     assert a2["slurm_job_id"] != a1["slurm_job_id"]
     assert (a2["start_step"], a2["end_step"], a2["last_logged_step"]) == (3, 3, 5)
     assert a2["steps_lost"] == 2 <= 3
-    assert not train.check_complete(st.setup.ckpt / "global_step_6", 6)[0]
-    assert train.read_tracker(st.setup.ckpt) == 3
+    assert not ckptdir.check_complete(st.setup.ckpt / "global_step_6", 6)[0]
+    assert ckptdir.read_tracker(st.setup.ckpt) == 3
     no_leftovers(st, a2["slurm_job_id"])
 
     third = st.run(check=True)
@@ -201,11 +201,11 @@ def test_relaunch_refused_while_job_lives_then_resumes(slurm_train) -> None:
 
     # The job dies without a chance to clean up (its trainer process is SIGKILLed, as by
     # the OOM killer): a stale lock and a record left "running".
-    holder = json.loads((st.setup.ckpt / train.LOCK_NAME).read_text())
+    holder = json.loads((st.setup.ckpt / ckptdir.LOCK_NAME).read_text())
     assert holder["job_id"] == job
     os.kill(holder["pid"], signal.SIGKILL)  # jobs run on this host (test cluster)
     wait_for(lambda: job not in squeue_ids(), 120, f"job {job} to end")
-    assert (st.setup.ckpt / train.LOCK_NAME).exists()
+    assert (st.setup.ckpt / ckptdir.LOCK_NAME).exists()
     assert st.attempt(1)["exit_reason"] == "running"
 
     st.run(check=True)

@@ -1,0 +1,363 @@
+"""The checkpoint directory of a run (``Layout.checkpoint_dir``): verl's layout, which
+checkpoint is complete, resume preparation, retention, the lock, and the run identity.
+
+Written by verl@220e903: ``global_step_N/`` (the actor saved first, ``actor/ckpt_contents.json``
+written last by rank 0, then ``data.pt``), then the tracker ``latest_checkpointed_iteration.txt``.
+Written by this workflow: the lock ``.hy3rl-train.lock`` (one live trainer per directory) and
+the identity ``hy3rl-run-identity.json`` (which configuration made the checkpoints; written
+before the first launch, checked by preflight and by every attempt). Checkpoints are never
+Snakemake outputs and nothing here deletes one, except retention of complete checkpoints
+older than the newest. Formats: docs/formats/train.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import re
+import shutil
+import socket
+import subprocess
+import threading
+import time
+import zipfile
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from hy3rl.atomic import write_text_atomic
+from hy3rl.errors import StageError
+from hy3rl.timefmt import utc_now
+
+log = logging.getLogger("hy3rl.ckptdir")
+
+TRACKER = "latest_checkpointed_iteration.txt"
+MANIFEST = "ckpt_contents.json"
+LOCK_NAME = ".hy3rl-train.lock"
+STEP_DIR = re.compile(r"^global_step_(\d+)$")
+
+# squeue states of a job that is gone (anything else, including COMPLETING, counts as alive).
+DEAD_STATES = {
+    "BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL",
+    "OUT_OF_MEMORY", "PREEMPTED", "TIMEOUT", "REVOKED", "SPECIAL_EXIT",
+}
+
+
+
+class CheckpointDirError(StageError):
+    """A checkpoint directory that cannot be used as it is; the message names the file."""
+
+
+class LockHeld(CheckpointDirError):
+    """Another live trainer holds the checkpoint directory."""
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+@dataclass
+class Checkpoint:
+    step: int
+    path: Path
+    complete: bool
+    reason: str = ""  # why it is not complete
+
+
+def read_tracker(ckpt_dir: Path) -> int | None:
+    """The step in verl's tracker file, None when there is none. A tracker that is not an
+    integer is an error naming the file (verl itself would crash on it)."""
+    path = ckpt_dir / TRACKER
+    if not path.exists():
+        return None
+    text = path.read_text().strip()
+    try:
+        return int(text)
+    except ValueError:
+        raise CheckpointDirError(f"{path}: not an integer step ({text[:40]!r})") from None
+
+
+def write_tracker(ckpt_dir: Path, step: int) -> None:
+    write_text_atomic(ckpt_dir / TRACKER, str(step))
+
+
+def check_complete(step_dir: Path, step: int) -> tuple[bool, str]:
+    """Whether ``global_step_<step>`` holds a finished verl save, and why not.
+
+    verl (220e903) saves the actor (rank 0 writes ``actor/ckpt_contents.json`` last, via a
+    temp file and a rename), then ``data.pt`` (``torch.save``: a zip archive), then the
+    tracker. A save interrupted anywhere leaves one of these missing or partial."""
+    manifest = step_dir / "actor" / MANIFEST
+    if not manifest.is_file():
+        return False, f"no actor/{MANIFEST} (actor save did not finish)"
+    try:
+        data = json.loads(manifest.read_text())
+    except (OSError, ValueError) as exc:
+        return False, f"actor/{MANIFEST} unreadable: {exc}"
+    if not isinstance(data, dict) or data.get("global_step") != step:
+        return False, f"actor/{MANIFEST} global_step {data.get('global_step')!r} != {step}" \
+            if isinstance(data, dict) else f"actor/{MANIFEST} is not an object"
+    dataloader = step_dir / "data.pt"
+    if not dataloader.is_file():
+        return False, "no data.pt (dataloader state not saved)"
+    if not zipfile.is_zipfile(dataloader):
+        return False, "data.pt is not a whole torch archive (save interrupted)"
+    return True, ""
+
+
+def scan(ckpt_dir: Path) -> list[Checkpoint]:
+    """Every ``global_step_N`` directory, ascending by N, with its completeness."""
+    out = []
+    if not ckpt_dir.is_dir():
+        return out
+    for entry in ckpt_dir.iterdir():
+        m = STEP_DIR.match(entry.name)
+        if m and entry.is_dir():
+            step = int(m.group(1))
+            ok, why = check_complete(entry, step)
+            out.append(Checkpoint(step, entry, ok, why))
+    return sorted(out, key=lambda c: c.step)
+
+
+def newest_complete(ckpts: Iterable[Checkpoint]) -> Checkpoint | None:
+    done = [c for c in ckpts if c.complete]
+    return done[-1] if done else None
+
+
+def prepare_resume(ckpt_dir: Path, attempt: int) -> tuple[int, list[str]]:
+    """Make verl's ``resume_mode=auto`` continue from the newest complete checkpoint.
+
+    Returns (start step, actions taken). Newer incomplete ``global_step_N`` directories are
+    renamed to ``global_step_N.incomplete-<attempt>`` (verl would otherwise save into a
+    half-written directory); the tracker is (re)written when it names another step."""
+    actions: list[str] = []
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    ckpts = scan(ckpt_dir)
+    best = newest_complete(ckpts)
+    start = best.step if best else 0
+    for c in ckpts:
+        if c.step > start and not c.complete:
+            aside = c.path.with_name(f"{c.path.name}.incomplete-{attempt}")
+            n = 1
+            while aside.exists():
+                n += 1
+                aside = c.path.with_name(f"{c.path.name}.incomplete-{attempt}.{n}")
+            os.rename(c.path, aside)
+            actions.append(f"moved incomplete checkpoint {c.path.name} aside to {aside.name} "
+                           f"({c.reason})")
+    tracker = read_tracker(ckpt_dir)
+    if best is None:
+        if tracker is not None:
+            # verl would try global_step_<tracker>, which is missing or incomplete.
+            aside = ckpt_dir / f"{TRACKER}.invalid-{attempt}"
+            os.rename(ckpt_dir / TRACKER, aside)
+            actions.append(f"tracker named step {tracker} but no complete checkpoint exists: "
+                           f"moved it to {aside.name}; training starts from scratch")
+    elif tracker != best.step:
+        write_tracker(ckpt_dir, best.step)
+        actions.append(f"tracker named step {tracker}; newest complete checkpoint is "
+                       f"{best.step}: tracker rewritten to {best.step}")
+    for a in actions:
+        log.info("resume: %s", a)
+    log.info("resume: starting from step %d (%s)", start,
+             best.path if best else "no complete checkpoint: from scratch")
+    return start, actions
+
+
+# --------------------------------------------------------------------------- retention
+
+
+def retention_victims(ckpts: list[Checkpoint], keep: int, protected: Iterable[int]) -> list[int]:
+    """Steps of complete checkpoints to remove: all but the newest ``keep`` complete ones and
+    the ``protected`` steps. ``keep`` < 1 keeps everything. Incomplete checkpoints are never
+    victims, and nothing is removed unless a newer complete checkpoint exists."""
+    if keep < 1:
+        return []
+    complete = [c.step for c in ckpts if c.complete]
+    keep_set = set(complete[-keep:]) | set(protected)
+    return [s for s in complete[:-keep] if s not in keep_set]
+
+
+def prune(ckpt_dir: Path, keep: int, protected: Iterable[int]) -> list[int]:
+    """Remove old complete checkpoints (retention); returns the removed steps. A victim is
+    first renamed out of ``global_step_*`` so a reader never sees it half-deleted."""
+    protected = list(protected)
+    ckpts = scan(ckpt_dir)
+    tracker = read_tracker(ckpt_dir)
+    removed = []
+    for step in retention_victims(ckpts, keep, protected):
+        if tracker is not None and step >= tracker:
+            continue  # never prune what verl would resume from (or anything newer)
+        src = ckpt_dir / f"global_step_{step}"
+        trash = ckpt_dir / f".pruning-global_step_{step}"
+        os.rename(src, trash)
+        shutil.rmtree(trash)
+        removed.append(step)
+        log.info("retention: removed checkpoint step %d (keeping the newest %d complete and "
+                 "eval steps %s)", step, keep, sorted(protected))
+    return removed
+
+
+class Pruner(threading.Thread):
+    """Runs retention every ``interval`` seconds while the trainer runs."""
+
+    def __init__(self, ckpt_dir: Path, keep: int, protected: list[int], interval: float):
+        super().__init__(daemon=True, name="retention")
+        self.args = (ckpt_dir, keep, protected)
+        self.interval = interval
+        self.stop = threading.Event()
+        self.removed: list[int] = []
+
+    def run(self) -> None:
+        while not self.stop.wait(self.interval):
+            try:
+                self.removed += prune(*self.args)
+            except Exception as exc:  # a failed prune must not kill the attempt
+                log.warning("retention: %s", exc)
+
+
+# --------------------------------------------------------------------------- lock
+
+
+@dataclass
+class LockInfo:
+    job_id: str | None
+    executor: str  # "slurm" | "local"
+    host: str
+    pid: int
+    pid_create_time: float | None
+    attempt: int | None
+    acquired_at: str
+
+    def describe(self) -> str:
+        if self.job_id:
+            return f"SLURM job {self.job_id} (host {self.host}, pid {self.pid})"
+        return f"local process {self.pid} on {self.host}"
+
+
+def _pid_create_time(pid: int) -> float | None:
+    import psutil
+
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return None
+
+
+def slurm_job_state(job_id: str) -> str | None:
+    """The job's state from squeue, None when SLURM no longer knows it."""
+    try:
+        proc = subprocess.run(["squeue", "-h", "-j", str(job_id), "-o", "%T"],
+                              capture_output=True, text=True, timeout=60)
+    except FileNotFoundError:
+        raise CheckpointDirError(f"lock names SLURM job {job_id} but squeue is not available here "
+                         "to check it") from None
+    out = proc.stdout.strip()
+    if proc.returncode != 0:
+        if "Invalid job id" in proc.stderr:
+            return None
+        raise CheckpointDirError(f"squeue -j {job_id} failed ({proc.returncode}): "
+                         f"{proc.stderr.strip()}")
+    return out.splitlines()[0].strip() if out else None
+
+
+def lock_holder_alive(info: LockInfo) -> bool:
+    if info.job_id:
+        state = slurm_job_state(info.job_id)
+        return state is not None and state not in DEAD_STATES
+    if info.host != socket.gethostname():
+        raise LockHeld(f"lock held by {info.describe()}: cannot check a process on another "
+                       "host; if that run is dead, remove the lock file")
+    created = _pid_create_time(info.pid)
+    if created is None:
+        return False
+    return info.pid_create_time is None or abs(created - info.pid_create_time) < 1.0
+
+
+def read_lock(path: Path) -> LockInfo | None:
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except ValueError as exc:
+        raise CheckpointDirError(f"{path}: unreadable lock file ({exc}); check no trainer "
+                                 "runs on this checkpoint directory, then remove it") from None
+    fields = {f.name for f in dataclasses.fields(LockInfo)}
+    return LockInfo(**{k: raw.get(k) for k in fields})
+
+
+def my_lock_info(attempt: int | None) -> LockInfo:
+    job = os.environ.get("SLURM_JOB_ID") or None
+    return LockInfo(job_id=job, executor="slurm" if job else "local",
+                    host=socket.gethostname(), pid=os.getpid(),
+                    pid_create_time=_pid_create_time(os.getpid()), attempt=attempt,
+                    acquired_at=utc_now())
+
+
+def held_message(ckpt_dir: Path, holder: LockInfo) -> str:
+    hint = (f"; wait for it to end or cancel it (scancel {holder.job_id})"
+            if holder.job_id else "")
+    return (f"checkpoint directory {ckpt_dir} is in use by {holder.describe()}, attempt "
+            f"{holder.attempt}, since {holder.acquired_at}: a second trainer must not run "
+            f"on it{hint}")
+
+
+def check_lock_free(ckpt_dir: Path) -> None:
+    """Raise LockHeld when a live trainer other than this SLURM job holds the checkpoint
+    directory (called by the workflow's ``onstart:`` in rules/common.smk, before anything is
+    submitted, so that a relaunched controller refuses instead of starting a second job)."""
+    holder = read_lock(ckpt_dir / LOCK_NAME)
+    if holder is None:
+        return
+    job = os.environ.get("SLURM_JOB_ID")
+    if job and holder.job_id == job:
+        return
+    if lock_holder_alive(holder):
+        raise LockHeld(held_message(ckpt_dir, holder))
+
+
+def acquire_lock(ckpt_dir: Path, me: LockInfo,
+                 alive: Callable[[LockInfo], bool] = lock_holder_alive) -> list[str]:
+    """Create the lock (O_EXCL). An existing lock of a live job raises LockHeld naming it;
+    a stale one (dead job or process) is renamed aside and taken over."""
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    path = ckpt_dir / LOCK_NAME
+    actions = []
+    for _ in range(5):
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            holder = read_lock(path)
+            if holder is None:
+                continue
+            same = (me.job_id and holder.job_id == me.job_id) or (
+                not me.job_id and not holder.job_id and holder.host == me.host
+                and holder.pid == me.pid)
+            if not same and alive(holder):
+                raise LockHeld(held_message(ckpt_dir, holder)) from None
+            stale = path.with_name(f"{LOCK_NAME}.stale-{int(time.time() * 1000)}")
+            try:
+                os.rename(path, stale)
+            except FileNotFoundError:
+                continue  # someone else took it over first; try again
+            os.unlink(stale)
+            msg = f"took over the stale lock of {holder.describe()} (no longer running)"
+            log.info("lock: %s", msg)
+            actions.append(msg)
+            continue
+        with os.fdopen(fd, "w") as fh:
+            json.dump(dataclasses.asdict(me), fh)
+        log.info("lock: %s holds %s", me.describe(), path)
+        return actions
+    raise CheckpointDirError(f"{path}: could not take the lock (contended)")
+
+
+def release_lock(ckpt_dir: Path, me: LockInfo) -> None:
+    path = ckpt_dir / LOCK_NAME
+    with contextlib.suppress(CheckpointDirError):
+        holder = read_lock(path)
+        if holder and holder.pid == me.pid and holder.host == me.host \
+                and holder.job_id == me.job_id:
+            path.unlink(missing_ok=True)
