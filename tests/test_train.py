@@ -244,8 +244,7 @@ def _setup(tmp_path: Path) -> tuple:
 
 
 def _run(cfg, layout: Layout, paths: dict) -> None:
-    train.run(cfg.train, cfg.cluster, layout, keep_steps=cfg.eval_keep_steps,
-              train_hash=cfg.train_hash, **paths)
+    train.run(cfg.train, cfg.cluster, layout, keep_steps=cfg.eval_keep_steps, **paths)
 
 
 def _live_lock(ckpt_dir: Path, live: subprocess.Popen) -> None:

@@ -17,4 +17,5 @@ with rule_job(snakemake) as cfg:
                   checkpoint_check=Path(snakemake.input.checkpoint_check),
                   bridge_check=Path(bridge[0]) if bridge else None,
                   plan=Path(snakemake.output.plan), launch=Path(snakemake.output.launch),
-                  reward_fn=Path(Layout.from_config(cfg).preflight_reward_fn))
+                  reward_fn=Path(Layout.from_config(cfg).preflight_reward_fn),
+                  model_manifest=Path(snakemake.input.model_manifest))

@@ -8,7 +8,6 @@ from hy3rl.smk import rule_job
 with rule_job(snakemake) as cfg:
     inp = snakemake.input
     train.run(cfg.train, cfg.cluster, Layout.from_config(cfg), keep_steps=cfg.eval_keep_steps,
-              train_hash=cfg.train_hash,
               plan=Path(inp.plan), launch_script=Path(inp.launch),
               runtime_env=Path(inp.runtime_env), sentinel=Path(snakemake.output.done),
               metrics=Path(snakemake.output.metrics))

@@ -9,7 +9,6 @@ from hy3rl.smk import rule_job
 with rule_job(snakemake) as cfg:
     inp, layout = snakemake.input, Layout.from_config(cfg)
     train.run(cfg.train, cfg.cluster, layout, keep_steps=cfg.eval_keep_steps,
-              train_hash=cfg.train_hash,
               plan=Path(inp.plan), launch_script=Path(inp.launch),
               runtime_env=Path(inp.runtime_env), sentinel=Path(snakemake.output.sentinel),
               metrics=Path(layout.train_metrics), until=int(snakemake.wildcards.end))

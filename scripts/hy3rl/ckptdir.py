@@ -361,3 +361,171 @@ def release_lock(ckpt_dir: Path, me: LockInfo) -> None:
         if holder and holder.pid == me.pid and holder.host == me.host \
                 and holder.job_id == me.job_id:
             path.unlink(missing_ok=True)
+
+
+# --------------------------------------------------------------------------- identity
+
+IDENTITY_NAME = "hy3rl-run-identity.json"
+IDENTITY_SCHEMA = 1
+ON_CONFIG_CHANGE = ("refuse", "fresh", "resume")
+
+
+@dataclass
+class IdentityDecision:
+    """What a launch on this checkpoint directory means (``action``) and whether it may
+    go ahead (``error`` None). Actions: ``new`` (no checkpoint yet), ``adopt`` (checkpoints
+    from before identity files), ``same``, ``extend`` (a larger total), ``fresh`` (another
+    trajectory, old checkpoints moved aside), ``resume_changed`` (another trajectory,
+    continued on purpose), ``restart_changed`` (another trajectory before any complete
+    checkpoint)."""
+
+    action: str
+    newest_step: int
+    changes: list[dict] = dataclasses.field(default_factory=list)
+    message: str = ""
+    error: str | None = None
+
+
+def lineage_first_attempt(ckpt_dir: Path) -> int:
+    """The first attempt that trained the directory's current checkpoints (1 without an
+    identity file): metrics merges and the report start there."""
+    doc = read_identity(ckpt_dir)
+    return int((doc or {}).get("first_attempt") or 1)
+
+
+def identity_path(ckpt_dir: Path) -> Path:
+    return Path(ckpt_dir) / IDENTITY_NAME
+
+
+def read_identity(ckpt_dir: Path) -> dict | None:
+    """The directory's identity file, None when there is none; one that does not parse (or
+    lacks its keys) is an error naming the file."""
+    path = identity_path(ckpt_dir)
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        raise CheckpointDirError(f"{path}: the run identity file does not parse ({exc}); "
+                                 "restore it, or move it aside to adopt the checkpoints "
+                                 "as made by the current configuration") from None
+    traj = doc.get("trajectory") if isinstance(doc, dict) else None
+    if not isinstance(traj, dict) or not isinstance(traj.get("values"), dict) \
+            or not isinstance(doc.get("extents"), list) or not doc["extents"]:
+        raise CheckpointDirError(f"{path}: not a run identity file (no trajectory.values or "
+                                 "extents)")
+    return doc
+
+
+def decide_identity(ckpt_dir: Path, trajectory: dict, total: int,
+                    on_change: str) -> IdentityDecision:
+    """Compare the configuration about to launch (``trajectory`` from preflight's plan:
+    ``{"id", "values", "origins"}``; ``total``: its total_training_steps) with the
+    directory's identity and its newest complete checkpoint. Pure: nothing is written."""
+    from hy3rl.identity import changes, describe_changes
+
+    ckpt_dir = Path(ckpt_dir)
+    doc = read_identity(ckpt_dir)
+    ckpts = scan(ckpt_dir)
+    best = newest_complete(ckpts)
+    newest = best.step if best else 0
+    if best is not None and total < newest:
+        return IdentityDecision(
+            "refuse", newest, error=f"train.total_training_steps = {total} is below the "
+            f"newest complete checkpoint, step {newest}, in {ckpt_dir}: a run cannot be "
+            f"shortened; set it to {newest} or more (or start afresh with another run.name)")
+    if doc is None:
+        if best is None:
+            return IdentityDecision("new", 0, message="no checkpoint yet: a new run")
+        return IdentityDecision("adopt", newest, message=(
+            f"WARNING: {ckpt_dir} holds checkpoints (newest complete: step {newest}) but no "
+            f"{IDENTITY_NAME} (made before run identities): adopted as made by this "
+            "configuration, which nothing can verify"))
+    diff = changes(doc["trajectory"]["values"], trajectory["values"])
+    last_total = int(doc["extents"][-1].get("total_training_steps") or 0)
+    if not diff:
+        if total > last_total:
+            return IdentityDecision("extend", newest, message=(
+                f"extension: total_training_steps {last_total} -> {total}, resuming from "
+                f"step {newest}"))
+        return IdentityDecision("same", newest, message="same trajectory: resume")
+    what = describe_changes(diff, {**doc["trajectory"].get("origins", {}),
+                                   **trajectory.get("origins", {})})
+    if best is None:
+        return IdentityDecision("restart_changed", 0, diff, message=(
+            f"the configuration changed before any complete checkpoint ({what}): the run "
+            "starts from step 0 under the new one"))
+    if on_change == "fresh":
+        return IdentityDecision("fresh", newest, diff, message=(
+            f"train.on_config_change = fresh: the checkpoints up to step {newest} were made "
+            f"by another configuration ({what}); they are moved aside and training starts "
+            "from step 0"))
+    if on_change == "resume":
+        return IdentityDecision("resume_changed", newest, diff, message=(
+            f"train.on_config_change = resume: continuing from step {newest} under a changed "
+            f"configuration ({what}); recorded in {IDENTITY_NAME}"))
+    return IdentityDecision("refuse", newest, diff, error=(
+        f"the checkpoints in {ckpt_dir} (newest complete: step {newest}) were made by "
+        f"another configuration: {what}. Set train.on_config_change: fresh (move them aside, "
+        "train from step 0) or resume (continue from them under the new values, recorded), "
+        "or restore the old values"))
+
+
+def apply_identity(ckpt_dir: Path, decision: IdentityDecision, trajectory: dict, total: int,
+                   segment_steps: int, *, attempt: int | None = None) -> list[str]:
+    """Carry out ``decision`` (never a refusal) and write the identity file atomically:
+    with ``fresh``, every ``global_step_*``, the tracker and the old identity file move into
+    ``superseded-<time>/`` (nothing is deleted). Returns the actions taken, for the
+    attempt record."""
+    from hy3rl.atomic import write_json_atomic
+
+    if decision.error:
+        raise CheckpointDirError(decision.error)
+    ckpt_dir = Path(ckpt_dir)
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    old = read_identity(ckpt_dir)
+    now = utc_now()
+    actions: list[str] = []
+    lineage = int((old or {}).get("lineage") or 1)
+    if decision.action == "fresh":
+        stamp = now.replace(":", "").replace("+0000", "Z")
+        aside, n = ckpt_dir / f"superseded-{stamp}", 1
+        while aside.exists():
+            n += 1
+            aside = ckpt_dir / f"superseded-{stamp}.{n}"
+        aside.mkdir()
+        moved = []
+        for entry in sorted(ckpt_dir.iterdir()):
+            if entry.name.startswith("global_step_") or entry.name in (TRACKER, IDENTITY_NAME):
+                os.rename(entry, aside / entry.name)
+                moved.append(entry.name)
+        actions.append(f"moved {len(moved)} entries made by the old configuration aside to "
+                       f"{aside.name}/ (nothing deleted): {', '.join(moved)}")
+        lineage += 1
+        old = None
+    event = {"at": now, "attempt": attempt, "action": decision.action,
+             "at_step": decision.newest_step, "trajectory_id": trajectory["id"],
+             "total_training_steps": total, "segment_steps": segment_steps}
+    if decision.changes:
+        event["changes"] = decision.changes
+    if old is None:
+        doc = {"schema_version": IDENTITY_SCHEMA, "lineage": lineage, "created": now,
+               "first_attempt": attempt if decision.action in ("new", "fresh") and attempt
+               else 1, "trajectory": trajectory, "extents": [], "history": []}
+    else:
+        doc = dict(old)
+        doc["trajectory"] = trajectory
+    last = doc["extents"][-1] if doc["extents"] else None
+    if last is None or (last.get("total_training_steps"), last.get("segment_steps")) \
+            != (total, segment_steps):
+        doc["extents"].append({"at": now, "at_step": decision.newest_step,
+                               "total_training_steps": total, "segment_steps": segment_steps})
+    if decision.action != "same" or old is None:
+        doc["history"].append(event)
+    doc["updated"] = now
+    write_json_atomic(identity_path(ckpt_dir), doc)
+    if decision.message:
+        actions.append(decision.message)
+    for a in actions:
+        log.info("identity: %s", a)
+    return actions

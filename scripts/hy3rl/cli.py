@@ -97,7 +97,6 @@ def _train(cfg: Config, layout: Layout, args: argparse.Namespace) -> None:
     from hy3rl import train
 
     train.run(cfg.train, cfg.cluster, layout, keep_steps=cfg.eval_keep_steps,
-              train_hash=cfg.train_hash,
               plan=Path(layout.preflight_plan), launch_script=Path(layout.preflight_launch),
               runtime_env=Path(layout.deps_runtime_env), sentinel=Path(layout.train_done),
               metrics=Path(layout.train_metrics))

@@ -236,6 +236,7 @@ class Train:
     verl_overrides: dict[str, Any]
     checkpoint_root: str
     checkpoint_keep: int
+    on_config_change: str
     segment_steps: int
     prune_interval_s: float
     max_submissions: int
@@ -247,34 +248,6 @@ class Train:
     ray_env_passthrough: list[str]
     runtime: Runtime
     ray: Ray
-
-
-# The config keys (dotted; a mapping counts by its leaves) whose values re-run training:
-# the launch, the data and model, the shape and the checkpoint root. Rules train and
-# train_segment take them as params (rules/common.smk TRAIN_TRIGGERS), and
-# hy3rl.wandb_run.train_hash names the run's W&B run by them. Not: train.ray.* (ports,
-# timeouts), the retention (checkpoint_keep, prune_interval_s, eval.steps),
-# ray_env_passthrough, time limits and resources, the watchdog, restarts, resubmissions,
-# node_logs_mb, notify_command, and every eval/report key.
-RETRAIN_KEYS = (
-    "run.name",
-    "cluster.nodes",
-    "cluster.gpus_per_node",
-    "data",
-    "model.source",
-    "model.revision",
-    "train.reward_mode",
-    "train.total_training_steps",
-    "train.env",
-    "train.loggers",
-    "train.algorithm",
-    "train.reward_function",
-    "train.launch_script",
-    "train.verl_overrides",
-    "train.checkpoint_root",
-    "train.segment_steps",
-    "train.runtime",
-)
 
 
 @dataclass(frozen=True)
@@ -373,14 +346,6 @@ class Config:
     def hash(self) -> str:
         """sha256 of the canonical JSON of the validated config."""
         return config_hash(self.raw)
-
-    @property
-    def train_hash(self) -> str:
-        """sha256 of the values that re-run training (RETRAIN_KEYS): the stable part of the
-        W&B run id (hy3rl.wandb_run), unchanged by evaluation or report settings."""
-        from hy3rl.wandb_run import train_hash
-
-        return train_hash(self.raw)
 
     @property
     def eval_keep_steps(self) -> list[int]:

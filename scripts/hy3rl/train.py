@@ -41,7 +41,10 @@ from hy3rl.ckptdir import (
     LockInfo,
     Pruner,
     acquire_lock,
+    apply_identity,
     check_complete,
+    decide_identity,
+    lineage_first_attempt,
     my_lock_info,
     newest_complete,
     prepare_resume,
@@ -75,10 +78,12 @@ class TrainFailed(TrainError):
 # --------------------------------------------------------------------------- metrics
 
 
-def write_merged(attempts_dir: Path, out: Path) -> int:
-    """``out`` (train/metrics.jsonl): the merge of every attempt's log under
-    ``attempts_dir`` (``hy3rl.verl_log.merged_attempts``); returns its number of lines."""
-    merged = merged_attempts(Path(attempts_dir))
+def write_merged(attempts_dir: Path, out: Path, since: int = 1) -> int:
+    """``out`` (train/metrics.jsonl): the merge of the logs under ``attempts_dir`` of the
+    attempts ``since`` and later (the checkpoint directory's lineage,
+    ``hy3rl.ckptdir.lineage_first_attempt``; ``hy3rl.verl_log.merged_attempts``); returns its
+    number of lines."""
+    merged = merged_attempts(Path(attempts_dir), since)
     write_jsonl_atomic(Path(out), merged)
     return len(merged)
 
@@ -127,6 +132,11 @@ class AttemptRecord:
     diagnostics: dict[str, Any] | None = None
     wandb: dict[str, Any] | None = None
     crash_loop: str | None = None
+    # The run identity it trained under (hy3rl.identity; plan.json identity) and what the
+    # checkpoint directory's identity check decided before it (hy3rl.ckptdir).
+    trajectory_id: str | None = None
+    total_training_steps: int | None = None
+    identity_action: str | None = None
 
 
 def attempt_numbers(layout: Layout) -> list[int]:
@@ -325,7 +335,8 @@ def run_metrics(layout: Layout) -> list[dict[str, Any]]:
     """This run's metrics so far, merged (their measured times feed the watchdog); none
     when a log cannot be read (the merge after the attempt names the line)."""
     try:
-        return merged_attempts(Path(layout.train_attempts))
+        return merged_attempts(Path(layout.train_attempts),
+                               lineage_first_attempt(layout.checkpoint_dir))
     except StageError as exc:
         log.warning("measured times unavailable: %s", exc)
         return []
@@ -347,7 +358,7 @@ def write_job_exit(layout: Layout, job: str, attempts: list[int], step: JobStep 
 
 
 def run(train: Train, cluster: Cluster, layout: Layout, *, keep_steps: Sequence[int],
-        train_hash: str, plan: Path, launch_script: Path, runtime_env: Path, sentinel: Path,
+        plan: Path, launch_script: Path, runtime_env: Path, sentinel: Path,
         metrics: Path, until: int | None = None) -> None:
     """The training job (see the module doc) of run ``layout.run`` on the checkpoint
     directory ``layout.checkpoint_dir``, its records under ``layout.train_attempts``: one
@@ -361,10 +372,12 @@ def run(train: Train, cluster: Cluster, layout: Layout, *, keep_steps: Sequence[
     segment's ``segments/step<N>.json``). ``until``: a segment's last step (the launch gets
     ``trainer.total_training_steps=<until>`` appended); None runs to the plan's total.
     ``keep_steps``: the steps retention never prunes (``Config.eval_keep_steps``).
-    ``train_hash``: ``Config.train_hash``; with W&B on, every attempt logs into the one run
-    ``<run.name>-<train_hash[:8]>`` (``WANDB_RUN_ID``, ``WANDB_RESUME=allow``; files under
-    ``train/wandb``). As the job ends it writes ``job-exit.json`` (whether a resubmission may
-    help, nodes to exclude).
+    Before each attempt starts the trainer, the checkpoint directory's run identity is
+    checked against the plan's (``hy3rl.ckptdir.decide_identity``) and written: another
+    trajectory is refused unless ``train.on_config_change`` chose otherwise. With W&B on,
+    every attempt logs into the one run ``<run.name>-<trajectory id[:8]>``
+    (``WANDB_RUN_ID``, ``WANDB_RESUME=allow``; files under ``train/wandb``). As the job ends
+    it writes ``job-exit.json`` (whether a resubmission may help, nodes to exclude).
 
     Raises :class:`LockHeld` while another live trainer holds the checkpoint directory,
     :class:`TrainFailed` when the job ended early (the records say why), and
@@ -379,6 +392,9 @@ def run(train: Train, cluster: Cluster, layout: Layout, *, keep_steps: Sequence[
     try:
         plan_doc = read_plan(plan_path)
         total = total_steps_from_plan(plan_doc, plan_path)
+        if not (plan_doc.get("identity") or {}).get("trajectory"):
+            raise TrainError(f"{plan_path}: no run identity (identity.trajectory): the plan "
+                             "was made by an older preflight; rerun preflight")
         planned = (plan_doc.get("checkpoint") or {}).get("dir")
         if planned and os.path.abspath(planned) != str(ckpt):
             raise TrainError(f"{plan_path}: checkpoint.dir {planned} differs from the run's "
@@ -390,7 +406,7 @@ def run(train: Train, cluster: Cluster, layout: Layout, *, keep_steps: Sequence[
     job = Job(train, cluster, layout, plan_doc, target=total if until is None
               else min(int(until), total), total=total, keep_steps=[int(s) for s in keep_steps],
               launch_script=Path(launch_script).resolve(),
-              runtime_env=Path(runtime_env).resolve(), metrics=metrics, train_hash=train_hash)
+              runtime_env=Path(runtime_env).resolve(), metrics=metrics)
     k = (attempt_numbers(layout) or [0])[-1] + 1
     me = my_lock_info(k)
     job.lock_actions = acquire_lock(ckpt, me)
@@ -450,7 +466,6 @@ class Job:
     launch_script: Path
     runtime_env: Path
     metrics: Path
-    train_hash: str
     lock_actions: list[str] = field(default_factory=list)
     attempts: list[int] = field(default_factory=list)
     lost: list[str] = field(default_factory=list)
@@ -459,6 +474,33 @@ class Job:
     runtime: dict[str, Any] | None = None
     rec: dict[str, Any] = field(default_factory=dict)  # the attempt running now
     end_step: int | None = None
+    identity_action: str | None = None  # the last attempt's hy3rl.ckptdir decision
+
+    @property
+    def identity(self) -> dict[str, Any]:
+        """plan.json ``identity`` (hy3rl.preflight.run_identity)."""
+        return self.plan["identity"]
+
+    @property
+    def trajectory_id(self) -> str:
+        return str(self.identity["trajectory"]["id"])
+
+    def since(self) -> int:
+        """The first attempt of the checkpoint directory's lineage (metrics merge)."""
+        return lineage_first_attempt(self.layout.checkpoint_dir)
+
+    def check_identity(self, k: int) -> list[str]:
+        """Before attempt ``k`` starts the trainer: the checkpoint directory's identity
+        against the plan's; a refusal raises TrainError (a bad input: not resubmitted),
+        anything else is carried out and written (hy3rl.ckptdir.apply_identity)."""
+        ckpt = self.layout.checkpoint_dir
+        d = decide_identity(ckpt, self.identity["trajectory"], self.total,
+                            self.train.on_config_change)
+        if d.error:
+            raise TrainError(f"run identity: {d.error}")
+        self.identity_action = d.action
+        return apply_identity(ckpt, d, self.identity["trajectory"], self.total,
+                              self.train.segment_steps, attempt=k)
 
     @property
     def save_freq(self) -> int:
@@ -481,7 +523,9 @@ class Job:
 
         layout, ckpt, train, cluster = self.layout, self.layout.checkpoint_dir, self.train, \
             self.cluster
+        identity_actions = self.check_identity(k)
         start, resume_actions = prepare_resume(ckpt, k)
+        resume_actions = identity_actions + resume_actions
         if start >= self.target:
             log.info("training already reached step %d (this job's last step %d, total %d): "
                      "nothing to launch", start, self.target, self.total)
@@ -511,7 +555,8 @@ class Job:
             submission_id=sub_id, checkpoint_dir=str(ckpt), start_step=start,
             resume_actions=(self.lock_actions if not self.attempts else []) + resume_actions,
             metrics_log=attempt_metrics.name, log_dir=log_dir.name, runtime=runtime,
-            job_attempt=len(self.attempts) + 1,
+            job_attempt=len(self.attempts) + 1, trajectory_id=self.trajectory_id,
+            total_training_steps=self.total, identity_action=self.identity_action,
             excluded_nodes=sorted(set(self.excluded or []) | set(self.lost)))
         rec = self.rec = dataclasses.asdict(attempt)
         self.attempts.append(k)
@@ -562,7 +607,7 @@ class Job:
         self.describe(rec, outcome, result, log_dir)
         rec["wandb"] = self.wandb_record(spec.env_vars, log_dir / "driver.log")
         write_json_atomic(record, rec)
-        n = write_merged(Path(layout.train_attempts), self.metrics)
+        n = write_merged(Path(layout.train_attempts), self.metrics, self.since())
         log.info("attempt %d: %s (%s, exit %s); newest complete checkpoint %s; %s steps lost; "
                  "%d merged metric lines; pruned %s", k, rec["exit_reason"], outcome,
                  result.exit_code, self.end_step, rec["steps_lost"], n,
@@ -602,7 +647,7 @@ class Job:
         WANDB_DIR in train.ray_env_passthrough wins)."""
         from hy3rl import wandb_run
 
-        env = wandb_run.env(self.layout.run, self.train_hash,
+        env = wandb_run.env(self.layout.run, self.trajectory_id,
                             (self.plan.get("loggers") or {}).get("list") or [])
         if env:
             wandb_dir = Path(self.layout.train_dir) / "wandb"
@@ -647,13 +692,15 @@ class Job:
         rec["outcome"] = "cancelled" if isinstance(exc, KeyboardInterrupt) else "launcher_error"
         write_json_atomic(Path(self.layout.attempt_record(rec["attempt"])), rec)
         with contextlib.suppress(Exception):
-            write_merged(Path(self.layout.train_attempts), self.metrics)
+            write_merged(Path(self.layout.train_attempts), self.metrics, self.since())
 
     def finish(self, sentinel: Path) -> None:
         """Training reached this job's last step: merge, then the sentinel, written last."""
         best = newest_complete(scan(self.layout.checkpoint_dir))
-        write_merged(Path(self.layout.train_attempts), self.metrics)
-        write_done(self.layout, best.step if best else 0, self.total, sentinel, self.metrics)
+        write_merged(Path(self.layout.train_attempts), self.metrics, self.since())
+        write_done(self.layout, best.step if best else 0, self.total, sentinel, self.metrics,
+                   trajectory_id=self.trajectory_id, this_job=self.attempts,
+                   since=self.since())
 
 
 def _record_ray(record: Path, rec: dict[str, Any], versions: dict[str, Any]) -> None:
@@ -667,10 +714,20 @@ def _record_nodes(record: Path, rec: dict[str, Any], nodes: list[str]) -> None:
     write_json_atomic(record, rec)
 
 
-def write_done(layout: Layout, final: int, total: int, path: Path, metrics: Path) -> Path:
+def write_done(layout: Layout, final: int, total: int, path: Path, metrics: Path, *,
+               trajectory_id: str | None = None, this_job: Sequence[int] = (),
+               since: int = 1) -> Path:
     """The sentinel ``path``, written last: done.json, or a segment's
-    ``segments/step<N>.json`` (same keys)."""
-    attempts = [load_attempt(layout, k) for k in attempt_numbers(layout)]
+    ``segments/step<N>.json`` (same keys). ``this_job``: the attempts this job ran (none:
+    the checkpoint directory already held the final step, and the record says that nothing
+    was trained); ``since``: the lineage's first attempt (earlier ones trained checkpoints
+    that a ``fresh`` start moved aside: listed apart)."""
+    every = [load_attempt(layout, k) for k in attempt_numbers(layout)]
+    attempts = [a for a in every if int(a.get("attempt") or 0) >= since]
+    superseded = [a.get("attempt") for a in every if int(a.get("attempt") or 0) < since]
+    ran = [a for a in attempts if a.get("attempt") in set(this_job)]
+    trained = sorted({s for a in ran for s in range(int(a.get("start_step") or 0) + 1,
+                                                      int(a.get("end_step") or 0) + 1)})
     ckpt = layout.checkpoint_dir
     done = {
         "run": layout.run,
@@ -684,9 +741,17 @@ def write_done(layout: Layout, final: int, total: int, path: Path, metrics: Path
         "attempts": [{key: a.get(key) for key in
                       ("attempt", "slurm_job_id", "nodes", "start_step", "end_step",
                        "steps_lost", "outcome", "exit_reason", "started_at", "ended_at",
-                       "wall_s")}
+                       "wall_s", "trajectory_id", "total_training_steps")}
                      for a in attempts],
         "steps_lost_total": sum(a.get("steps_lost") or 0 for a in attempts),
+        "trajectory_id": trajectory_id,
+        "trajectory_ids": sorted({a["trajectory_id"] for a in attempts
+                                  if a.get("trajectory_id")}),
+        "superseded_attempts": superseded,
+        "this_job": {"attempts": list(this_job), "steps_trained": len(trained),
+                     "note": (f"trained steps {trained[0]}-{trained[-1]}" if trained else
+                              f"nothing trained: the checkpoint directory already held "
+                              f"step {final}")},
         "metrics": str(Path(os.path.abspath(metrics))),
         "written_at": utc_now(),
     }

@@ -80,6 +80,9 @@ def attempt_logs(attempts_dir: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def merged_attempts(attempts_dir: Path) -> list[dict[str, Any]]:
-    """Every attempt's log under ``attempts_dir``, merged."""
-    return merge_metrics(read_metrics(p) for p in attempt_logs(attempts_dir))
+def merged_attempts(attempts_dir: Path, since: int = 1) -> list[dict[str, Any]]:
+    """The logs of attempts ``since`` and later under ``attempts_dir``, merged (``since``:
+    the first attempt of the checkpoint directory's lineage, ``hy3rl.ckptdir``: the attempts
+    before a ``fresh`` start trained other checkpoints)."""
+    return merge_metrics(read_metrics(p) for p in attempt_logs(attempts_dir)
+                         if int(ATTEMPT_METRICS_RE.match(p.name).group(1)) >= since)

@@ -3,11 +3,11 @@
 verl@220e903 calls ``wandb.init(project=..., name=..., entity=..., config=...)`` without an
 id (verl issue #2783), so each attempt would open a new W&B run. W&B reads the id and the
 resume mode from the environment instead: the launcher passes :func:`env`'s
-``WANDB_RUN_ID`` (:func:`run_id`: ``<run.name>-<first 8 hex of train_hash>``) and
+``WANDB_RUN_ID`` (:func:`run_id`: ``<run.name>-<first 8 hex of the trajectory id>``) and
 ``WANDB_RESUME=allow`` to the Ray job, so every attempt of the same training logs into one
-run. The hash covers the config keys that re-run training (``hy3rl.settings.RETRAIN_KEYS``)
-and nothing else: a new evaluation or report setting keeps the W&B run, a new training
-starts a new one.
+run. The trajectory id (``hy3rl.identity``, in preflight's plan.json) covers what changes
+the weights and nothing else: an extension, an operational, evaluation or report setting
+keeps the W&B run; another trajectory starts a new one.
 
 A resumed W&B run drops the steps it already has, so the steps an attempt redoes after a
 crash keep their first values there; ``train/metrics.jsonl`` (the merge of every attempt's
@@ -20,13 +20,8 @@ No key is read or written here.
 
 from __future__ import annotations
 
-import hashlib
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any
-
-from hy3rl.settings import RETRAIN_KEYS
-from hy3rl.smk import triggers
 
 ID_MAX = 64  # W&B run ids: letters, digits, "-" and "_", at most 64 characters
 HASH_CHARS = 8
@@ -37,22 +32,14 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _RUN_URL = re.compile(r"View run\b.*?\bat:?\s+(https?://\S+/runs/[A-Za-z0-9_-]+)")
 
 
-def train_hash(raw_config: Mapping[str, Any]) -> str:
-    """sha256 (hex) of the values of :data:`~hy3rl.settings.RETRAIN_KEYS` in ``raw_config``
-    (the validated mapping, ``Config.raw``): the same ``key=value`` leaves the train rule's
-    params hold (:func:`hy3rl.smk.triggers`; an absent key reads as null), so the hash
-    changes exactly when Snakemake re-runs training for a config change."""
-    leaves = sorted(triggers(raw_config, *RETRAIN_KEYS).values())
-    return hashlib.sha256("\n".join(leaves).encode()).hexdigest()
-
-
-def run_id(run_name: str, train_hash: str) -> str:
-    """``<run name>-<first 8 hex of train_hash>``, the name made a valid W&B id (each run
-    of other characters becomes ``-``) and cut so the whole stays within 64 characters."""
-    if not re.fullmatch(rf"[0-9a-f]{{{HASH_CHARS},}}", train_hash):
-        raise ValueError(f"train_hash {train_hash!r} is not a hex digest")
+def run_id(run_name: str, trajectory_id: str) -> str:
+    """``<run name>-<first 8 hex of trajectory_id>`` (the plan's trajectory id), the name
+    made a valid W&B id (each run of other characters becomes ``-``) and cut so the whole
+    stays within 64 characters."""
+    if not re.fullmatch(rf"[0-9a-f]{{{HASH_CHARS},}}", trajectory_id):
+        raise ValueError(f"trajectory_id {trajectory_id!r} is not a hex digest")
     name = _NOT_ID.sub("-", run_name).strip("-") or "run"
-    return f"{name[:ID_MAX - HASH_CHARS - 1]}-{train_hash[:HASH_CHARS]}"
+    return f"{name[:ID_MAX - HASH_CHARS - 1]}-{trajectory_id[:HASH_CHARS]}"
 
 
 def enabled(loggers: Sequence[str]) -> bool:
@@ -61,12 +48,12 @@ def enabled(loggers: Sequence[str]) -> bool:
     return "wandb" in loggers
 
 
-def env(run_name: str, train_hash: str, loggers: Sequence[str]) -> dict[str, str]:
+def env(run_name: str, trajectory_id: str, loggers: Sequence[str]) -> dict[str, str]:
     """The Ray job's W&B variables: ``WANDB_RUN_ID`` and ``WANDB_RESUME=allow`` when W&B is
     on, else none."""
     if not enabled(loggers):
         return {}
-    return {"WANDB_RUN_ID": run_id(run_name, train_hash), "WANDB_RESUME": "allow"}
+    return {"WANDB_RUN_ID": run_id(run_name, trajectory_id), "WANDB_RESUME": "allow"}
 
 
 def url_from_log(text: str) -> str | None:

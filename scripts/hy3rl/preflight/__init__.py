@@ -136,9 +136,32 @@ def verl_record(checks: list[VerlCheck], model_dir: Path) -> dict[str, Any]:
 # --------------------------------------------------------------------------- the stage
 
 
+def run_identity(cfg: Config, res: Any, lock_doc: Mapping[str, Any],
+                 summary: Mapping[str, Any] | None, model_manifest: Path | None) -> dict:
+    """plan.json ``identity``: the trajectory of this launch (:func:`hy3rl.identity.trajectory`
+    over the resolved overrides, the pins of deps/lock.json, the training data's sha256 from
+    the data summary, the model's identity from its manifest, the custom reward function's
+    content), the extent and ``train.on_config_change``."""
+    from hy3rl import identity
+
+    pins = {name: str(entry.get("head") or entry.get("commit"))
+            for name, entry in sorted((lock_doc.get("repos") or {}).items())}
+    train_sha = (((summary or {}).get("splits") or {}).get("train") or {}).get("sha256")
+    manifest = read_json(model_manifest, "model manifest")
+    reward_sha = identity.sha256_file(res.reward_fn_copy[0]) if res.reward_fn_copy else None
+    resolved = {o.key: {"value": o.value, "origin": o.origin} for o in res.overrides}
+    traj = identity.trajectory(resolved=resolved, pins=pins, train_sha256=train_sha,
+                               model=identity.model_identity(manifest) if manifest else None,
+                               reward_fn_sha256=reward_sha)
+    return {"trajectory": traj,
+            "total_training_steps": cfg.train.total_training_steps,
+            "segment_steps": cfg.train.segment_steps,
+            "on_config_change": cfg.train.on_config_change}
+
+
 def run(cfg: Config, *, lock: Path, data_summary: Path | None, train_files: Path,
         val_files: Path, checkpoint_check: Path | None, bridge_check: Path | None,
-        plan: Path, launch: Path, reward_fn: Path) -> Plan:
+        plan: Path, launch: Path, reward_fn: Path, model_manifest: Path | None = None) -> Plan:
     """Resolve, compose, check; write ``plan`` (plan.json), ``launch`` (launch.sh) and, with
     ``train.reward_function.path``, its copy at ``reward_fn``. ``data_summary`` and
     ``checkpoint_check`` may be None or absent (their rules are then `not run`).
@@ -152,7 +175,8 @@ def run(cfg: Config, *, lock: Path, data_summary: Path | None, train_files: Path
     verl_dir, commit = verl_from_lock(lock_doc, lock)
     if not verl_dir.is_dir():
         raise PreflightError(f"{lock}: repos.verl.path {verl_dir} is not a directory")
-    facts = summary_facts(read_json(data_summary, "data summary"))
+    summary = read_json(data_summary, "data summary")
+    facts = summary_facts(summary)
     ckpt_check = read_json(checkpoint_check, "checkpoint checks")
     bridge = read_json(bridge_check, "bridge checks") if cfg.cluster.gpu else None
     res = resolve(cfg, verl_dir, train_files=train_files.absolute(),
@@ -162,6 +186,7 @@ def run(cfg: Config, *, lock: Path, data_summary: Path | None, train_files: Path
     weights, weights_from = model_bytes(cfg)
 
     model_dir = Path(cfg.model.path)
+    ident = run_identity(cfg, res, lock_doc, summary, model_manifest)
     if res.composed is None:
         eff: dict[str, Any] = {}
         verl_checks = [VerlCheck(RUNNER, NOT_RUN, reason=NOT_COMPOSED_VERL)]
@@ -173,7 +198,7 @@ def run(cfg: Config, *, lock: Path, data_summary: Path | None, train_files: Path
         verl_checks = run_verl_checks(verl_dir, res.composed, model_dir)
         rules, ck = check_rules(cfg, res, eff, facts, ckpt_check, weights, weights_from,
                                 verl_checks=verl_checks, bridge=bridge,
-                                bridge_path=bridge_check)
+                                bridge_path=bridge_check, identity=ident)
         estimate = estimate_gpu_hours(cfg, eff, facts, weights)
         add_costs(rules, estimate)
     check_verl_pin(rules, verl_dir, head, commit, cfg.preflight.waive)
@@ -182,7 +207,8 @@ def run(cfg: Config, *, lock: Path, data_summary: Path | None, train_files: Path
     result = build_plan(run=cfg.run.name, gpu=cfg.cluster.gpu, res=res, commit=commit,
                         head=head, effective=eff, rules=rules, checkpoint=ck,
                         verl_checks=verl_record(verl_checks, model_dir),
-                        estimate=estimate, launch=launch, launch_text=launch_text)
+                        estimate=estimate, launch=launch, launch_text=launch_text,
+                        identity=ident)
     write_outputs(result, res, plan_path=plan, launch=launch, launch_text=launch_text)
     _log_summary(result, plan)
     if result.errors:

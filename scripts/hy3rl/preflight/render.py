@@ -56,6 +56,9 @@ class Plan:
     waived: list[str]
     estimate: dict[str, Any]
     launch: dict[str, Any]
+    # The run identity (hy3rl.identity): the trajectory (id, values, origins), the extent,
+    # train.on_config_change and what a launch would do on the checkpoint directory.
+    identity: dict[str, Any]
 
 
 def render_launch(res: Resolution, run: str, commit: str) -> str:
@@ -96,12 +99,12 @@ def _messages(rules: list[RuleResult], status: str) -> list[str]:
 def build_plan(*, run: str, gpu: bool, res: Resolution, commit: str, head: str | None,
                effective: dict[str, Any], rules: list[RuleResult], checkpoint: dict[str, Any],
                verl_checks: dict[str, Any], estimate: dict[str, Any], launch: Path,
-               launch_text: str) -> Plan:
+               launch_text: str, identity: dict[str, Any]) -> Plan:
     """The plan record (``ok`` exactly when no rule is in error)."""
     errors = _messages(rules, "error")
     resolved: dict[str, dict[str, str]] = {}
     for o in res.overrides:
-        resolved[o.key] = {"value": o.value, "source": o.source}
+        resolved[o.key] = {"value": o.value, "source": o.source, "origin": o.origin}
     return Plan(
         schema_version=SCHEMA_VERSION, created=utc_now(), run=run, ok=not errors,
         launched=gpu, not_launched_reason=None if gpu else NOT_LAUNCHED,
@@ -119,6 +122,7 @@ def build_plan(*, run: str, gpu: bool, res: Resolution, commit: str, head: str |
         launch={"path": str(launch.absolute()),
                 "sha256": hashlib.sha256(launch_text.encode()).hexdigest(),
                 "command": LAUNCH_COMMAND},
+        identity=identity,
     )
 
 

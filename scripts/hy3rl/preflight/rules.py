@@ -56,6 +56,12 @@ RULES: dict[str, str] = {
     "async_save": "actor.checkpoint.async_save is off (with it the tracker file is not written)",
     "disk": "free space on the checkpoint root holds (keep + 1) checkpoints",
     "segment_schedule": "train.segment_steps only with a constant learning-rate schedule",
+    "run_identity": "the checkpoint directory's run identity allows this launch: the same "
+                    "trajectory (resume, or extend to a larger total), or a change chosen "
+                    "with train.on_config_change; never a total below its newest checkpoint",
+    "resume_schedule": "a resume or extension only with a constant learning-rate schedule "
+                       "(verl restarts its scheduler from the current total on every start); "
+                       "waive it to opt in",
     "ref_kl_zero": "warning: the reference model is computed while the KL coefficient is 0",
     "val_on_resume": "warning: validation before training re-runs on every resume",
     "prompts_over_max": "warning: training prompts longer than max_prompt_length",
@@ -67,7 +73,7 @@ RULES: dict[str, str] = {
     "wandb": "GPU runs with wandb in trainer.logger: W&B can start in the training job (a key "
              "in WANDB_API_KEY or the netrc file, or WANDB_MODE offline/disabled)",
 }
-NOT_WAIVABLE = {"compose"}
+NOT_WAIVABLE = {"compose", "run_identity"}
 
 EFFECTIVE_KEYS = (
     "trainer.nnodes", "trainer.n_gpus_per_node", "trainer.total_training_steps",
@@ -557,19 +563,60 @@ def _disk(r: _Rules, cfg: Config, eff: Mapping[str, Any], ckpt_dir: Path, weight
     return ck
 
 
-def _segment_schedule(r: _Rules, seg: int, eff: Mapping[str, Any]) -> None:
-    if seg <= 0:
-        return
+def non_constant_schedule(eff: Mapping[str, Any]) -> str | None:
+    """Why the actor's learning rate is not constant (verl@220e903 restarts the scheduler
+    on every start, deriving warmup and decay from the current total: a resume, a segment
+    or an extension is then not the schedule of one uninterrupted run), None if it is."""
     warm = to_int(eff.get("actor_rollout_ref.actor.optim.lr_warmup_steps"), -1)
     ratio = to_float(eff.get("actor_rollout_ref.actor.optim.lr_warmup_steps_ratio"))
     style = eff.get("actor_rollout_ref.actor.optim.lr_decay_style")
     lr = to_float(eff.get("actor_rollout_ref.actor.optim.lr"))
     min_lr = to_float(eff.get("actor_rollout_ref.actor.optim.min_lr"))
     if warm > 0 or (warm < 0 and ratio > 0) or (style != "constant" and lr != min_lr):
+        return (f"lr_warmup_steps = {warm}, lr_warmup_steps_ratio = {ratio}, "
+                f"lr_decay_style = {style}, lr = {lr:g}, min_lr = {min_lr:g}")
+    return None
+
+
+def _segment_schedule(r: _Rules, seg: int, eff: Mapping[str, Any]) -> None:
+    if seg <= 0:
+        return
+    why = non_constant_schedule(eff)
+    if why:
         r.error("segment_schedule", f"train.segment_steps = {seg} needs a constant learning "
-                f"rate (each segment restarts the scheduler) but lr_warmup_steps = {warm}, "
-                f"lr_warmup_steps_ratio = {ratio}, lr_decay_style = {style}, lr = {lr:g}, "
-                f"min_lr = {min_lr:g}")
+                f"rate (each segment restarts the scheduler) but {why}")
+
+
+def _run_identity(r: _Rules, ckpt_dir: Path, identity: Mapping[str, Any] | None,
+                  eff: Mapping[str, Any]) -> None:
+    """run_identity and resume_schedule: what a launch would do on the checkpoint directory
+    as the submit host sees it (hy3rl.ckptdir.decide_identity; the training job decides
+    again before it starts the trainer)."""
+    from hy3rl.ckptdir import CheckpointDirError, decide_identity
+
+    if identity is None:
+        return
+    try:
+        d = decide_identity(ckpt_dir, identity["trajectory"], identity["total_training_steps"],
+                            identity["on_config_change"])
+    except CheckpointDirError as exc:
+        r.error("run_identity", str(exc))
+        return
+    identity["decision"] = {"action": d.action, "newest_step": d.newest_step,
+                            "changes": d.changes, "message": d.error or d.message}
+    if d.error:
+        r.error("run_identity", d.error)
+        return
+    if d.action == "adopt":
+        r.warn("run_identity", d.message.removeprefix("WARNING: "))
+    elif d.message:
+        r.results["run_identity"] = RuleResult("run_identity", "pass", [d.message])
+    why = non_constant_schedule(eff)
+    if why and d.action in ("same", "extend", "adopt", "resume_changed") and d.newest_step:
+        r.error("resume_schedule", f"this launch continues from step {d.newest_step} "
+                f"({d.action}) but the learning rate is not constant ({why}): verl restarts "
+                "its scheduler from the current total_training_steps, so the run would not "
+                "follow one schedule; waive resume_schedule to accept it")
 
 
 def _ref_kl_zero(r: _Rules, eff: Mapping[str, Any]) -> None:
@@ -786,6 +833,7 @@ def check_rules(cfg: Config, res: Resolution, eff: Mapping[str, Any],
                 weights: int | None, weights_from: str, *, verl_checks: list[VerlCheck],
                 bridge: Mapping[str, Any] | None, bridge_path: Path | None,
                 environ: Mapping[str, str] | None = None,
+                identity: dict[str, Any] | None = None,
                 ) -> tuple[list[RuleResult], dict]:
     """Every rule on the composed values, verl's own checks (``verl_checks``) and the bridge
     check's report (``bridge``, read from ``bridge_path``; None when absent); returns the
@@ -808,6 +856,7 @@ def check_rules(cfg: Config, res: Resolution, eff: Mapping[str, Any],
     _async_save(r, eff)
     ck = _disk(r, cfg, eff, Path(res.checkpoint_dir), weights, weights_from)
     _segment_schedule(r, cfg.train.segment_steps, eff)
+    _run_identity(r, Path(res.checkpoint_dir), identity, eff)
     _ref_kl_zero(r, eff)
     _val_on_resume(r, eff, facts, s)
     _prompts_over_max(r, facts, s)
