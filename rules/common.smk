@@ -146,10 +146,16 @@ def preflight_targets():
 
 
 # ---- train ----
-# The config values that re-run training (rules train and train_segment): the launch, the
-# data and model, the shape and the checkpoint root; hy3rl.settings.RETRAIN_KEYS says
-# which (the W&B run id hashes the same keys: hy3rl.wandb_run.train_hash).
-from hy3rl.settings import RETRAIN_KEYS as TRAIN_TRIGGERS
+# The config values that re-run a training job (trajectory, extent and location keys,
+# hy3rl.identity) are rule train_keys' params; its output is a non-ancient input of the job,
+# so a change re-runs it in the same invocation (snakemake#4166), and an operational change
+# (loggers, watchdog, retention, resources...) re-runs nothing.
+from hy3rl.identity import eval_request_params, train_keys_params
+
+
+def train_keys_param(wildcards):
+    """Rule train_keys' param for `final` (rule train) or a segment `step<N>`."""
+    return train_keys_params(config, wildcards.stretch)
 
 
 def train_targets():
@@ -206,10 +212,12 @@ def train_slurm_extra(wildcards, attempt):
     return with_exclude(base, decision.exclude)
 
 
-def train_base_inputs():
+def train_base_inputs(stretch):
     """Inputs of every training job (ancient: a re-rendered but unchanged plan never
-    retrains; what should retrain is in the rule's params)."""
+    retrains), and the job's keys from train_keys (not ancient; what should retrain).
+    """
     return {
+        "keys": LAYOUT.train_keys(stretch),
         "plan": ancient(LAYOUT.preflight_plan),
         "launch": ancient(LAYOUT.preflight_launch),
         "runtime_env": ancient(LAYOUT.deps_runtime_env),
@@ -224,7 +232,7 @@ def train_segment_ends():
 
 def train_inputs(wildcards):
     """Inputs of the train rule: the base ones, plus the last segment's sentinel."""
-    inputs = train_base_inputs()
+    inputs = train_base_inputs("final")
     ends = train_segment_ends()
     if ends:
         inputs["previous"] = LAYOUT.segment_sentinel(ends[-1])
@@ -233,7 +241,7 @@ def train_inputs(wildcards):
 
 def train_segment_inputs(wildcards):
     """Inputs of the train_segment rule: the base ones, plus the previous segment's."""
-    inputs = train_base_inputs()
+    inputs = train_base_inputs(f"step{wildcards.end}")
     previous = int(wildcards.end) - CFG.train.segment_steps
     if previous > 0:
         inputs["previous"] = LAYOUT.segment_sentinel(previous)
@@ -253,7 +261,7 @@ def eval_generate_inputs(wildcards):
     hy3rl.evaluate.model_for_tag finds the weights); for
     vLLM, the Ray runtime env written by deps (a multi-node engine starts Ray with it;
     ancient, as for training: a rewritten deps output re-evaluates nothing)."""
-    inputs = {"val": LAYOUT.data_val}
+    inputs = {"val": LAYOUT.data_val, "request": LAYOUT.eval_request(wildcards.tag)}
     if wildcards.tag == "base":
         inputs["model_manifest"] = model_manifest()
     else:
@@ -261,6 +269,39 @@ def eval_generate_inputs(wildcards):
     if CFG.eval.backend == "vllm":
         inputs["runtime_env"] = ancient(LAYOUT.deps_runtime_env)
     return inputs
+
+
+# The settings of a generation (params of eval_generate, and of eval_request, an
+# input-less rule that Snakemake cannot mask, so that a new or changed tag is evaluated in
+# the same invocation).
+EVAL_GENERATION_KEYS = (
+    "eval.backend",
+    "eval.preset",
+    "eval.temperature",
+    "eval.top_p",
+    "eval.n_samples",
+    "eval.max_tokens",
+    "eval.num_problems",
+    "eval.seed",
+    "eval.transformers",
+    "eval.vllm.tensor_parallel_size",
+    "eval.vllm.data_parallel_size",
+    "eval.vllm.nodes",
+    "eval.vllm.gpus_per_node",
+    "eval.vllm.gpu_memory_utilization",
+    "eval.vllm.max_model_len",
+    "eval.vllm.enforce_eager",
+    "model.source",
+    "model.revision",
+    "model.dir",
+)
+
+
+def eval_request_param(wildcards):
+    """Rule eval_request's param: the tag, its generation settings and, for a checkpoint
+    tag, the training keys (final: with the total, hy3rl.identity.eval_request_params).
+    """
+    return eval_request_params(config, wildcards.tag, EVAL_GENERATION_KEYS)
 
 
 def eval_generate_threads():

@@ -7,6 +7,25 @@
 STAGE_TARGETS.append(eval_targets)
 
 
+# What a tag is asked to evaluate (an input of its generation): no input, so never masked
+# behind training or preflight; it re-runs (and its generation with it) when its settings
+# change, for `final` also when the total changes (hy3rl.identity.eval_request_params).
+rule eval_request:
+    output:
+        request=LAYOUT.eval_request("{tag}"),
+    log:
+        LAYOUT.log("eval/{tag}.request"),
+    localrule: True
+    threads: 1
+    resources:
+        mem_mb=500,
+        runtime=1,
+    params:
+        request=eval_request_param,
+    script:
+        "../scripts/adapters/eval_request.py"
+
+
 rule eval_generate:
     input:
         unpack(eval_generate_inputs),
@@ -19,27 +38,7 @@ rule eval_generate:
     resources:
         **eval_generate_resources(),
     params:
-        **triggers(
-            "eval.backend",
-            "eval.preset",
-            "eval.temperature",
-            "eval.top_p",
-            "eval.n_samples",
-            "eval.max_tokens",
-            "eval.num_problems",
-            "eval.seed",
-            "eval.transformers",
-            "eval.vllm.tensor_parallel_size",
-            "eval.vllm.data_parallel_size",
-            "eval.vllm.nodes",
-            "eval.vllm.gpus_per_node",
-            "eval.vllm.gpu_memory_utilization",
-            "eval.vllm.max_model_len",
-            "eval.vllm.enforce_eager",
-            "model.source",
-            "model.revision",
-            "model.dir",
-        ),
+        **triggers(*EVAL_GENERATION_KEYS),
     script:
         "../scripts/adapters/eval_generate.py"
 

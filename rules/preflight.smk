@@ -58,6 +58,7 @@ rule preflight:
             "train.checkpoint_root",
             "train.checkpoint_keep",
             "train.segment_steps",
+            "train.on_config_change",
             "preflight",
             "eval.steps",
         ),

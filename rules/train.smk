@@ -7,9 +7,12 @@
 # after a failure): the job takes it from the layout (Layout.checkpoint_dir, the path
 # preflight rendered as trainer.default_local_dir). The output is a sentinel written last.
 # The expensive inputs are ancient() (rules/common.smk): a re-rendered but unchanged plan
-# never retrains. The params are the config values that do retrain (a Ray timeout, the
-# retention or the time limit do not); retention keeps eval.steps but choosing other
-# evaluation steps never retrains. Force a retrain after other changes with `-R train`.
+# never retrains. What does re-run a training job is its keys file from rule train_keys
+# (trajectory, extent and location keys: hy3rl.identity), in the same invocation; an
+# operational change (a Ray timeout, loggers, retention, the watchdog, the time limit) or
+# other evaluation steps never retrain. The job itself then checks the checkpoint
+# directory's run identity (hy3rl.ckptdir): same trajectory resumes or extends, another is
+# refused unless train.on_config_change says fresh or resume.
 # A relaunch while a live trainer holds the checkpoint directory stops in `onstart:`.
 #
 # Both rules are resubmitted without a person (train_retries(): up to train.max_submissions
@@ -21,6 +24,28 @@
 
 
 STAGE_TARGETS.append(train_targets)
+
+
+if gpu_enabled():
+
+    # The config values that re-run training job `stretch` (final: rule train; step<N>: a
+    # segment); no input, so Snakemake never masks it behind preflight (snakemake#4166).
+    rule train_keys:
+        output:
+            keys=LAYOUT.train_keys("{stretch}"),
+        log:
+            LAYOUT.log("train/keys_{stretch}"),
+        wildcard_constraints:
+            stretch=r"final|step\d+",
+        localrule: True
+        threads: 1
+        resources:
+            mem_mb=500,
+            runtime=1,
+        params:
+            keys=train_keys_param,
+        script:
+            "../scripts/adapters/train_keys.py"
 
 
 if gpu_enabled() and train_segment_ends():
@@ -38,8 +63,6 @@ if gpu_enabled() and train_segment_ends():
         threads: 1
         resources:
             **train_job_resources(),
-        params:
-            **triggers(*TRAIN_TRIGGERS),
         script:
             "../scripts/adapters/train_segment.py"
 
@@ -58,7 +81,5 @@ if gpu_enabled():
         threads: 1
         resources:
             **train_job_resources(),
-        params:
-            **triggers(*TRAIN_TRIGGERS),
         script:
             "../scripts/adapters/train.py"

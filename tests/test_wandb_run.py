@@ -1,5 +1,5 @@
-"""One W&B run per training run (hy3rl.wandb_run): the id from run.name and the hash of the
-training config alone, the Ray job's variables, the run URL in the trainer's output, and
+"""One W&B run per training run (hy3rl.wandb_run): the id from run.name and the trajectory id
+alone (hy3rl.identity), the Ray job's variables, the run URL in the trainer's output, and
 the trainer double calling ``wandb.init`` as verl@220e903 does, with the real wandb package
 offline: two attempts, one run id."""
 
@@ -13,7 +13,6 @@ import pytest
 from fixtures.common import make_config
 from fixtures.trainer_double import run_double
 from hy3rl import wandb_run
-from hy3rl.settings import RETRAIN_KEYS
 
 
 def _raw(**sections) -> dict:
@@ -21,32 +20,6 @@ def _raw(**sections) -> dict:
 
 
 # ---- the id ----
-
-
-def test_train_hash_moves_with_training_keys_only():
-    base = wandb_run.train_hash(_raw())
-    assert re.fullmatch(r"[0-9a-f]{64}", base)
-    assert wandb_run.train_hash(_raw()) == base  # stable
-    # what re-runs training makes a new W&B run ...
-    assert wandb_run.train_hash(_raw(train={"total_training_steps": 7})) != base
-    assert wandb_run.train_hash(_raw(train={"verl_overrides": {"a": {"b": 1}}})) != base
-    assert wandb_run.train_hash(_raw(run={"name": "other"})) != base
-    # ... evaluation, the report, retention, time limits and the watchdog do not
-    for sections in ({"eval": {"steps": [10, 20]}}, {"report": {"dpi": 61}},
-                     {"train": {"checkpoint_keep": 9, "restarts_per_job": 0,
-                                "watchdog": {"stall_min": 3}, "notify_command": "echo"}},
-                     {"cluster": {"train_time_min": 17}}):
-        assert wandb_run.train_hash(_raw(**sections)) == base, sections
-
-
-def test_train_hash_reads_absent_keys_as_null():
-    """A mapping without a retrain key hashes as that key set to null (the rule's params
-    read it so), and differs from one with a value there."""
-    raw = _raw()
-    some = {k: v for k, v in raw.items() if k != "data"}
-    assert wandb_run.train_hash(some) == wandb_run.train_hash({**some, "data": None})
-    assert wandb_run.train_hash(some) != wandb_run.train_hash(raw)
-    assert "data" in RETRAIN_KEYS
 
 
 def test_run_id_is_readable_valid_and_bounded():
@@ -62,7 +35,7 @@ def test_run_id_is_readable_valid_and_bounded():
 
 
 def test_env_only_when_wandb_is_a_logger():
-    h = wandb_run.train_hash(_raw())
+    h = "89abcdef" * 8  # a trajectory id (plan.json identity.trajectory.id)
     assert wandb_run.env("r", h, ["console", "file"]) == {}
     assert wandb_run.env("r", h, ["console", "wandb", "file"]) == {
         "WANDB_RUN_ID": f"r-{h[:8]}", "WANDB_RESUME": "allow"}
@@ -131,7 +104,7 @@ def test_two_attempts_of_the_double_log_into_one_wandb_run(tmp_path: Path):
     work = tmp_path / "verl"
     faults = tmp_path / "faults.json"
     faults.write_text(json.dumps({"crash_at": 2}))
-    job_env = wandb_run.env("hy3 test", wandb_run.train_hash(_raw()), ["console", "wandb"])
+    job_env = wandb_run.env("hy3 test", "0123abcd" * 8, ["console", "wandb"])
     env = {**_offline_env(tmp_path), **job_env, "HY3RL_DOUBLE_FAULTS": str(faults)}
     loggers = "['console','wandb','file']"
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -555,6 +556,13 @@ def final_step(train_done: Path) -> int:
     return step
 
 
+def checkpoint_step(model_path: str) -> int | None:
+    """The training step a model directory holds (``.../global_step_<N>/actor/...``), None
+    for a model that is no checkpoint (base): the step the report labels a tag with."""
+    m = re.search(r"/global_step_(\d+)(?:/|$)", str(model_path))
+    return int(m.group(1)) if m else None
+
+
 def model_for_tag(cfg: Config, tag: str, train_done: str | Path | None = None) -> str:
     """The model directory a tag evaluates: ``base`` is ``cfg.model.path`` (the directory
     rule model describes); ``step<N>`` and ``final`` (the ``final_step`` of ``train_done``,
@@ -651,7 +659,8 @@ def run(ev: Eval, *, tag: str, model: str | Path, val: Path, samples: Path, meta
     problems = load_problems(val, sampling.num_problems)
     backend, batch_size = ev.backend, ev.batch_size
     meta_doc: dict[str, Any] = {
-        "tag": tag, "status": "running", "model_path": model_path, "backend": backend,
+        "tag": tag, "status": "running", "model_path": model_path,
+        "step": checkpoint_step(model_path), "backend": backend,
         "preset": sampling.preset, "sampling": asdict(sampling), "val_file": str(val),
         "val_sha256": file_sha256(val), "num_problems": len(problems),
         "versions": _versions(), "started": started,

@@ -101,14 +101,16 @@ def _lookup(config: Mapping[str, Any], key: str) -> Any:
     return value
 
 
-def train_trigger_values(config: Mapping[str, Any]) -> dict[str, str]:
-    """Rule ``train_keys``'s params: ``key=<JSON value>`` for every trajectory, extent and
-    location key of the validated config (``hy3rl.smk.triggers``), ``train.env`` and
-    ``train.verl_overrides`` without their operational entries."""
+def train_trigger_values(config: Mapping[str, Any], extent: bool = True) -> dict[str, str]:
+    """``key=<JSON value>`` for every trajectory, location and (``extent``) extent key of
+    the validated config (``hy3rl.smk.triggers``), ``train.env`` and
+    ``train.verl_overrides`` without their operational entries, and
+    ``train.on_config_change`` (choosing fresh or resume after a refusal launches at once)."""
     from hy3rl.smk import triggers
 
-    out = triggers(config, *(k for k in TRAIN_TRIGGER_KEYS
-                             if k not in ("train.env", "train.verl_overrides")))
+    skip = {"train.env", "train.verl_overrides"} | (set() if extent else set(EXTENT_CONFIG_KEYS))
+    out = triggers(config, *(k for k in TRAIN_TRIGGER_KEYS if k not in skip),
+                   "train.on_config_change")
     env = {k: v for k, v in (_lookup(config, "train.env") or {}).items()
            if k not in NON_TRAJECTORY_KNOBS}
     ovr = {k: v for k, v in (_lookup(config, "train.verl_overrides") or {}).items()
@@ -116,6 +118,38 @@ def train_trigger_values(config: Mapping[str, Any]) -> dict[str, str]:
     out.update(triggers({"train": {"env": env, "verl_overrides": ovr}},
                         "train.env", "train.verl_overrides"))
     return out
+
+
+def train_keys_params(config: Mapping[str, Any], stretch: str) -> str:
+    """Rule ``train_keys``'s one param for a training job: ``final`` (rule train) takes
+    every trigger, a segment ``step<N>`` every one but the total (an extension re-runs no
+    finished segment), plus its own end. One ``key=value`` a line, sorted."""
+    values = train_trigger_values(config, extent=stretch == "final")
+    if stretch != "final":
+        values["segment_end"] = f"segment_end={stretch}"
+        values.update(_segment_steps(config))
+    return "\n".join(sorted(values.values()))
+
+
+def _segment_steps(config: Mapping[str, Any]) -> dict[str, str]:
+    from hy3rl.smk import triggers
+
+    return triggers(config, "train.segment_steps")
+
+
+def eval_request_params(config: Mapping[str, Any], tag: str,
+                        generation_keys: tuple[str, ...]) -> str:
+    """Rule ``eval_request``'s one param for tag ``tag``: the generation settings
+    (``generation_keys``), and for a checkpoint tag the training triggers (a new trajectory
+    re-evaluates it; ``final`` also the total, so an extension re-evaluates the final
+    checkpoint in the same invocation)."""
+    from hy3rl.smk import triggers
+
+    values = triggers(config, *generation_keys)
+    values["tag"] = f"tag={tag}"
+    if tag != "base":
+        values.update(train_trigger_values(config, extent=tag == "final"))
+    return "\n".join(sorted(values.values()))
 
 
 # ---- the trajectory of a plan ---------------------------------------------------------

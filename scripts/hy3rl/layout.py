@@ -201,6 +201,11 @@ class Layout:
         (hy3rl.runtime_id; not a rule output)."""
         return self._p("train/runtime_id_cache.json")
 
+    def train_keys(self, stretch: str) -> str:
+        """``train/keys/<stretch>.json`` (``final`` or ``step<N>`` of a segment): the
+        config values that re-run that training job (rule train_keys; hy3rl.identity)."""
+        return self._p(f"train/keys/{stretch}.json")
+
     def segment_sentinel(self, end: int | str) -> str:
         return self._p(f"train/segments/step{end}.json")
 
@@ -222,6 +227,11 @@ class Layout:
     @property
     def eval_dir(self) -> str:
         return self._p("eval")
+
+    def eval_request(self, tag: str) -> str:
+        """``eval/<tag>/request.json``: what the tag is asked to evaluate (rule
+        eval_request), an input of its generation."""
+        return self._p(f"eval/{tag}/request.json")
 
     def eval_samples(self, tag: str) -> str:
         return self._p(f"eval/{tag}/samples.jsonl")

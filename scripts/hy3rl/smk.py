@@ -97,3 +97,19 @@ def triggers(config: Mapping[str, Any], *keys: str) -> dict[str, str]:
             name = "t_" + "".join(c if c.isalnum() else "_" for c in leaf)
             out[name] = f"{leaf}={text}"
     return out
+
+
+def write_keys(snakemake: Any) -> None:
+    """Rules train_keys and eval_request: write the rule's one param (the config values
+    that re-run the job downstream, one ``key=value`` a line) as JSON to its output. Those
+    rules have no input, so Snakemake never masks them behind an upstream job that must run
+    (snakemake#4166): their output, a non-ancient input of the training or generation job,
+    re-runs that job in the same invocation, and only when the values change (the profiles'
+    rerun triggers leave out code)."""
+    from hy3rl.atomic import write_json_atomic
+
+    with rule_job(snakemake):
+        name = next(iter(snakemake.params.keys()))
+        write_json_atomic(Path(snakemake.output[0]), {
+            "rule": snakemake.rule, "wildcards": dict(snakemake.wildcards.items()),
+            "values": str(snakemake.params[name]).splitlines()})

@@ -580,8 +580,17 @@ def gather(cfg: Config, layout: Layout) -> Found:
         e = read_eval(p, tag)
         meta = read_json(layout.eval_samples_meta(tag))
         e.samples_meta = meta if isinstance(meta, dict) else {}
-        if e.tag == "final" and e.step is None and isinstance(done, dict):
+        # The step is what was evaluated (samples.meta.json), never what training reached
+        # since: a final tag evaluated before an extension keeps its own step.
+        if e.samples_meta.get("step") is not None:
+            e.step = _int_or_none(e.samples_meta.get("step"))
+        elif e.tag == "final" and e.step is None and isinstance(done, dict):
             e.step = _int_or_none(done.get("final_step"))
+        if e.tag == "final" and isinstance(done, dict) and e.step is not None \
+                and e.step != _int_or_none(done.get("final_step")):
+            notes.append(f"eval/final evaluated step {e.step}, but training's final step is "
+                         f"{done.get('final_step')} ({rel(layout.train_done)}): rerun the "
+                         "workflow to evaluate it")
         evals.append(e)
     eval_rel = rel(layout.eval_metrics("<tag>"))
     if evals:
