@@ -217,7 +217,7 @@ def train_base_inputs(stretch):
     retrains), and the job's keys from train_keys (not ancient; what should retrain).
     """
     return {
-        "keys": LAYOUT.train_keys(stretch),
+        "train_keys": LAYOUT.train_keys(stretch),
         "plan": ancient(LAYOUT.preflight_plan),
         "launch": ancient(LAYOUT.preflight_launch),
         "runtime_env": ancient(LAYOUT.deps_runtime_env),

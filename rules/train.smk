@@ -32,7 +32,7 @@ if gpu_enabled():
     # segment); no input, so Snakemake never masks it behind preflight (snakemake#4166).
     rule train_keys:
         output:
-            keys=LAYOUT.train_keys("{stretch}"),
+            train_keys=LAYOUT.train_keys("{stretch}"),
         log:
             LAYOUT.log("train/keys_{stretch}"),
         wildcard_constraints:
@@ -43,7 +43,7 @@ if gpu_enabled():
             mem_mb=500,
             runtime=1,
         params:
-            keys=train_keys_param,
+            train_keys=train_keys_param,
         script:
             "../scripts/adapters/train_keys.py"
 

@@ -110,11 +110,8 @@ def test_model_identity_hub_and_local():
 
 
 @pytest.fixture
-def root(tmp_path: Path, ckpt_writer) -> Path:
-    root = tmp_path / "ckpt" / "run"
-    for step in (2, 4):
-        ckpt_writer(root, step)
-    return root
+def root(ckpt: Path) -> Path:
+    return ckpt
 
 
 def _launch(root: Path, traj: dict, total: int, on_change: str = "refuse",

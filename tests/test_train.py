@@ -19,15 +19,6 @@ from hy3rl.errors import StageError
 from hy3rl.layout import Layout
 from hy3rl.settings import Runtime
 
-
-@pytest.fixture
-def ckpt(tmp_path: Path, ckpt_writer) -> Path:
-    root = tmp_path / "ckpt" / "run"
-    for step in (2, 4):
-        ckpt_writer(root, step)
-    return root
-
-
 # ---------------------------------------------------------------- completeness / resume
 
 
