@@ -218,8 +218,8 @@ def train_base_inputs(stretch):
     """
     return {
         "train_keys": LAYOUT.train_keys(stretch),
-        "plan": ancient(LAYOUT.preflight_plan),
-        "launch": ancient(LAYOUT.preflight_launch),
+        "plan": ancient(LAYOUT.train_plan),
+        "launch": ancient(LAYOUT.train_launch),
         "runtime_env": ancient(LAYOUT.deps_runtime_env),
     }
 
@@ -250,8 +250,14 @@ def train_segment_inputs(wildcards):
 
 # ---- eval ----
 def eval_targets():
-    """The summary of rule evaluate over the tags, the stage's `all` target."""
-    return [LAYOUT.eval_summary]
+    """The summary of rule evaluate over the tags, and each tag's request: the stage's
+    `all` targets. A request is a direct input of `all` so that a new tag's missing request
+    is found from `all` even when everything behind preflight is masked (snakemake#4166:
+    a masked job's missing output is found only from a job that runs), and its generation
+    follows in the same invocation."""
+    from hy3rl.evaluate import eval_tags
+
+    return [LAYOUT.eval_summary, *(LAYOUT.eval_request(tag) for tag in eval_tags(CFG))]
 
 
 def eval_generate_inputs(wildcards):

@@ -48,6 +48,26 @@ if gpu_enabled():
             "../scripts/adapters/train_keys.py"
 
 
+    # Preflight's plan and launch, copied once preflight succeeded: the training jobs'
+    # (ancient) inputs, which a failed preflight never deletes (hy3rl.train.stage_launch).
+    rule train_launch:
+        input:
+            plan=LAYOUT.preflight_plan,
+            launch=LAYOUT.preflight_launch,
+        output:
+            plan=LAYOUT.train_plan,
+            launch=LAYOUT.train_launch,
+        log:
+            LAYOUT.log("train/launch"),
+        localrule: True
+        threads: 1
+        resources:
+            mem_mb=500,
+            runtime=1,
+        script:
+            "../scripts/adapters/train_launch.py"
+
+
 if gpu_enabled() and train_segment_ends():
 
     rule train_segment:

@@ -161,7 +161,7 @@ def test_a_total_below_the_newest_checkpoint_is_refused(root: Path) -> None:
 
 def test_fresh_moves_everything_aside_and_deletes_nothing(root: Path) -> None:
     _launch(root, _traj(), 4)
-    d = _launch(root, _traj(lr="5e-6"), 4, "fresh", attempt=3)
+    d = _launch(root, _traj(lr="5e-6"), 2, "fresh", attempt=3)  # a lower total: a new run
     assert d.action == "fresh"
     aside = [p for p in root.iterdir() if p.name.startswith("superseded-")]
     assert len(aside) == 1

@@ -218,7 +218,8 @@ def test_paper_plan_matches_published_values(verl, tmp_path):
     assert rule(plan, "disk").status == "waived" and plan.waived[0].startswith("disk: ")
     assert plan.reward["mode"] == "intended"
     # Every value carries its source; the published values are the script's defaults.
-    assert plan.resolved["trainer.nnodes"] == {"value": "16", "source": "paper default"}
+    assert plan.resolved["trainer.nnodes"] == {"value": "16", "source": "paper default",
+                                             "origin": "script"}
     assert plan.resolved["data.train_files"]["source"] == "config"
     assert plan.resolved["trainer.default_local_dir"]["source"] == "correction"
     src = {k: v["source"] for k, v in plan.effective_sources.items()}

@@ -383,10 +383,9 @@ def test_wandb_one_run_across_attempts(slurm_train) -> None:
     st = slurm_train(total=6, save_freq=2, max_submissions=1)
     st.setup.set_faults(crash_at=4)
     st.setup.write_inputs(extra=["trainer.logger=['console','file','wandb']"])
-    plan_path = Path(st.setup.layout().preflight_plan)
-    plan = json.loads(plan_path.read_text())
+    plan = json.loads(Path(st.setup.layout().preflight_plan).read_text())
     plan["loggers"]["list"] = ["console", "file", "wandb"]
-    plan_path.write_text(json.dumps(plan))
+    st.setup.write_plan(plan)
     secret = "hy3rl-test-wandb-key-0123456789abcdef0123456789"
     st.run(check=True, WANDB_MODE="offline", WANDB_API_KEY=secret)
     a1, a2 = records(st)

@@ -17,16 +17,17 @@ from __future__ import annotations
 import csv
 import json
 import os
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
-from fixtures.common import REPO_ROOT, SNAKEMAKE
 from fixtures.data import aime_rows, dapo_rows, write_parquet
 from fixtures.deps import make_upstreams
+from fixtures.gpu_dag import attempt as _attempt
+from fixtures.gpu_dag import mtimes as _mtimes
+from fixtures.gpu_dag import snakemake as _snakemake
+from fixtures.gpu_dag import workflow_copy as _workflow_copy
 from fixtures.trainer_double import MAIN_PPO_DOUBLE
 from fixtures.trainer_double import leftover_ray as leftover
 
@@ -65,30 +66,6 @@ def _override(tmp: Path) -> Path:
     path = tmp / "gpu-double.yaml"
     path.write_text(yaml.safe_dump(override))
     return path
-
-
-def _workflow_copy(dest: Path) -> Path:
-    dest.mkdir()
-    shutil.copy2(REPO_ROOT / "Snakefile", dest / "Snakefile")
-    for d in ("rules", "scripts", "config", "profiles", "envs", "report"):
-        shutil.copytree(REPO_ROOT / d, dest / d, ignore=shutil.ignore_patterns("__pycache__"))
-    return dest / "Snakefile"
-
-
-def _snakemake(snakefile: Path, args: list[str], work: Path,
-               env: dict[str, str]) -> tuple[int, str]:
-    proc = subprocess.run([*SNAKEMAKE, "--snakefile", str(snakefile), "--directory", str(work),
-                           *args], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, **env})
-    return proc.returncode, proc.stdout + proc.stderr
-
-
-def _mtimes(res: Path, rels: list[str]) -> dict[str, int]:
-    return {r: (res / r).stat().st_mtime_ns for r in rels}
-
-
-def _attempt(res: Path, k: int) -> dict:
-    return json.loads((res / "train" / "attempts" / f"attempt-{k}.json").read_text())
 
 
 def test_gpu_dag_crash_resume_evaluate_report(tmp_path: Path, monkeypatch) -> None:

@@ -429,7 +429,9 @@ def decide_identity(ckpt_dir: Path, trajectory: dict, total: int,
     ckpts = scan(ckpt_dir)
     best = newest_complete(ckpts)
     newest = best.step if best else 0
-    if best is not None and total < newest:
+    diff = changes(doc["trajectory"]["values"], trajectory["values"]) if doc else []
+    fresh = bool(diff) and on_change == "fresh" and best is not None
+    if best is not None and total < newest and not fresh:
         return IdentityDecision(
             "refuse", newest, error=f"train.total_training_steps = {total} is below the "
             f"newest complete checkpoint, step {newest}, in {ckpt_dir}: a run cannot be "
@@ -441,7 +443,6 @@ def decide_identity(ckpt_dir: Path, trajectory: dict, total: int,
             f"WARNING: {ckpt_dir} holds checkpoints (newest complete: step {newest}) but no "
             f"{IDENTITY_NAME} (made before run identities): adopted as made by this "
             "configuration, which nothing can verify"))
-    diff = changes(doc["trajectory"]["values"], trajectory["values"])
     last_total = int(doc["extents"][-1].get("total_training_steps") or 0)
     if not diff:
         if total > last_total:

@@ -201,6 +201,17 @@ class Layout:
         (hy3rl.runtime_id; not a rule output)."""
         return self._p("train/runtime_id_cache.json")
 
+    @property
+    def train_plan(self) -> str:
+        """``train/launch/plan.json``: the copy of preflight's plan a training job reads
+        (rule train_launch, written only after preflight succeeded)."""
+        return self._p("train/launch/plan.json")
+
+    @property
+    def train_launch(self) -> str:
+        """``train/launch/launch.sh``: the copy of preflight's launch a training job runs."""
+        return self._p("train/launch/launch.sh")
+
     def train_keys(self, stretch: str) -> str:
         """``train/keys/<stretch>.json`` (``final`` or ``step<N>`` of a segment): the
         config values that re-run that training job (rule train_keys; hy3rl.identity)."""

@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import re
+import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -355,6 +356,19 @@ def write_job_exit(layout: Layout, job: str, attempts: list[int], step: JobStep 
         "job": job, "ended_at": utc_now(), "attempts": attempts,
         "retry": bool(step and step.retry), "reason": step.reason if step else reason,
         "exclude": list(step.exclude) if step else []})
+
+
+def stage_launch(plan: Path, launch: Path, out_plan: Path, out_launch: Path) -> None:
+    """Rule train_launch: copy preflight's plan and launch to where the training jobs read
+    them (``Layout.train_plan``, ``Layout.train_launch``). A failed preflight's outputs are
+    deleted by Snakemake; these copies are not, so a training job's (ancient) inputs still
+    exist after a refusal and the next invocation re-runs training only when its keys
+    changed (rule train_keys), not because preflight failed once."""
+    for src, dest in ((Path(plan), Path(out_plan)), (Path(launch), Path(out_launch))):
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dest.with_name(f".{dest.name}.tmp")
+        shutil.copy2(src, tmp)
+        os.replace(tmp, dest)
 
 
 def run(train: Train, cluster: Cluster, layout: Layout, *, keep_steps: Sequence[int],

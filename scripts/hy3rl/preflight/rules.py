@@ -59,6 +59,8 @@ RULES: dict[str, str] = {
     "run_identity": "the checkpoint directory's run identity allows this launch: the same "
                     "trajectory (resume, or extend to a larger total), or a change chosen "
                     "with train.on_config_change; never a total below its newest checkpoint",
+    "eval_steps_kept": "every eval.steps step the run has passed still has its checkpoint "
+                       "(retention removed none of them)",
     "resume_schedule": "a resume or extension only with a constant learning-rate schedule "
                        "(verl restarts its scheduler from the current total on every start); "
                        "waive it to opt in",
@@ -619,6 +621,22 @@ def _run_identity(r: _Rules, ckpt_dir: Path, identity: Mapping[str, Any] | None,
                 "follow one schedule; waive resume_schedule to accept it")
 
 
+def _eval_steps_kept(r: _Rules, ckpt_dir: Path, steps: list[int]) -> None:
+    """An evaluation step the run has already passed must still have its checkpoint: one
+    added to eval.steps after retention removed it cannot be evaluated."""
+    from hy3rl.ckptdir import newest_complete, scan
+
+    ckpts = scan(ckpt_dir)
+    best = newest_complete(ckpts)
+    have = {c.step for c in ckpts if c.complete}
+    gone = [s for s in steps if best is not None and s <= best.step and s not in have]
+    if gone:
+        r.error("eval_steps_kept", f"eval.steps {gone}: no complete checkpoint of "
+                f"{'these steps' if len(gone) > 1 else 'this step'} in {ckpt_dir} (newest "
+                f"{best.step}; retention keeps train.checkpoint_keep and the eval.steps "
+                "known when it ran): remove them from eval.steps")
+
+
 def _ref_kl_zero(r: _Rules, eff: Mapping[str, Any]) -> None:
     if (truthy(eff.get("actor_rollout_ref.actor.use_kl_loss"))
             and to_float(eff.get("actor_rollout_ref.actor.kl_loss_coef")) == 0.0
@@ -857,6 +875,8 @@ def check_rules(cfg: Config, res: Resolution, eff: Mapping[str, Any],
     ck = _disk(r, cfg, eff, Path(res.checkpoint_dir), weights, weights_from)
     _segment_schedule(r, cfg.train.segment_steps, eff)
     _run_identity(r, Path(res.checkpoint_dir), identity, eff)
+    if ((identity or {}).get("decision") or {}).get("action") not in ("fresh", "refuse"):
+        _eval_steps_kept(r, Path(res.checkpoint_dir), cfg.eval_keep_steps if s.gpu else [])
     _ref_kl_zero(r, eff)
     _val_on_resume(r, eff, facts, s)
     _prompts_over_max(r, facts, s)

@@ -40,7 +40,8 @@ TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
 
 ATTEMPT_HEADER = ["attempt", "slurm_job_id", "nodes", "gpus_per_node", "start_step", "end_step",
                   "last_logged_step", "steps_lost", "outcome", "exit_reason", "failed_at_step",
-                  "error", "started", "ended", "hours", "gpu_hours"]
+                  "error", "started", "ended", "hours", "gpu_hours", "trajectory",
+                  "total_training_steps"]
 EVAL_HEADER = ["tag", "step", "n", "problems", "grader", "avg@n", "bootstrap_95", "sampling_se",
                "pass@n", "maj@n", "pass@k", "maj@k", "grader_failures", "format_failure_rate",
                "format_failures", "truncation_rate", "mean_response_tokens"]
@@ -519,6 +520,8 @@ def render(found: Found, redact: Redactor, env: Mapping[str, str], figs: Mapping
         att_header=ATTEMPT_HEADER,
         failed=failed_attempts(found),
         wandb=wandb_runs(found),
+        identity_notes=found.identity_notes,
+        trajectory=((found.identity or {}).get("trajectory") or {}).get("id"),
         resume=resume_points(found.attempts, found.logs),
         notes=found.notes,
         notice=notice,

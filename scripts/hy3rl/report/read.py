@@ -148,6 +148,8 @@ class Attempt:
     hours: float | None = None
     gpu_hours: float | None = None
     log_path: str | None = None
+    trajectory: str | None = None  # first 8 hex of the trajectory id it trained under
+    total_training_steps: int | None = None
     logs: list[LogLink] = field(default_factory=list)  # a failed attempt's, else none
     raw: dict[str, Any] = field(default_factory=dict)
 
@@ -228,6 +230,8 @@ def read_attempt(path: Path, k: int, default_gpus_per_node: int | None) -> Attem
         ended=ended.isoformat() if ended else None,
         hours=hours,
         gpu_hours=float(gpu_hours) if gpu_hours is not None else None,
+        trajectory=str(raw["trajectory_id"])[:8] if raw.get("trajectory_id") else None,
+        total_training_steps=_int_or_none(raw.get("total_training_steps")),
         raw=raw,
     )
 
@@ -424,6 +428,9 @@ class Found:
     metrics_source: str
     notes: list[str]
     evals: list[EvalRecord]
+    # <checkpoint_dir>/hy3rl-run-identity.json (hy3rl.ckptdir), None when absent
+    identity: dict[str, Any] | None = None
+    identity_notes: list[str] = field(default_factory=list)
 
     def rel(self, path: str | Path) -> str:
         return _rel(self.layout, path)
@@ -519,8 +526,11 @@ def gather(cfg: Config, layout: Layout) -> Found:
             a.log_path = rel(p)
         else:
             notes.append(f"attempt {a.attempt}: no {rel(p)} (it logged no step)")
+    identity, identity_notes, first = run_identity(layout, attempts)
     logs: list[AttemptLog] = []
     for p in attempt_logs(att_dir):
+        if int(ATTEMPT_METRICS_RE.match(p.name).group(1)) < first:
+            continue  # trained checkpoints a fresh start moved aside: not this run's curve
         recs, dropped = _read_log(p)
         if dropped:
             notes.append(f"{rel(p)}: truncated last line dropped (crash mid-write)")
@@ -608,7 +618,7 @@ def gather(cfg: Config, layout: Layout) -> Found:
                 break
         stages.append(Stage("evaluate", status, detail, eval_rel))
     return Found(cfg, layout, stages, docs, doc_paths, attempts, logs, metrics, source, notes,
-                 evals)
+                 evals, identity=identity, identity_notes=identity_notes)
 
 
 # ---- views of what was read: series, resume points, the per-problem matrix ----
@@ -636,6 +646,55 @@ def pick_key(keys: set[str], preferred: Iterable[str], pattern: str | None = Non
         cands = sorted(k for k in keys if re.fullmatch(pattern, k))
         return cands[0] if cands else None
     return None
+
+
+def run_identity(layout: Layout, attempts: list[Attempt]
+                 ) -> tuple[dict[str, Any] | None, list[str], int]:
+    """The checkpoint directory's run identity (hy3rl.ckptdir), what the page says of it
+    (each extension and each configuration change at its step; attempts of other
+    trajectories; attempts a fresh start superseded), and the lineage's first attempt (the
+    curves start there)."""
+    from hy3rl.ckptdir import CheckpointDirError, read_identity
+
+    try:
+        doc = read_identity(layout.checkpoint_dir)
+    except CheckpointDirError as exc:
+        return None, [f"run identity unreadable: {exc}"], 1
+    except OSError:
+        doc = None
+    if doc is None:
+        return None, ([f"no run identity in {layout.checkpoint_dir} (checkpoints made before "
+                       "identities, or none yet)"] if attempts else []), 1
+    first = int(doc.get("first_attempt") or 1)
+    notes = []
+    for ev in doc.get("history") or []:
+        step, act = ev.get("at_step"), ev.get("action")
+        if act == "extend":
+            notes.append(f"step {step}: extended to total_training_steps "
+                         f"{ev.get('total_training_steps')} (attempt {ev.get('attempt')})")
+        elif act in ("resume_changed", "restart_changed", "fresh"):
+            what = "; ".join(f"{c['key']}: {json.dumps(c['old'])} -> {json.dumps(c['new'])}"
+                             for c in ev.get("changes") or [])
+            verb = {"resume_changed": "training continued under a changed configuration",
+                    "restart_changed": "the configuration changed before any checkpoint",
+                    "fresh": "a fresh start (older checkpoints moved aside)"}[act]
+            notes.append(f"step {step}: {verb} (attempt {ev.get('attempt')}): {what}")
+        elif act == "adopt":
+            notes.append(f"step {step}: checkpoints without an identity adopted (attempt "
+                         f"{ev.get('attempt')}): what made them cannot be verified")
+    old = [a.attempt for a in attempts if a.attempt < first]
+    if old:
+        notes.append(f"attempts {', '.join(map(str, old))} trained checkpoints that a fresh "
+                     "start moved aside: they are not in the curves")
+    ids = {}
+    for a in attempts:
+        if a.attempt >= first and a.trajectory:
+            ids.setdefault(a.trajectory, []).append(a.attempt)
+    if len(ids) > 1:
+        notes.append("attempts of different trajectories trained these checkpoints: " + "; ".join(
+            f"{t}: attempts {', '.join(map(str, ks))}" for t, ks in ids.items())
+            + " (the curves join them at the steps above)")
+    return doc, notes, first
 
 
 def resume_points(attempts: list[Attempt], logs: list[AttemptLog]) -> list[tuple[int, str]]:
