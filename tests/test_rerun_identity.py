@@ -190,6 +190,12 @@ def test_each_change_is_one_invocation_that_does_the_right_thing(tmp_path: Path,
     # (8) another learning rate, started afresh: nothing deleted, a new lineage
     run.cfg["train"].update(on_config_change="fresh", total_training_steps=2,
                             env={"ACTOR_LR": 2e-5})
+    code, out = run()  # step 3 is no longer within the total: refused, nothing moved
+    assert code != 0
+    assert "eval.steps [3]: beyond train.total_training_steps = 2" in (
+        run.res / "logs" / "preflight.log").read_text()
+    assert not [p for p in run.ckpt.iterdir() if p.name.startswith("superseded-")]
+    run.cfg["eval"]["steps"] = [1]
     code, out = run()
     assert code == 0, out[-6000:]
     a4 = attempt(run.res, 4)

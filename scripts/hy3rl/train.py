@@ -358,6 +358,22 @@ def write_job_exit(layout: Layout, job: str, attempts: list[int], step: JobStep 
         "exclude": list(step.exclude) if step else []})
 
 
+def retire_sentinel(sentinel: Path) -> Path | None:
+    """Rule train_keys, after the training keys of a job changed: its sentinel (done.json or
+    a segment's) describes another configuration, so it is renamed ``<name>.previous.json``
+    (replacing an older one). Snakemake then finds the sentinel missing and runs the job
+    in this invocation and in every later one until it succeeds, also when a refused
+    preflight stopped this one (a job behind preflight is otherwise masked,
+    snakemake#4166). Returns the new path, None when there was no sentinel."""
+    sentinel = Path(sentinel)
+    if not sentinel.exists():
+        return None
+    previous = sentinel.with_name(sentinel.name.removesuffix(".json") + ".previous.json")
+    os.replace(sentinel, previous)
+    log.info("the training keys changed: %s set aside as %s", sentinel, previous.name)
+    return previous
+
+
 def stage_launch(plan: Path, launch: Path, out_plan: Path, out_launch: Path) -> None:
     """Rule train_launch: copy preflight's plan and launch to where the training jobs read
     them (``Layout.train_plan``, ``Layout.train_launch``). A failed preflight's outputs are

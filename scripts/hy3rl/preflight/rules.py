@@ -59,8 +59,8 @@ RULES: dict[str, str] = {
     "run_identity": "the checkpoint directory's run identity allows this launch: the same "
                     "trajectory (resume, or extend to a larger total), or a change chosen "
                     "with train.on_config_change; never a total below its newest checkpoint",
-    "eval_steps_kept": "every eval.steps step the run has passed still has its checkpoint "
-                       "(retention removed none of them)",
+    "eval_steps_kept": "every eval.steps step is within the total and, once the run has "
+                       "passed it, still has its checkpoint (retention removed none)",
     "resume_schedule": "a resume or extension only with a constant learning-rate schedule "
                        "(verl restarts its scheduler from the current total on every start); "
                        "waive it to opt in",
@@ -877,6 +877,10 @@ def check_rules(cfg: Config, res: Resolution, eff: Mapping[str, Any],
     _run_identity(r, Path(res.checkpoint_dir), identity, eff)
     if ((identity or {}).get("decision") or {}).get("action") not in ("fresh", "refuse"):
         _eval_steps_kept(r, Path(res.checkpoint_dir), cfg.eval_keep_steps if s.gpu else [])
+    beyond = [x for x in cfg.eval_keep_steps if x > cfg.train.total_training_steps]
+    if s.gpu and beyond:
+        r.error("eval_steps_kept", f"eval.steps {beyond}: beyond train.total_training_steps "
+                f"= {cfg.train.total_training_steps}, no such checkpoint will exist")
     _ref_kl_zero(r, eff)
     _val_on_resume(r, eff, facts, s)
     _prompts_over_max(r, facts, s)
