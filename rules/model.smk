@@ -45,6 +45,8 @@ rule model:
         mem_mb=4000,
         runtime=24 * 60,
     params:
-        **triggers("model.source", "model.revision", "model.dir"),
+        **triggers(
+            "model.source", "model.revision", "model.dir", "checks.checkpoint.sha256"
+        ),
     script:
         "../scripts/adapters/model.py"

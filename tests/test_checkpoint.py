@@ -442,7 +442,7 @@ def test_workflow_builds_tiny_model_then_checks_it(deps_upstreams, tmp_path: Pat
     assert manifest["source"] == {"kind": "local", "path": str(work / "resources/tiny-hy3")}
     assert sorted(f["path"] for f in manifest["files"]) == sorted(
         p.name for p in tiny_hy3_dir.iterdir())
-    assert "rule model: 3 rerun trigger(s)" in (work / "results/t/logs/model.log").read_text()
+    assert "rule model: 4 rerun trigger(s)" in (work / "results/t/logs/model.log").read_text()
     assert (work / "resources/tiny-hy3/config.json").is_file()
     for name in sorted(p.name for p in tiny_hy3_dir.iterdir()):  # same seed, same bytes
         assert (work / "resources/tiny-hy3" / name).read_bytes() == \

@@ -254,6 +254,33 @@ def test_local_directory_manifest(tiny_hy3_copy, tmp_path: Path) -> None:
                        f"!= {want} (manifest)")
 
 
+def test_local_directory_cheap_identity_without_hashes(tiny_hy3_copy, tmp_path: Path) -> None:
+    """checks.checkpoint.sha256 false: a local directory is described by sizes and
+    modification times (no file is read), and a changed file still shows, in the check
+    and in the run identity (issue 18)."""
+    from hy3rl.identity import model_identity
+
+    src = tiny_hy3_copy("cheap")
+    manifest = tmp_path / "manifest.json"
+    hub.run(str(src), None, tmp_path / "unused", manifest=manifest, threads=2,
+            progress=False, hash_local=False)
+    doc = json.loads(manifest.read_text())
+    for f in doc["files"]:
+        st = (src / f["path"]).stat()
+        assert f == {"path": f["path"], "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    assert hub.verify(manifest, src, sha256=False, threads=2, progress=False) == []
+    before = model_identity(doc)
+    shard = src / SHARD
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 1
+    shard.write_bytes(bytes(data))  # same size, new content
+    [problem] = hub.verify(manifest, src, sha256=False, threads=2, progress=False)
+    assert problem.startswith(f"{SHARD}: modified after the manifest was written")
+    hub.run(str(src), None, tmp_path / "unused", manifest=manifest, threads=2,
+            progress=False, hash_local=False)
+    assert model_identity(json.loads(manifest.read_text())) != before
+
+
 def test_missing_local_directory_named(tmp_path: Path) -> None:
     with pytest.raises(hub.HubError, match=r"model\.source: .*is not a directory"):
         hub.run(str(tmp_path / "nope"), None, tmp_path / "m", manifest=tmp_path / "x.json")
@@ -424,7 +451,7 @@ def test_hy3rl_model_and_check_checkpoint_on_the_layout(fake_hub: FakeHub, tmp_p
     assert [r.path for r in fake_hub.requests[before:] if REPO_ID in r.path] == [
         f"/api/models/{REPO_ID}/revision/{fake_hub.commit}"]
     log = (work / "results/t/logs/model.log").read_text()
-    assert "rule model: 3 rerun trigger(s)" in log and token not in log
+    assert "rule model: 4 rerun trigger(s)" in log and token not in log
 
 
 # --------------------------------------------------------------------------- the double

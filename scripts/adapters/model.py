@@ -6,4 +6,5 @@ from hy3rl.smk import rule_job
 
 with rule_job(snakemake) as cfg:
     hub.run(cfg.model.source, cfg.model.revision, cfg.model.dir,
-            manifest=Path(snakemake.output.manifest), threads=snakemake.threads)
+            manifest=Path(snakemake.output.manifest), threads=snakemake.threads,
+            hash_local=cfg.checks.checkpoint.sha256)

@@ -58,7 +58,8 @@ def _model(cfg: Config, layout: Layout, args: argparse.Namespace) -> None:
     from hy3rl import hub
 
     hub.run(cfg.model.source, cfg.model.revision, cfg.model.dir,
-            manifest=Path(layout.model_manifest), threads=args.threads)
+            manifest=Path(layout.model_manifest), threads=args.threads,
+            hash_local=cfg.checks.checkpoint.sha256)
 
 
 def _check_checkpoint(cfg: Config, layout: Layout, args: argparse.Namespace) -> None:
