@@ -250,7 +250,7 @@ def train_segment_inputs(wildcards):
 
 # ---- eval ----
 def eval_targets():
-    """The summary of rule evaluate over the tags, and each tag's request: the stage's
+    """The summary of rule evaluate over the tags, and each tag's request, the stage's
     `all` targets. A request is a direct input of `all` so that a new tag's missing request
     is found from `all` even when everything behind preflight is masked (snakemake#4166:
     a masked job's missing output is found only from a job that runs), and its generation

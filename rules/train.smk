@@ -47,7 +47,6 @@ if gpu_enabled():
         script:
             "../scripts/adapters/train_keys.py"
 
-
     # Preflight's plan and launch, copied once preflight succeeded: the training jobs'
     # (ancient) inputs, which a failed preflight never deletes (hy3rl.train.stage_launch).
     rule train_launch:
