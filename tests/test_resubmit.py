@@ -98,6 +98,9 @@ def test_progress_between_failures_is_no_crash_loop():
     # it did not start from the first one's checkpoint (a person moved the tracker)
     assert crash_loop([first, record(2, "failed", 10, 10, logged=24, failed_at=25)]) is None
     assert crash_loop([first]) is None
+    # the same step under another configuration (a fresh start, a change resumed)
+    other = {**record(2, "failed", 20, 20, logged=24, failed_at=25), "trajectory_id": "b" * 64}
+    assert crash_loop([{**first, "trajectory_id": "a" * 64}, other]) is None
 
 
 def test_an_early_failure_is_retried_once_and_stops_when_it_repeats():

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 from fixtures.common import REPO_ROOT, SNAKEMAKE, run_snakemake
-from fixtures.trainer_double import TrainSetup, leftover_ray
+from fixtures.trainer_double import TrainSetup, leftover_ray, plan_json
 from hy3rl import ckptdir
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -320,6 +320,34 @@ def test_crash_loop_stops_before_another_submission(slurm_train) -> None:
     for node in ("n1", "n2"):  # the failed attempt's logs
         assert any(f.endswith("raylet.out") for f in a1["node_logs"][node]), a1["node_logs"]
     no_leftovers(st, a1["slurm_job_id"])
+
+
+def test_job_refuses_another_trajectory_and_is_not_resubmitted(slurm_train) -> None:
+    """The job's own run-identity check (issue 18; preflight's runs on the submit host):
+    checkpoints made under one learning rate, then a plan with another. The job refuses
+    before starting Ray, naming the key with both values, moves and writes nothing in the
+    checkpoint directory, and the controller submits it once only (retry: false)."""
+    st = slurm_train(total=4, save_freq=2, **ONE_SHOT)
+    st.setup.set_faults(crash_at=3)
+    assert st.run(check=False).returncode != 0
+    a1 = st.attempt(1)
+    assert a1["end_step"] == 2 and a1["identity_action"] == "new", a1
+    ident = (st.setup.ckpt / ckptdir.IDENTITY_NAME).read_text()
+    before = sorted(p.name for p in st.setup.ckpt.iterdir())
+    st.train_cfg["max_submissions"] = 2
+    st.write_config()
+    st.setup.write_plan(plan_json(st.setup.ckpt, 4, 2, RUN, lr="5e-6"))
+    proc = st.run(check=False)
+    assert proc.returncode != 0
+    log = st.train_log()
+    assert 'actor_rollout_ref.actor.optim.lr (config): "1e-6" -> "5e-6"' in log, log[-3000:]
+    assert "on_config_change" in log
+    assert records(st) == [a1]  # no attempt started
+    assert len(submitted_jobs(st)) == 2  # the first run's job and this refused one, no third
+    exit_doc = json.loads((st.train_dir / "attempts" / "job-exit.json").read_text())
+    assert exit_doc["retry"] is False and "run identity" in exit_doc["reason"], exit_doc
+    assert sorted(p.name for p in st.setup.ckpt.iterdir()) == before
+    assert (st.setup.ckpt / ckptdir.IDENTITY_NAME).read_text() == ident
 
 
 def test_node_lost_is_excluded_from_the_resubmission(slurm_train) -> None:

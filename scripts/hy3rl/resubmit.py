@@ -128,6 +128,8 @@ def crash_loop(records: Sequence[Mapping[str, Any]],
     recs = sorted(records, key=lambda r: r["attempt"])
     if len(recs) < 2 or not _loops(recs[-2], recs[-1]):
         return None
+    if recs[-2].get("trajectory_id") != recs[-1].get("trajectory_id"):
+        return None  # another configuration (a fresh start, a change resumed): not a loop
     a, b = recs[-2], recs[-1]
     step = b.get("failed_at_step")
     if step is None:
