@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -37,11 +38,14 @@ def run_train(setup, timeout=300) -> subprocess.CompletedProcess:
 
 
 def run_rules(setup, *rules: str) -> None:
-    """Snakemake with profiles/local on the setup's config, only ``rules`` allowed."""
+    """Snakemake with profiles/local on the setup's config, only ``rules`` (and train_keys,
+    which writes the training jobs' keys: the ones TrainSetup wrote are removed) allowed."""
+    shutil.rmtree(setup.results / "train" / "keys", ignore_errors=True)
     run_snakemake([f"results/{setup.run}/train/done.json", "--profile",
                    str(REPO_ROOT / "profiles" / "local"), "--configfile",
                    str(REPO_ROOT / "config" / "config.yaml"), str(setup.config_file()),
-                   "--allowed-rules", *rules], setup.root, env=train_env(setup), timeout=300)
+                   "--allowed-rules", *rules, "train_keys"], setup.root, env=train_env(setup),
+                  timeout=300)
 
 
 def attempt(setup, k: int) -> dict:
@@ -98,9 +102,11 @@ def test_die_mid_save_then_resume_to_done(train_setup) -> None:
     assert merged[3] == logs2[3]  # redone step: the later attempt's line
     assert "critic/rewards/mean" in merged[2]["data"]  # resume validation merged in, not
     assert "val-core/math_dapo/acc/mean@1" in merged[2]["data"]  # replacing training keys
-    rule_log = (setup.results / "logs" / "train.log").read_text()  # the adapter's triggers
-    assert f"  train.checkpoint_root={json.dumps(str(setup.ckpt_root))}" in rule_log
-    assert "  train.ray." not in rule_log and "  train.checkpoint_keep" not in rule_log
+    # what re-runs training: rule train_keys' values (the train rule itself has none)
+    assert "rule train: 0 rerun trigger(s)" in (setup.results / "logs" / "train.log").read_text()
+    keys_log = (setup.results / "logs" / "train" / "keys_final.log").read_text()
+    assert f"train.checkpoint_root={json.dumps(str(setup.ckpt_root))}" in keys_log
+    assert "train.ray." not in keys_log and "train.checkpoint_keep" not in keys_log
     assert not leftover("t-local-2")
 
 
@@ -152,8 +158,9 @@ def test_segments_chain_to_done(train_setup) -> None:
     assert done["kept_checkpoints"] == [3, 4]  # step 2 (complete, resumed from) then pruned
     assert [m["step"] for m in map(json.loads, (setup.results / "train" / "metrics.jsonl")
                                    .read_text().splitlines())] == [0, 1, 2, 3, 4]
-    assert "  train.segment_steps=2" in (
-        setup.results / "logs" / "train_segment_step2.log").read_text()
+    keys = json.loads((setup.results / "train" / "keys" / "step2.json").read_text())
+    assert "train.segment_steps=2" in keys["values"] and "segment_end=step2" in keys["values"]
+    assert not any(v.startswith("train.total_training_steps") for v in keys["values"])
 
 
 def test_runtime_prefix_wraps_node_and_uses_its_ray(train_setup) -> None:
