@@ -56,6 +56,16 @@ def test_resume_moves_incomplete_newest_aside(ckpt: Path, caplog) -> None:
     assert "resume: starting from step 4" in caplog.text
 
 
+def test_resume_finishes_an_interrupted_retention(ckpt: Path) -> None:
+    """A `.pruning-global_step_N` left by a retention cut off mid-removal (issue 19) is
+    removed at the next start; nothing else is touched."""
+    os.rename(ckpt / "global_step_2", ckpt / ".pruning-global_step_2")
+    start, actions = ckptdir.prepare_resume(ckpt, attempt=2)
+    assert start == 4 and not (ckpt / ".pruning-global_step_2").exists()
+    assert actions == ["finished removing .pruning-global_step_2 (retention was interrupted)"]
+    assert [c.step for c in ckptdir.scan(ckpt)] == [4]
+
+
 def test_resume_rewrites_tracker_naming_incomplete(ckpt: Path, ckpt_writer, caplog) -> None:
     ckpt_writer(ckpt, 6)  # tracker -> 6, then the manifest goes missing
     (ckpt / "global_step_6" / "actor" / "ckpt_contents.json").unlink()
@@ -738,6 +748,7 @@ def test_after_attempt_restarts_ends_or_stops() -> None:
 
 @pytest.mark.parametrize(("reason", "job", "left", "outcome"), [
     ("signal SIGTERM", "42", 30.0, "time_limit"),
+    ("signal SIGTERM", "42", 0.0, "time_limit"),  # squeue's INVALID: negative time left
     ("signal SIGTERM", "42", 3600.0, "preempted"),
     ("signal SIGUSR1", "42", None, "preempted"),
     ("signal SIGINT", "42", 30.0, "cancelled"),

@@ -41,7 +41,7 @@ def test_measured_times_and_limits() -> None:
 
 @pytest.mark.parametrize(("text", "seconds"), [
     ("1:02:03", 3723.0), ("2-00:00:10", 172810.0), ("4:05", 245.0), ("0:00", 0.0),
-    ("UNLIMITED", None), ("NOT_SET", None), ("INVALID", None), ("", None)])
+    ("UNLIMITED", None), ("NOT_SET", None), ("INVALID", 0.0), ("", None)])
 def test_parse_time_left(text: str, seconds: float | None) -> None:
     assert wd.parse_time_left(text) == seconds
 

@@ -134,6 +134,11 @@ def prepare_resume(ckpt_dir: Path, attempt: int) -> tuple[int, list[str]]:
     half-written directory); the tracker is (re)written when it names another step."""
     actions: list[str] = []
     ckpt_dir.mkdir(parents=True, exist_ok=True)
+    for left in sorted(ckpt_dir.glob(".pruning-global_step_*")):
+        # retention renamed it out of global_step_* (decided, never read again) and the
+        # process ended before the removal finished: finish it, or it fills the disk
+        shutil.rmtree(left)
+        actions.append(f"finished removing {left.name} (retention was interrupted)")
     ckpts = scan(ckpt_dir)
     best = newest_complete(ckpts)
     start = best.step if best else 0

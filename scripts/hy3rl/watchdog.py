@@ -113,9 +113,14 @@ def save_interval_s(save_freq: int, steps: list[float], saves: list[float],
 
 
 def parse_time_left(text: str) -> float | None:
-    """squeue's ``%L`` (``[D-]HH:MM:SS``, ``MM:SS``, ``UNLIMITED``, ``NOT_SET``) in seconds;
-    None for no limit or an unknown form."""
+    """squeue's ``%L`` (``[D-]HH:MM:SS``, ``MM:SS``, ``UNLIMITED``, ``NOT_SET``,
+    ``INVALID``) in seconds; None for no limit or an unknown form. ``INVALID`` is what squeue
+    prints when the time left is negative, the normal case at the time limit's SIGTERM:
+    0 (no time left), so that the signal is classified as the time limit, never as a
+    preemption."""
     text = text.strip()
+    if text == "INVALID":
+        return 0.0
     m = re.fullmatch(r"(?:(\d+)-)?(?:(\d+):)?(\d+):(\d+)", text)
     if not m:
         return None
