@@ -26,7 +26,6 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 # ---- config level ---------------------------------------------------------------------
@@ -126,15 +125,11 @@ def train_keys_params(config: Mapping[str, Any], stretch: str) -> str:
     finished segment), plus its own end. One ``key=value`` a line, sorted."""
     values = train_trigger_values(config, extent=stretch == "final")
     if stretch != "final":
+        from hy3rl.smk import triggers
+
         values["segment_end"] = f"segment_end={stretch}"
-        values.update(_segment_steps(config))
+        values.update(triggers(config, "train.segment_steps"))
     return "\n".join(sorted(values.values()))
-
-
-def _segment_steps(config: Mapping[str, Any]) -> dict[str, str]:
-    from hy3rl.smk import triggers
-
-    return triggers(config, "train.segment_steps")
 
 
 def eval_request_params(config: Mapping[str, Any], tag: str,
@@ -153,14 +148,6 @@ def eval_request_params(config: Mapping[str, Any], tag: str,
 
 
 # ---- the trajectory of a plan ---------------------------------------------------------
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def model_identity(manifest: Mapping[str, Any]) -> str:

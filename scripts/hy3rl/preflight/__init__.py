@@ -143,12 +143,13 @@ def run_identity(cfg: Config, res: Any, lock_doc: Mapping[str, Any],
     the data summary, the model's identity from its manifest, the custom reward function's
     content), the extent and ``train.on_config_change``."""
     from hy3rl import identity
+    from hy3rl.runtime_id import sha256_file
 
     pins = {name: str(entry.get("head") or entry.get("commit"))
             for name, entry in sorted((lock_doc.get("repos") or {}).items())}
     train_sha = (((summary or {}).get("splits") or {}).get("train") or {}).get("sha256")
     manifest = read_json(model_manifest, "model manifest")
-    reward_sha = identity.sha256_file(res.reward_fn_copy[0]) if res.reward_fn_copy else None
+    reward_sha = sha256_file(res.reward_fn_copy[0]) if res.reward_fn_copy else None
     resolved = {o.key: {"value": o.value, "origin": o.origin} for o in res.overrides}
     traj = identity.trajectory(resolved=resolved, pins=pins, train_sha256=train_sha,
                                model=identity.model_identity(manifest) if manifest else None,
