@@ -25,10 +25,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from fixtures.data import aime_rows, dapo_rows, write_parquet
-from fixtures.deps import make_upstreams
-from fixtures.gpu_dag import attempt, snakemake, workflow_copy
-from fixtures.trainer_double import MAIN_PPO_DOUBLE
+from fixtures.gpu_dag import attempt, double_sources, snakemake, workflow_copy
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -37,15 +34,9 @@ IDENTITY = "hy3rl-run-identity.json"
 
 
 def _base(tmp: Path) -> dict:
-    ups = make_upstreams(tmp / "upstream")
-    ups.add_commit("verl", {"verl/trainer/main_ppo.py": MAIN_PPO_DOUBLE})
-    train = write_parquet(tmp / "src" / "dapo-math-17k.parquet", dapo_rows(40, repeats=3))
-    val = write_parquet(tmp / "src" / "aime-2024.parquet", aime_rows(repeats=2),
-                        pandas_index=True)
     return {
         "run": {"name": RUN},
-        "deps": ups.section(tmp / "work" / "deps"),
-        "data": {"train": {"source": str(train)}, "val": {"source": str(val)}},
+        **double_sources(tmp),
         "cluster": {"gpu": True, "nodes": 1, "gpus_per_node": 1, "cpus_per_node": 1},
         "train": {
             "checkpoint_root": str(tmp / "ckpt"), "total_training_steps": 2,

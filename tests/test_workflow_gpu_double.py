@@ -22,13 +22,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-from fixtures.data import aime_rows, dapo_rows, write_parquet
-from fixtures.deps import make_upstreams
 from fixtures.gpu_dag import attempt as _attempt
+from fixtures.gpu_dag import double_sources
 from fixtures.gpu_dag import mtimes as _mtimes
 from fixtures.gpu_dag import snakemake as _snakemake
 from fixtures.gpu_dag import workflow_copy as _workflow_copy
-from fixtures.trainer_double import MAIN_PPO_DOUBLE
 from fixtures.trainer_double import leftover_ray as leftover
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -39,15 +37,9 @@ TOTAL, SAVE_FREQ, CRASH_AT = 4, 2, 4  # attempt 1 saves step 2, logs step 3, die
 
 
 def _override(tmp: Path) -> Path:
-    ups = make_upstreams(tmp / "upstream")
-    ups.add_commit("verl", {"verl/trainer/main_ppo.py": MAIN_PPO_DOUBLE})
-    train = write_parquet(tmp / "src" / "dapo-math-17k.parquet", dapo_rows(40, repeats=3))
-    val = write_parquet(tmp / "src" / "aime-2024.parquet", aime_rows(repeats=2),
-                        pandas_index=True)
     override = {
         "run": {"name": RUN},
-        "deps": ups.section(tmp / "work" / "deps"),
-        "data": {"train": {"source": str(train)}, "val": {"source": str(val)}},
+        **double_sources(tmp),
         "cluster": {"gpu": True, "nodes": 1, "gpus_per_node": 1, "cpus_per_node": 1},
         "train": {
             "checkpoint_root": str(tmp / "ckpt"), "total_training_steps": TOTAL,

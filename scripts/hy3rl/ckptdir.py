@@ -126,6 +126,16 @@ def newest_complete(ckpts: Iterable[Checkpoint]) -> Checkpoint | None:
     return done[-1] if done else None
 
 
+def free_name(path: Path) -> Path:
+    """``path``, or ``path.2``, ``path.3``, ... : the first that does not exist (where
+    something is moved aside, never over an earlier one)."""
+    candidate, n = path, 1
+    while candidate.exists():
+        n += 1
+        candidate = path.with_name(f"{path.name}.{n}")
+    return candidate
+
+
 def prepare_resume(ckpt_dir: Path, attempt: int) -> tuple[int, list[str]]:
     """Make verl's ``resume_mode=auto`` continue from the newest complete checkpoint.
 
@@ -144,11 +154,7 @@ def prepare_resume(ckpt_dir: Path, attempt: int) -> tuple[int, list[str]]:
     start = best.step if best else 0
     for c in ckpts:
         if c.step > start and not c.complete:
-            aside = c.path.with_name(f"{c.path.name}.incomplete-{attempt}")
-            n = 1
-            while aside.exists():
-                n += 1
-                aside = c.path.with_name(f"{c.path.name}.incomplete-{attempt}.{n}")
+            aside = free_name(c.path.with_name(f"{c.path.name}.incomplete-{attempt}"))
             os.rename(c.path, aside)
             actions.append(f"moved incomplete checkpoint {c.path.name} aside to {aside.name} "
                            f"({c.reason})")
@@ -257,14 +263,14 @@ def slurm_job_state(job_id: str) -> str | None:
         proc = subprocess.run(["squeue", "-h", "-j", str(job_id), "-o", "%T"],
                               capture_output=True, text=True, timeout=60)
     except FileNotFoundError:
-        raise CheckpointDirError(f"lock names SLURM job {job_id} but squeue is not available here "
-                         "to check it") from None
+        raise CheckpointDirError(f"lock names SLURM job {job_id} but squeue is not available "
+                                 "here to check it") from None
     out = proc.stdout.strip()
     if proc.returncode != 0:
         if "Invalid job id" in proc.stderr:
             return None
         raise CheckpointDirError(f"squeue -j {job_id} failed ({proc.returncode}): "
-                         f"{proc.stderr.strip()}")
+                                 f"{proc.stderr.strip()}")
     return out.splitlines()[0].strip() if out else None
 
 
@@ -372,7 +378,6 @@ def release_lock(ckpt_dir: Path, me: LockInfo) -> None:
 
 IDENTITY_NAME = "hy3rl-run-identity.json"
 IDENTITY_SCHEMA = 1
-ON_CONFIG_CHANGE = ("refuse", "fresh", "resume")
 
 
 @dataclass
@@ -495,10 +500,7 @@ def apply_identity(ckpt_dir: Path, decision: IdentityDecision, trajectory: dict,
     lineage = int((old or {}).get("lineage") or 1)
     if decision.action == "fresh":
         stamp = now.replace(":", "").replace("+0000", "Z")
-        aside, n = ckpt_dir / f"superseded-{stamp}", 1
-        while aside.exists():
-            n += 1
-            aside = ckpt_dir / f"superseded-{stamp}.{n}"
+        aside = free_name(ckpt_dir / f"superseded-{stamp}")
         aside.mkdir()
         moved = []
         for entry in sorted(ckpt_dir.iterdir()):
