@@ -84,6 +84,9 @@ class ClusterInfo:
     slurmd_ports: dict[str, int] = field(default_factory=dict)
     munge_socket: str = ""
     pids: dict[str, int] = field(default_factory=dict)
+    # Each daemon's start time (/proc/<pid>/stat field 22), which tells our daemon from a
+    # recycled pid.
+    starts: dict[str, int] = field(default_factory=dict)
     persistent: bool = False
     backed_up: list[str] = field(default_factory=list)
 
@@ -148,18 +151,42 @@ def _free_ports(n: int, start: int = BASE_PORT) -> list[int]:
     return ports
 
 
-def _alive(pid: int, state_dir: str) -> bool:
-    """Whether ``pid`` runs and is one of the daemons of the cluster in ``state_dir``
-    (its environment carries STATE_ENV=<state_dir>), so that a recycled pid of an
-    unrelated process is never mistaken for ours."""
+def _start_time(pid: int) -> int | None:
+    """The start time of live process ``pid`` (/proc/<pid>/stat field 22); None when it is
+    gone or a zombie."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return None if fields[0] in ("Z", "X") else int(fields[19])
+
+
+def _alive(info: ClusterInfo, name: str) -> bool:
+    """Whether daemon ``name`` of ``info`` still runs: its pid lives and started when ours
+    did, so that a recycled pid of an unrelated process is never mistaken for ours.
+
+    Only /proc/<pid>/stat is read, which is always readable: an earlier check that read
+    /proc/<pid>/environ once took a starting slurmctld for dead under a loaded full test
+    run (the daemon went on running)."""
+    pid = info.pids[name]
+    started = _start_time(pid)
+    if started is None:
+        return False
+    if name in info.starts:
+        return started == info.starts[name]
+    # A cluster.json written before start times were recorded: tell ours by environment.
     try:
         environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        stat = Path(f"/proc/{pid}/stat").read_text()
     except (FileNotFoundError, ProcessLookupError, PermissionError):
         return False
-    if stat.rsplit(")", 1)[1].split()[0] == "Z":
-        return False
-    return f"{STATE_ENV}={state_dir}".encode() in environ
+    return f"{STATE_ENV}={info.state_dir}".encode() in environ
+
+
+def _record(info: ClusterInfo, name: str, pid: int) -> None:
+    info.pids[name] = pid
+    started = _start_time(pid)
+    if started is not None:
+        info.starts[name] = started
 
 
 def _ended(pid: int) -> str:
@@ -218,7 +245,7 @@ def _running_state_dir() -> Path | None:
 
 
 def _all_alive(info: ClusterInfo) -> bool:
-    return bool(info.pids) and all(_alive(p, info.state_dir) for p in info.pids.values())
+    return bool(info.pids) and all(_alive(info, n) for n in info.pids)
 
 
 # ---------------------------------------------------------------------------- config
@@ -331,7 +358,7 @@ def _start_munged(info: ClusterInfo) -> None:
             env={**os.environ, STATE_ENV: info.state_dir}, cwd=mdir,
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )
-    info.pids["munged"] = proc.pid
+    _record(info, "munged", proc.pid)
     deadline = time.monotonic() + 15
     while not Path(info.munge_socket).exists():
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -347,7 +374,7 @@ def _spawn(info: ClusterInfo, name: str, cmd: list[str]) -> None:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True,
                                 cwd=info.state_dir, env={**os.environ, STATE_ENV: info.state_dir})
-    info.pids[name] = proc.pid
+    _record(info, name, proc.pid)
 
 
 def node_states() -> dict[str, str]:
@@ -375,7 +402,7 @@ def wait_ready(info: ClusterInfo, timeout: float = READY_TIMEOUT_S,
     deadline = time.monotonic() + timeout
     states: dict[str, str] = {}
     while time.monotonic() < deadline:
-        dead = [n for n, p in info.pids.items() if not _alive(p, info.state_dir)]
+        dead = [n for n in info.pids if not _alive(info, n)]
         if dead:
             break
         states = node_states()
@@ -391,7 +418,7 @@ def _failure(info: ClusterInfo, what: str, states: dict[str, str] | None = None)
     logs = "\n".join(
         f"--- {p.name}\n{_tail(p)}" for p in sorted(info.log_dir.glob("*"))
     )
-    dead = {n: _ended(p) for n, p in info.pids.items() if not _alive(p, info.state_dir)}
+    dead = {n: _ended(p) for n, p in info.pids.items() if not _alive(info, n)}
     if dead:
         what = f"daemons died: {', '.join(f'{n} ({e})' if e else n for n, e in dead.items())}"
     return (DaemonDied if dead else ClusterError)(
@@ -405,8 +432,10 @@ def _wait_pidfile(info: ClusterInfo, name: str, pidfile: Path, timeout: float = 
     :class:`DaemonDied` with how it ended and the logs if it dies first."""
     deadline = time.monotonic() + timeout
     while not pidfile.exists():
-        if not _alive(info.pids[name], info.state_dir) or time.monotonic() > deadline:
+        if time.monotonic() > deadline:
             raise _failure(info, f"{name} wrote no {pidfile} within {timeout:.0f}s")
+        if not _alive(info, name):
+            raise DaemonDied(str(_failure(info, f"{name} died before writing {pidfile}")))
         time.sleep(0.1)
 
 
@@ -474,9 +503,10 @@ def _start_locked(persistent: bool) -> ClusterInfo:
 
 def _start_fresh(persistent: bool) -> ClusterInfo:
     """:func:`_start_locked`, tried again (in a new state dir) when a daemon died while
-    starting. Seen twice here, under full test runs only: a slurmd gone within its first
-    0.2 s, no line logged (cause not found; how it ended is now in the error). Raises with
-    every attempt's error if all fail."""
+    starting. Seen here under full test runs only: a slurmd gone within its first 0.2 s,
+    no line logged, and a slurmctld taken for dead while it ran (both when liveness still
+    read /proc/<pid>/environ; see :func:`_alive`). Raises with every attempt's error if all
+    fail."""
     errors = []
     for _ in range(START_ATTEMPTS):
         try:
@@ -489,7 +519,7 @@ def _start_fresh(persistent: bool) -> ClusterInfo:
 def _stop_locked(info: ClusterInfo, keep_state: bool = False) -> None:
     """Cancel the jobs, stop every daemon by its pid, restore CONF_DIR, remove the state
     dir (kept when ``keep_state``, e.g. after a failed start, for its logs)."""
-    if info.pids.get("slurmctld") and _alive(info.pids["slurmctld"], info.state_dir):
+    if info.pids.get("slurmctld") and _alive(info, "slurmctld"):
         _run(["scancel", "--full", f"--partition={info.partition}"], check=False)
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline:
@@ -501,13 +531,13 @@ def _stop_locked(info: ClusterInfo, keep_state: bool = False) -> None:
     order = [f"slurmd-{n}" for n in info.nodes] + ["slurmctld", "munged"]
     for name in order:
         pid = info.pids.get(name)
-        if not pid or not _alive(pid, info.state_dir):
+        if not pid or not _alive(info, name):
             continue
         os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + 15
-        while _alive(pid, info.state_dir) and time.monotonic() < deadline:
+        while _alive(info, name) and time.monotonic() < deadline:
             time.sleep(0.2)
-        if _alive(pid, info.state_dir):
+        if _alive(info, name):
             os.kill(pid, signal.SIGKILL)
         with contextlib.suppress(ChildProcessError):
             os.waitpid(pid, os.WNOHANG)
