@@ -726,7 +726,7 @@ def test_after_attempt_restarts_ends_or_stops() -> None:
     assert decide(crash).restart
     no_time = decide(crash, time_left=500.0)
     assert (no_time.restart, no_time.retry) == (False, True)
-    assert "500s left, one save interval needs 600s" in no_time.reason
+    assert "500s left, a restart needs 600s until its first save" in no_time.reason
     assert not decide(crash, restarts_left=0).restart
     assert decide(crash, time_left=None, interval=None).restart  # unknown: allowed
     for outcome in ("stopped_for_time_limit", "time_limit", "preempted"):

@@ -1,13 +1,21 @@
-"""hy3rl.watchdog: measured times, the stall limit, the save interval, SLURM's time left, and
-the monitor over a real metrics log written line by line (a clock the test moves)."""
+"""hy3rl.watchdog: the time model, its stall limits and time-limit decisions, SLURM's time
+left, and the monitor over a real metrics log and a real checkpoint directory, on a
+simulated clock with the paper run's time profile (upstream-facts.md: steps ~16 min,
+validation ~8 min every 10 steps, saves ~50 min every 20, startup 75-120 min)."""
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
 from hy3rl import watchdog as wd
+
+MIN = 60.0
+# The paper run's profile.
+STEP, VAL, SAVE = 16 * MIN, 8 * MIN, 50 * MIN
+PAPER = wd.Schedule(save_freq=20, test_freq=10, last=200)
 
 
 def line(step: int, step_s: float | None = None, save_s: float | None = None,
@@ -22,26 +30,84 @@ def line(step: int, step_s: float | None = None, save_s: float | None = None,
     return {"step": step, "data": data}
 
 
-def test_measured_times_and_limits() -> None:
-    lines = [{"step": 0, "data": {"val-core/x": 1.0}}, line(1, 100.0), line(2, 120.0, save_s=30.0),
-             line(3, 90.0, testing_s=60.0)]
-    steps, saves = wd.step_seconds(lines), wd.save_seconds(lines)
-    assert steps == [100.0, 120.0, 150.0] and saves == [30.0]
-    # null: max(30 min, 3 x (slowest step + slowest save))
-    assert wd.stall_limit_s(None, steps, saves) == 1800.0
-    assert wd.stall_limit_s(None, [1000.0], [200.0]) == 3600.0
-    assert wd.stall_limit_s(None, [], []) == 1800.0
-    assert wd.stall_limit_s(0, steps, saves) is None
-    assert wd.stall_limit_s(0.5, steps, saves) == 30.0
-    assert wd.p95([float(i) for i in range(1, 101)]) == 95.0
-    assert wd.save_interval_s(20, [100.0] * 19 + [1000.0], [30.0], 600.0) == 20 * 100 + 30 + 600
-    assert wd.save_interval_s(20, [], [30.0], 600.0) is None
-    assert wd.save_interval_s(-1, [1.0], [], 0.0) is None
+def paper_line(step: int, schedule: wd.Schedule = PAPER, step_s: float = STEP,
+               save_s: float = SAVE, val_s: float = VAL) -> dict:
+    """verl's line of ``step`` under the paper profile (the save inside timing_s/step)."""
+    save = save_s if schedule.saves(step) else None
+    return line(step, step_s + (save or 0.0), save,
+                val_s if schedule.validates(step) else None)
+
+
+def allow(**kw) -> wd.Allowances:
+    args = {"startup_s": 180 * MIN, "step_s": 60 * MIN, "validation_s": None,
+            "save_s": 4.1e12 / 1e9, "shutdown_s": 15 * MIN}  # 4.1 TB at 1000 MB/s
+    args.update(kw)
+    return wd.Allowances(**args)
+
+
+STALL = wd.StallPolicy(None, 3.0, 30 * MIN, 360 * MIN)
+
+
+def test_the_schedule_is_verls() -> None:
+    s = wd.Schedule(save_freq=20, test_freq=10, last=45)
+    assert [x for x in range(1, 46) if s.saves(x)] == [20, 40, 45]
+    assert [x for x in range(1, 46) if s.validates(x)] == [10, 20, 30, 40, 45]
+    assert s.next_save(0) == 20 and s.next_save(20) == 40 and s.next_save(40) == 45
+    assert wd.Schedule(-1, -1, 10).next_save(3) is None
+    assert not wd.Schedule(-1, -1, 10).saves(10)
+
+
+def test_the_model_learns_each_phase_apart() -> None:
+    lines = [{"step": 0, "data": {"val-core/x": 1.0}}] + [paper_line(s) for s in range(1, 21)]
+    m = wd.TimeModel.learn(allow(), lines, startups=[90 * MIN])
+    assert m.step() == (STEP, True)  # the save is taken out of timing_s/step
+    assert m.validation() == (VAL, True) and m.save() == (SAVE, True)
+    assert m.startup() == (90 * MIN, True)
+    # the work before a line follows the schedule
+    assert m.work(21, PAPER) == STEP
+    assert m.work(30, PAPER) == STEP + VAL
+    assert m.work(40, PAPER) == STEP + SAVE + VAL
+    # until the next save: each step, the validation at 30 (not the one after the save)
+    assert m.until_save(20, PAPER) == 20 * STEP + VAL + SAVE
+    snap = m.snapshot()
+    assert snap["save"] == {"s": SAVE, "learned": True, "samples": 1}
+
+
+def test_a_phase_never_seen_has_its_allowance() -> None:
+    m = wd.TimeModel.learn(allow(), [paper_line(s) for s in range(1, 11)])
+    save_allow = 4.1e12 / 1e9
+    assert m.save() == (save_allow, False)
+    # no validation seen and no allowance configured: one step
+    m2 = wd.TimeModel.learn(allow(), [paper_line(s) for s in range(1, 10)])
+    assert m2.validation() == (STEP, False)
+    assert wd.TimeModel.learn(allow(validation_s=5 * MIN), []).validation() == (5 * MIN, False)
+    assert wd.TimeModel.learn(allow(), []).step() == (60 * MIN, False)
+    # no size known: a save is allowed one step
+    assert wd.TimeModel.learn(allow(save_s=None), [paper_line(1)]).save() == (STEP, False)
+
+
+def test_startup_limit_learns_and_never_drops_below_the_allowance() -> None:
+    a = allow(startup_s=120 * MIN)
+    assert wd.TimeModel.learn(a, []).startup_limit() == 120 * MIN
+    # a fast first start does not shorten the limit of a slower resume (optimizer state)
+    assert wd.TimeModel.learn(a, [], startups=[60 * MIN]).startup_limit() == 120 * MIN
+    assert wd.TimeModel.learn(a, [], startups=[110 * MIN]).startup_limit() == 165 * MIN
+    # a start that hung at its limit gives the next one 1.5 x as long
+    assert wd.TimeModel.learn(a, [], startup_hung=[120 * MIN]).startup_limit() == 180 * MIN
+
+
+def test_stall_policy() -> None:
+    assert STALL.limit(1 * MIN) == 30 * MIN
+    assert STALL.limit(60 * MIN) == 180 * MIN
+    assert STALL.limit(5 * 60 * MIN) == 360 * MIN  # capped
+    assert wd.StallPolicy(0, 3, 1, 10).limit(100) is None
+    assert wd.StallPolicy(90.0, 3, 1, 10).limit(1e9) == 90.0
 
 
 @pytest.mark.parametrize(("text", "seconds"), [
     ("1:02:03", 3723.0), ("2-00:00:10", 172810.0), ("4:05", 245.0), ("0:00", 0.0),
-    ("UNLIMITED", None), ("NOT_SET", None), ("INVALID", 0.0), ("", None)])
+    ("UNLIMITED", math.inf), ("NOT_SET", math.inf), ("INVALID", 0.0), ("-0:05", 0.0),
+    ("", None), ("n/a", None)])
 def test_parse_time_left(text: str, seconds: float | None) -> None:
     assert wd.parse_time_left(text) == seconds
 
@@ -54,85 +120,203 @@ class Clock:
         return self.now
 
 
+def test_deadline_keeps_the_last_answer_when_a_query_fails() -> None:
+    clock = Clock()
+    answers = [3600.0, None, None]
+    d = wd.Deadline(lambda: answers.pop(0), clock)
+    d.refresh()
+    clock.now += 600
+    assert d.left() == 3000.0  # the query failed: the deadline read before stands
+    assert wd.Deadline(lambda: None, clock).left() is None
+
+
 def write(path: Path, *lines: dict) -> None:
     with open(path, "a") as fh:
         for rec in lines:
             fh.write(json.dumps(rec) + "\n")
 
 
-def monitor(tmp_path: Path, clock: Clock, **kw) -> wd.Monitor:
-    saved = kw.pop("saved", set())
-    left = kw.pop("left", [None])
-    args = {"metrics": tmp_path / "attempt-1.metrics.jsonl", "save_freq": 2, "total_steps": 10,
-            "stall_min": 1.0, "startup_min": 5.0, "margin_s": 10.0,
-            "is_saved": lambda s: s in saved, "time_left": lambda: left[0], "clock": clock}
+def monitor(tmp_path: Path, clock: Clock, *, schedule: wd.Schedule = PAPER,
+            lines: list | None = None, left: list | None = None, saved: set | None = None,
+            stall: wd.StallPolicy = STALL, **kw) -> wd.Monitor:
+    saved = saved if saved is not None else set()
+    left = left if left is not None else [math.inf]
+    model = wd.TimeModel.learn(kw.pop("allow", allow()), lines or [],
+                               kw.pop("startups", []), kw.pop("startup_hung", []))
+    args = {"metrics": tmp_path / "attempt.metrics.jsonl", "schedule": schedule,
+            "model": model, "stall": stall, "margin_s": 10 * MIN,
+            "is_saved": lambda s: s in saved,
+            "deadline": wd.Deadline(lambda: left[0], clock), "clock": clock}
     args.update(kw)
     return wd.Monitor(**args)
 
 
-def test_hang_after_progress_and_at_startup(tmp_path: Path) -> None:
-    clock = Clock()
-    m = monitor(tmp_path, clock)
-    m.start()
-    clock.now += 299
-    assert m.poll() is None  # startup: 5 min
-    write(m.metrics, line(0), line(1, 1.0))
-    assert m.poll() is None and m.last_step == 1
-    clock.now += 59
-    assert m.poll() is None
-    clock.now += 2
-    req = m.poll()
-    assert req and req.outcome == "hung" and req.diagnose and req.step == 1
-    assert req.message.startswith("hung at step 2 (no progress for 1.02 min")
+def run_steps(m: wd.Monitor, clock: Clock, steps: range, saved: set, *,
+              save_s: float = SAVE, val_s: float = VAL) -> list[wd.StopRequest]:
+    """Advance the clock through ``steps`` under the paper profile, polling every minute;
+    returns every stop request."""
+    stops = []
+    for s in steps:
+        work = STEP + (save_s if m.schedule.saves(s) else 0) + \
+            (val_s if m.schedule.validates(s) else 0)
+        end = clock.now + work
+        while clock.now < end:
+            clock.now = min(end, clock.now + MIN)
+            if clock.now >= end:
+                break
+            req = m.poll()
+            if req:
+                stops.append(req)
+        if m.schedule.saves(s):
+            saved.add(s)
+        write(m.metrics, paper_line(s, m.schedule, save_s=save_s, val_s=val_s))
+        req = m.poll()
+        if req:
+            stops.append(req)
+    return stops
 
-    m2 = monitor(tmp_path / "x", clock, metrics=tmp_path / "none.jsonl")
-    m2.start()
-    clock.now += 301
-    req = m2.poll()
+
+def test_first_save_after_validation_is_no_hang(tmp_path: Path) -> None:
+    """Issue 19, 1: step 20 of a fresh run (step + first save + validation = 74 min) was
+    declared hung by the limit of 3 x the slowest step (72 min)."""
+    clock, saved = Clock(), set()
+    m = monitor(tmp_path, clock, saved=saved)
+    m.start()
+    clock.now += 100 * MIN
+    write(m.metrics, {"step": 0, "data": {"val-core/x": 0.8}})  # after the startup
+    assert m.poll() is None
+    assert run_steps(m, clock, range(1, 41), saved) == []
+
+
+def test_a_real_hang_is_caught_within_its_phases_limit(tmp_path: Path) -> None:
+    clock, saved = Clock(), set()
+    history = [paper_line(s) for s in range(1, 41)]
+    m = monitor(tmp_path, clock, saved=saved, lines=history, start_step=40)
+    m.start()
+    write(m.metrics, {"step": 40, "data": {"val-core/x": 0.8}})
+    assert m.poll() is None
+    assert run_steps(m, clock, range(41, 43), saved) == []
+    hung_at = clock.now
+    req = None
+    while req is None and clock.now - hung_at < 10 * 60 * MIN:
+        clock.now += MIN
+        req = m.poll()
+    assert req and req.outcome == "hung" and req.diagnose and req.step == 42
+    assert clock.now - hung_at == 3 * STEP  # a plain step: 3 x 16 min, not 3 x (step + save)
+    assert "hung at step 43 (step; no progress for 48 min" in req.message
+
+
+def test_one_slow_save_caps_the_limit(tmp_path: Path) -> None:
+    """Issue 19, 1: a 2.5 h save made every later limit 16.5 h."""
+    clock = Clock()
+    history = [paper_line(s) for s in range(1, 20)] + [paper_line(20, save_s=150 * MIN)]
+    m = monitor(tmp_path, clock, lines=history, start_step=20)
+    assert m.stall.limit(m.model.work(40, PAPER)) == 360 * MIN
+    assert m.stall.limit(m.model.work(21, PAPER)) == 3 * STEP
+
+
+def test_bytes_arriving_in_the_checkpoint_are_progress(tmp_path: Path) -> None:
+    clock, saved = Clock(), set()
+    ckpt = tmp_path / "ckpt"
+    # a save far slower than the allowance, but writing all along
+    m = monitor(tmp_path, clock, saved=saved, ckpt_dir=ckpt, allow=allow(save_s=1 * MIN),
+                schedule=wd.Schedule(20, -1, 200), stall=wd.StallPolicy(None, 3, MIN, 360 * MIN))
+    m.start()
+    write(m.metrics, *[line(s, STEP) for s in range(1, 20)])
+    assert m.poll() is None
+    shard = ckpt / "global_step_20" / "actor" / "shard.bin"
+    shard.parent.mkdir(parents=True)
+    for _ in range(120):  # two hours of a save that writes a little every minute
+        with open(shard, "ab") as fh:
+            fh.write(b"x" * 10)
+        clock.now += MIN
+        assert m.poll() is None
+    clock.now += 3 * (STEP + 1 * MIN) + 1  # the writes stop: a hang within the limit
+    req = m.poll()
+    assert req and req.outcome == "hung" and "step+save" in req.message
+
+
+def test_startup_limit_and_a_learned_startup(tmp_path: Path) -> None:
+    clock = Clock()
+    m = monitor(tmp_path, clock, startups=[110 * MIN], allow=allow(startup_s=120 * MIN))
+    m.start()
+    clock.now += 160 * MIN  # beyond the configured 120, within 1.5 x the 110 seen
+    assert m.poll() is None
+    clock.now += 6 * MIN
+    req = m.poll()
     assert req and req.outcome == "hung" and "before its first step" in req.message
-
-    m3 = monitor(tmp_path, clock, stall_min=0, startup_min=0, metrics=tmp_path / "n.jsonl")
-    m3.start()
+    assert m.timing()["startup_hung_s"] == 166 * MIN
+    m2 = monitor(tmp_path / "x", clock, allow=allow(startup_s=0))
+    m2.start()
     clock.now += 10 ** 6
-    assert m3.poll() is None  # both disabled
+    assert m2.poll() is None  # disabled
 
 
-def test_derived_stall_limit_uses_history(tmp_path: Path) -> None:
-    clock = Clock()
-    history = [line(1, 1200.0, save_s=100.0)]  # 3 x 1300 s = 65 min > 30 min
-    m = monitor(tmp_path, clock, stall_min=None, history=history)
-    write(m.metrics, line(2, 10.0))
+def test_after_the_final_step_a_shutdown_allowance(tmp_path: Path) -> None:
+    clock, saved = Clock(), {4}
+    sched = wd.Schedule(2, -1, 4)
+    m = monitor(tmp_path, clock, saved=saved, schedule=sched, lines=[line(1, STEP)])
     m.start()
+    write(m.metrics, *[line(s, STEP) for s in range(1, 5)])
     assert m.poll() is None
-    clock.now += 64 * 60
+    clock.now += 14 * MIN
     assert m.poll() is None
-    clock.now += 2 * 60
-    assert m.poll().outcome == "hung"
-
-
-def test_stops_after_a_save_when_the_next_does_not_fit(tmp_path: Path) -> None:
-    clock = Clock()
-    saved: set[int] = set()
-    left = [1000.0]
-    m = monitor(tmp_path, clock, saved=saved, left=left)
-    m.start()
-    write(m.metrics, line(1, 5.0), line(2, 5.0, save_s=2.0))
-    assert m.poll() is None  # the line is there, the save not yet complete (async)
-    saved.add(2)
-    assert m.poll() is None  # 1000 s left >= 2 x 5 + 2 + 10
-    assert m.poll() is None  # each save is looked at once
-    write(m.metrics, line(3, 5.0), line(4, 5.0, save_s=2.0))
-    saved.add(4)
-    left[0] = 21.0
+    clock.now += 2 * MIN
     req = m.poll()
-    assert req and req.outcome == "stopped_for_time_limit" and req.step == 4
-    assert req.message.startswith("stopped after the save of step 4 before the time limit: "
+    assert req and req.outcome == "succeeded" and not req.diagnose and req.step == 4
+    assert "final step 4, whose checkpoint is complete" in req.message
+    # the final checkpoint is not complete: a hang
+    m2 = monitor(tmp_path / "b", clock, saved=set(), schedule=sched,
+                 metrics=tmp_path / "b.jsonl")
+    m2.start()
+    write(m2.metrics, *[line(s, STEP) for s in range(1, 5)])
+    m2.poll()
+    clock.now += 16 * MIN
+    req = m2.poll()
+    assert req and req.outcome == "hung" and "after the final step 4" in req.message
+
+
+def test_time_limit_stop_follows_the_schedule(tmp_path: Path) -> None:
+    """Issue 19, 4: p95 x save_freq counted validation at every step (9.0 h for a 6.6 h
+    interval). The need is 20 steps + 2 validations + the save + the margin."""
+    clock, saved = Clock(), set()
+    need = 20 * STEP + VAL + SAVE + 10 * MIN  # the validation at 20 comes after the save
+    left = [need + 60.0]
+    history = [paper_line(s) for s in range(1, 21)]
+    m = monitor(tmp_path, clock, saved=saved, lines=history, left=left, start_step=20)
+    m.start()
+    write(m.metrics, *[paper_line(s) for s in range(21, 41)])
+    assert m.poll() is None  # step 40 logged, its save not yet complete
+    saved.add(40)
+    assert m.poll() is None  # need + 60 s left: it fits
+    m3 = monitor(tmp_path / "c", clock, saved=saved, lines=history, left=[need - 60.0],
+                 metrics=tmp_path / "c.jsonl", start_step=20)
+    m3.start()
+    write(m3.metrics, *[paper_line(s) for s in range(21, 41)])
+    req = m3.poll()
+    assert req and req.outcome == "stopped_for_time_limit" and req.step == 40
+    assert req.message.startswith("stopped after the save of step 40 before the time limit: "
                                   "0 steps lost")
-    # the last step is never stopped for (the job is done), nor steps that do not save
-    m2 = monitor(tmp_path, clock, metrics=tmp_path / "b.jsonl", total_steps=4, saved={4},
-                 left=[0.0])
-    write(m2.metrics, line(3, 5.0), line(4, 5.0))
-    assert m2.poll() is None
-    m3 = monitor(tmp_path, clock, metrics=tmp_path / "c.jsonl", saved={2}, left=[None])
-    write(m3.metrics, line(1, 5.0), line(2, 5.0))
-    assert m3.poll() is None  # no time limit (profiles/local)
+
+
+def test_a_failed_squeue_at_the_deciding_save_is_retried(tmp_path: Path) -> None:
+    """Issue 19, 3: a failed query skipped the decision at that save."""
+    clock, saved = Clock(), {40}
+    answers: list = [None, None, 30 * MIN]  # unknown at the start and at the first look
+    m = wd.Monitor(metrics=tmp_path / "m.jsonl", schedule=PAPER,
+                   model=wd.TimeModel.learn(allow(), [paper_line(s) for s in range(1, 21)]),
+                   stall=STALL, margin_s=10 * MIN, is_saved=lambda s: s in saved,
+                   deadline=wd.Deadline(lambda: answers.pop(0) if answers else None, clock),
+                   clock=clock, start_step=20)
+    m.start()
+    write(m.metrics, *[paper_line(s) for s in range(21, 41)])
+    assert m.poll() is None and 40 not in m.decided_saves
+    req = m.poll()
+    assert req and req.outcome == "stopped_for_time_limit" and req.step == 40
+
+
+def test_no_time_limit_never_stops(tmp_path: Path) -> None:
+    clock, saved = Clock(), {2}
+    m = monitor(tmp_path, clock, saved=saved, schedule=wd.Schedule(2, -1, 10))
+    write(m.metrics, line(1, 5.0), line(2, 5.0))
+    assert m.poll() is None and 2 in m.decided_saves

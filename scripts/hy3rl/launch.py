@@ -14,9 +14,11 @@
    python imports on the head, published in ``head.json``; a mismatch refuses, naming
    both), then starts one worker per other node (retried with backoff), and polls until
    every node and GPU is registered (hard deadline; the error names the missing nodes);
-4. ``ray job submit --submission-id <id> --runtime-env <merged> -- bash <launch.sh>``,
-   streaming the job's output into ``driver.log`` and this process's stdout (the rule log),
-   then asks ``ray job status`` explicitly (a STOPPED job makes ``submit`` exit 0);
+4. submits ``bash <launch.sh>`` as a Ray job and supervises it until Ray's job status is
+   terminal (``hy3rl.rayjob``: the output streamed into ``driver.log`` and this process's
+   stdout, the stream re-attached when Ray ends it early), polling the watchdog meanwhile;
+   every Ray process of the launch requires a per-launch token (``hy3rl.rayjob.AuthToken``):
+   the cluster is closed to other users;
 5. watches every node step: a node's Ray dying tears everything down instead of hanging;
    SIGTERM / SIGINT / SIGUSR1 (time limit, scancel) stop the Ray job and Ray on every node.
    Each node's wrapper kills exactly the processes it started (marked through the
@@ -65,6 +67,7 @@ from typing import TYPE_CHECKING, Any
 
 from hy3rl.atomic import write_json_atomic, write_text_atomic
 from hy3rl.errors import StageError
+from hy3rl.rayjob import TERMINAL, AuthToken, JobRun, without_auth
 from hy3rl.redact import Redactor, make_redactor
 from hy3rl.watchdog import StopRequest
 
@@ -522,8 +525,10 @@ def node_main(args: argparse.Namespace) -> int:
 
 
 class NodeProc:
-    def __init__(self, node: Node, role: str, cmd: list[str], logfile: Path):
+    def __init__(self, node: Node, role: str, cmd: list[str], logfile: Path,
+                 env: dict[str, str] | None = None):
         self.node, self.role, self.cmd, self.logfile = node, role, cmd, logfile
+        self.extra_env = dict(env or {})
         self.proc: subprocess.Popen | None = None
         self.started = 0.0
 
@@ -531,8 +536,9 @@ class NodeProc:
         fh = open(self.logfile, "ab")
         # The rule's step environment describes that one-node step (SLURM_NNODES=1, ...):
         # drop it, so that srun takes the job's shape from slurmctld (--jobid names it).
-        env = {k: v for k, v in os.environ.items()
+        env = {k: v for k, v in without_auth(dict(os.environ)).items()
                if not k.startswith(("SLURM_", "SRUN_", "SBATCH_"))}
+        env.update(self.extra_env)
         self.proc = subprocess.Popen(self.cmd, stdout=fh, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True,
                                      env=env)
@@ -559,7 +565,8 @@ class Launcher:
         self.procs: dict[str, NodeProc] = {}
         self.stop_reason: str | None = None
         self.stop_event = threading.Event()
-        self.submit: subprocess.Popen | None = None
+        self.job: JobRun | None = None  # hy3rl.rayjob: the Ray job, once submitted
+        self.auth: AuthToken | None = None  # the launch's Ray token (hy3rl.rayjob)
         self.dashboard: str | None = None
         self.submitted = False
         self.redactor = Redactor()  # the passed-through secrets, once known
@@ -573,6 +580,14 @@ class Launcher:
         self.t0 = time.monotonic()
 
     # ---- helpers
+    def ray_env(self) -> dict[str, str]:
+        """What a Ray process of this launch (a node, the CLI) adds to its environment:
+        the launch's token (hy3rl.rayjob.AuthToken)."""
+        return self.auth.env() if self.auth else {}
+
+    def headers(self) -> dict[str, str]:
+        return self.auth.headers() if self.auth else {}
+
     def phase(self, msg: str, *a: Any) -> None:
         log.info("[+%7.1fs] " + msg, time.monotonic() - self.t0, *a)
 
@@ -719,7 +734,7 @@ class Launcher:
     def start_head(self, ports: Ports) -> dict[str, Any]:
         head = self.nodes[0]
         np_ = NodeProc(head, "head", self.node_cmd(head, "head", ports, None),
-                       self.spec.log_dir / f"node-{head.name}.log")
+                       self.spec.log_dir / f"node-{head.name}.log", self.ray_env())
         self.procs[head.name] = np_
         np_.start()
         published = self.spec.log_dir / "head.json"
@@ -732,7 +747,8 @@ class Launcher:
             if info is not None:
                 addr = f"{info['ip']}:{info['gcs_port']}"
                 hc = subprocess.run([RAY, "health-check", "--address", addr],
-                                    capture_output=True, timeout=60)
+                                    capture_output=True, timeout=60,
+                                    env={**without_auth(dict(os.environ)), **self.ray_env()})
                 if hc.returncode == 0:
                     self.phase("head GCS alive at %s", addr)
                     return info
@@ -769,7 +785,7 @@ class Launcher:
     def start_workers(self, plan: dict[str, Ports], address: str) -> None:
         for n in self.nodes[1:]:
             np_ = NodeProc(n, "worker", self.node_cmd(n, "worker", plan[n.name], address),
-                           self.spec.log_dir / f"node-{n.name}.log")
+                           self.spec.log_dir / f"node-{n.name}.log", self.ray_env())
             self.procs[n.name] = np_
             np_.start()
 
@@ -786,9 +802,17 @@ class Launcher:
         missing = [n.name for n in self.nodes if n.name not in seen]
         return missing, gpus
 
-    def wait_registered(self) -> None:
-        from ray.util.state import list_nodes
+    def list_nodes(self) -> list:
+        """The cluster's nodes (Ray's state API, with the launch's token)."""
+        from ray.util.state.api import StateApiClient
+        from ray.util.state.common import ListApiOptions, StateResource
 
+        client = StateApiClient(address=self.dashboard, headers=self.headers())
+        return client.list(StateResource.NODES, ListApiOptions(detail=True, limit=10000,
+                                                               timeout=10),
+                           raise_on_missing_output=False)
+
+    def wait_registered(self) -> None:
         want_gpus = self.spec.gpus_per_node * len(self.nodes)
         deadline = time.monotonic() + self.ray.register_timeout_s
         retries = {n.name: 0 for n in self.nodes[1:]}
@@ -808,8 +832,7 @@ class Launcher:
                     np_.start()
             self.check_stop()
             try:
-                missing, gpus = self.registered(list_nodes(address=self.dashboard, timeout=10,
-                                                           detail=True, limit=10000))
+                missing, gpus = self.registered(self.list_nodes())
             except Exception as exc:  # dashboard still starting
                 log.debug("list_nodes: %s", exc)
             if not missing and gpus >= want_gpus:
@@ -850,58 +873,61 @@ class Launcher:
         return Path(name)
 
     def run_job(self, runtime_env: Path) -> tuple[int, str, str]:
-        from ray.job_submission import JobSubmissionClient
-
-        cmd = [RAY, "job", "submit", "--address", self.dashboard,
-               "--submission-id", self.spec.submission_id, "--runtime-env", str(runtime_env),
-               "--", "bash", str(self.spec.launch_script), *self.spec.launch_args]
-        self.phase("submitting: %s", shlex.join(cmd))
-        driver_log = self.spec.log_dir / "driver.log"
-        self.submit = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                       stdin=subprocess.DEVNULL, start_new_session=True)
+        """Submit the Ray job and supervise it until Ray says it ended (a terminal status:
+        hy3rl.rayjob); the watchdog is polled meanwhile. Returns (exit code, reason, Ray's
+        status)."""
+        self.job = job = JobRun(
+            self.dashboard, self.spec.submission_id, RAY, self.spec.log_dir / "driver.log",
+            env={**without_auth(dict(os.environ)), **self.ray_env()}, headers=self.headers(),
+            redact=self.redactor.text)
+        cmd = job.submit(runtime_env, ["bash", str(self.spec.launch_script),
+                                       *self.spec.launch_args])
         self.submitted = True
-
-        def pump() -> None:
-            with open(driver_log, "a") as fh:
-                for raw in self.submit.stdout:
-                    line = self.redactor.text(raw.decode(errors="replace"))
-                    fh.write(line)
-                    fh.flush()
-                    sys.stdout.write(line)
-                    sys.stdout.flush()
-
-        reader = threading.Thread(target=pump, daemon=True)
-        reader.start()
+        self.phase("submitted: %s", shlex.join(cmd))
         monitor = self.spec.monitor
         if monitor is not None:
             monitor.start()
-        next_poll = time.monotonic()
-        while self.submit.poll() is None:
+        status_every = max(1.0, min(self.spec.poll_s, 10.0))
+        next_poll = next_status = time.monotonic()
+        status, unanswered_since = None, None
+        while True:
             self.check_stop()
-            if monitor is not None and time.monotonic() >= next_poll:
-                next_poll = time.monotonic() + self.spec.poll_s
+            now = time.monotonic()
+            if monitor is not None and now >= next_poll:
+                next_poll = now + self.spec.poll_s
                 request = monitor.poll()
                 if request is not None:
                     self.watchdog_stop(request)
+            if now >= next_status:
+                next_status = now + status_every
+                status = job.status()
+                if status in TERMINAL:
+                    break
+                if status is None:
+                    unanswered_since = unanswered_since or now
+                    if now - unanswered_since > 60:
+                        # The head's dashboard is gone: most likely a node's Ray died; let
+                        # its step end first.
+                        self.stop_event.wait(15)
+                        self.check_stop()
+                        raise LaunchError(f"ray job status of {self.spec.submission_id} "
+                                          "unavailable for 60s", "ray job status unavailable")
+                else:
+                    unanswered_since = None
+                    if not job.stream_open():
+                        job.reattach()
             self.stop_event.wait(min(0.5, self.spec.poll_s))
-        reader.join(timeout=10)
         self.job_done = True
+        job.close()
         self.check_stop()
         try:
-            client = JobSubmissionClient(self.dashboard)
-            info = client.get_job_info(self.spec.submission_id)
+            info = job.info()
         except Exception as exc:
-            # The head's dashboard is gone: most likely a node's Ray died; let its step end.
-            deadline = time.monotonic() + 15
-            while time.monotonic() < deadline:
-                self.check_stop()
-                self.stop_event.wait(0.5)
-            raise LaunchError(f"ray job status of {self.spec.submission_id} unavailable: "
+            raise LaunchError(f"ray job info of {self.spec.submission_id} unavailable: "
                               f"{exc}", "ray job status unavailable") from None
-        status = str(getattr(info.status, "value", info.status))
         code = getattr(info, "driver_exit_code", None)
-        self.phase("ray job %s: %s (submit exited %s, driver exit code %s) %s",
-                   self.spec.submission_id, status, self.submit.returncode, code,
+        self.phase("ray job %s: %s (driver exit code %s; log stream re-attached %d time(s)) "
+                   "%s", self.spec.submission_id, status, code, job.reattached,
                    info.message or "")
         if status == "SUCCEEDED":
             return 0, "succeeded", status
@@ -926,33 +952,11 @@ class Launcher:
 
     def teardown(self) -> None:
         self.phase("teardown")
-        for path in self.secret_files:
-            path.unlink(missing_ok=True)
-        if self.submitted and not self.job_done and self.dashboard:
-            # Bounded: SLURM's KillWait after a SIGTERM may be a few seconds only. The job
-            # client in this process first (no CLI start-up: a stop right after a save must
-            # land before the next step), the CLI if that fails.
-            try:
-                from ray.job_submission import JobSubmissionClient
-
-                JobSubmissionClient(self.dashboard).stop_job(self.spec.submission_id)
-                self.phase("ray job stop %s", self.spec.submission_id)
-            except Exception as exc:
-                log.warning("ray job stop via the job client: %s; trying the CLI", exc)
-                with contextlib.suppress(subprocess.TimeoutExpired, OSError):
-                    subprocess.run([RAY, "job", "stop", "--no-wait", "--address",
-                                    self.dashboard, self.spec.submission_id],
-                                   capture_output=True, timeout=15)
-                    self.phase("ray job stop %s (CLI)", self.spec.submission_id)
-        if self.submit and self.submit.poll() is None:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.submit.wait(5)
-            if self.submit.poll() is None:
-                self.submit.terminate()
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    self.submit.wait(5)
-            if self.submit.poll() is None:
-                self.submit.kill()
+        if self.job is not None:
+            if self.submitted and not self.job_done:
+                # Bounded: SLURM's KillWait after a SIGTERM may be a few seconds only.
+                self.job.stop()
+            self.job.close()
         # Workers first, the head last. Under srun, SIGUSR1 is forwarded to the node wrapper
         # (which stops Ray and its scope, then exits); SIGTERM would make srun cancel the
         # step at once and leave no time for that. Then SIGTERM, then SIGKILL.
@@ -974,6 +978,8 @@ class Launcher:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     np_.proc.wait(max(0.1, deadline - time.monotonic()))
         self.phase("Ray stopped on %d node(s)", len(order))
+        for path in self.secret_files:
+            path.unlink(missing_ok=True)
 
     def run(self, on_nodes: Callable[[list[str]], None] | None = None) -> LaunchResult:
         self.spec.log_dir.mkdir(parents=True, exist_ok=True)
@@ -982,6 +988,8 @@ class Launcher:
         outcome, lost = "launcher_error", []
         try:
             self.discover()
+            self.auth = AuthToken.create(self.spec.log_dir)
+            self.secret_files.append(self.auth.path)
             rt = resolve_runtime(self.spec.runtime)
             self.phase("runtime: prefix %r, python %s", rt["prefix"], rt["python"])
             if on_nodes:
@@ -1002,6 +1010,8 @@ class Launcher:
         except LaunchError as exc:
             log.error("%s", exc)
             code, reason, outcome, lost = 1, exc.reason, exc.outcome, exc.lost_nodes
+            if outcome == "succeeded":  # the watchdog stopped a trainer done but not exiting
+                code = 0
             if self.stop_reason:
                 code, reason = 128 + _SIGNUMS.get(self.stop_reason, 15), self.stop_reason
                 outcome, lost = "signal", []

@@ -220,7 +220,15 @@ class Ray:
 @dataclass(frozen=True)
 class Watchdog:
     stall_min: float | None
+    stall_factor: float
+    stall_floor_min: float
+    stall_cap_min: float
     startup_min: float
+    first_step_min: float
+    validation_min: float | None
+    save_min: float | None
+    storage_mb_s: float
+    shutdown_min: float
     poll_s: float
 
 

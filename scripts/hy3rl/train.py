@@ -60,6 +60,7 @@ from hy3rl.verl_log import merged_attempts, read_metrics
 
 if TYPE_CHECKING:
     from hy3rl.settings import Cluster, Train
+    from hy3rl.watchdog import Allowances, Schedule, TimeModel
 
 log = logging.getLogger("hy3rl.train")
 
@@ -259,9 +260,10 @@ def after_attempt(rec: Mapping[str, Any], records: Sequence[Mapping[str, Any]], 
                   interval: float | None, attempts_dir: str | None = None) -> JobStep:
     """The decision after attempt ``rec`` (``records``: every attempt of the run so far,
     ``rec`` last; ``lost``: nodes lost in this job, ``rec``'s included). A failure restarts
-    in the allocation while restarts are left and at least one save interval of time is
-    (unknown times do not prevent it); a crash loop (hy3rl.resubmit.crash_loop) never
-    restarts nor resubmits; a lost node restarts only if the layout still fits without it."""
+    in the allocation while restarts are left and the time left holds ``interval`` (a
+    startup and the work until the next save; unknown times do not prevent it); a crash
+    loop (hy3rl.resubmit.crash_loop) never restarts nor resubmits; a lost node restarts
+    only if the layout still fits without it."""
     from hy3rl.resubmit import crash_loop
 
     outcome, reason = rec.get("outcome"), str(rec.get("exit_reason"))
@@ -278,7 +280,8 @@ def after_attempt(rec: Mapping[str, Any], records: Sequence[Mapping[str, Any]], 
     if restarts_left > 0 and has_time and fits:
         return JobStep(True, True, reason, exclude)
     why = ("no restart left in this job" if restarts_left <= 0 else
-           f"{time_left:.0f}s left, one save interval needs {interval:.0f}s" if not has_time
+           f"{time_left:.0f}s left, a restart needs {interval:.0f}s until its first save"
+           if not has_time
            else f"the layout needs {nodes_needed} node(s) without {', '.join(exclude)}")
     return JobStep(False, True, f"{reason}; {why}: ends for a resubmission", exclude)
 
@@ -325,8 +328,27 @@ def sbatch_excluded(job_id: str | None) -> list[str]:
     return hostnames(m.group(1)) if m else []
 
 
+def allowances(wd: Any, plan: Mapping[str, Any]) -> Allowances:
+    """What ``train.watchdog`` allows phases never seen (hy3rl.watchdog.Allowances); a
+    first save: ``save_min``, else the checkpoint's size from preflight's disk estimate
+    (plan.json ``checkpoint.bytes_per_checkpoint``) over ``storage_mb_s``."""
+    from hy3rl.watchdog import Allowances
+
+    per = (plan.get("checkpoint") or {}).get("bytes_per_checkpoint")
+    if wd.save_min is not None:
+        save_s = wd.save_min * 60
+    elif isinstance(per, (int, float)) and per > 0:
+        save_s = per / (wd.storage_mb_s * 1e6)
+    else:
+        save_s = None
+    return Allowances(startup_s=wd.startup_min * 60, step_s=wd.first_step_min * 60,
+                      validation_s=None if wd.validation_min is None else wd.validation_min * 60,
+                      save_s=save_s, shutdown_s=wd.shutdown_min * 60)
+
+
 def time_left(job_id: str | None) -> float | None:
-    """Seconds until SLURM ends this job; None without SLURM."""
+    """Seconds until SLURM ends this job (``inf``: no limit); None without SLURM or when
+    squeue cannot tell."""
     from hy3rl.watchdog import slurm_time_left
 
     return slurm_time_left(job_id) if job_id else None
@@ -456,7 +478,7 @@ def run(train: Train, cluster: Cluster, layout: Layout, *, keep_steps: Sequence[
                 rec, records, restarts_left=train.restarts_per_job - (len(job.attempts) - 1),
                 lost=job.lost, allocation=job.allocation or rec.get("nodes") or [],
                 nodes_needed=cluster.nodes, time_left=time_left(me.job_id),
-                interval=job.save_interval(), attempts_dir=layout.train_attempts)
+                interval=job.restart_need(), attempts_dir=layout.train_attempts)
             if not step.retry and rec["outcome"] not in ("refused", "cancelled"):
                 rec["crash_loop"] = step.reason
                 write_json_atomic(Path(layout.attempt_record(k)), rec)
@@ -532,24 +554,50 @@ class Job:
         return apply_identity(ckpt, d, self.identity["trajectory"], self.total,
                               self.train.segment_steps, attempt=k)
 
-    @property
-    def save_freq(self) -> int:
+    def plan_int(self, key: str) -> int:
         try:
-            return int(plan_value(self.plan, "trainer.save_freq") or -1)
+            return int(plan_value(self.plan, key) or -1)
         except (TypeError, ValueError):
             return -1
 
-    def save_interval(self) -> float | None:
-        from hy3rl.watchdog import save_interval_s, save_seconds, step_seconds
+    @property
+    def save_freq(self) -> int:
+        return self.plan_int("trainer.save_freq")
 
-        lines = run_metrics(self.layout)
-        return save_interval_s(self.save_freq, step_seconds(lines), save_seconds(lines),
-                               self.train.time_limit_margin_min * 60)
+    def schedule(self) -> Schedule:
+        from hy3rl.watchdog import Schedule
+
+        return Schedule(self.save_freq, self.plan_int("trainer.test_freq"), self.target)
+
+    def time_model(self) -> TimeModel:
+        """The run's time model (hy3rl.watchdog) from its records so far: the metrics lines
+        and the startups of every attempt of the lineage."""
+        from hy3rl.watchdog import TimeModel
+
+        records = [load_attempt(self.layout, k) for k in attempt_numbers(self.layout)
+                   if k >= self.since()]
+        timings = [r.get("timing") or {} for r in records]
+        return TimeModel.learn(
+            allowances(self.train.watchdog, self.plan), run_metrics(self.layout),
+            [t["startup_s"] for t in timings if isinstance(t.get("startup_s"), (int, float))],
+            [t["startup_hung_s"] for t in timings
+             if isinstance(t.get("startup_hung_s"), (int, float))])
+
+    def restart_need(self) -> float | None:
+        """Seconds a restart in this allocation needs before its first save: a startup,
+        then the work until the next save after the newest complete checkpoint, plus the
+        margin; None when it cannot be told (no save schedule)."""
+        model = self.time_model()
+        best = newest_complete(scan(self.layout.checkpoint_dir))
+        need = model.until_save(best.step if best else 0, self.schedule())
+        if need is None:
+            return None
+        return model.startup()[0] + need + self.train.time_limit_margin_min * 60
 
     def attempt(self, k: int, me: LockInfo) -> dict[str, Any] | None:
         """Run attempt ``k``; its closed record, or None when training is already done."""
         from hy3rl import launch, runtime_id
-        from hy3rl.watchdog import Monitor
+        from hy3rl.watchdog import Deadline, Monitor, StallPolicy
 
         layout, ckpt, train, cluster = self.layout, self.layout.checkpoint_dir, self.train, \
             self.cluster
@@ -577,7 +625,6 @@ class Job:
         attempt_metrics = Path(layout.attempt_metrics(k))
         log_dir = Path(layout.attempt_logs(k))
         record = Path(layout.attempt_record(k))
-        history = run_metrics(layout)
         attempt = AttemptRecord(
             attempt=k, run=layout.run, executor=me.executor, slurm_job_id=me.job_id,
             host=me.host, nodes=[], num_nodes=cluster.nodes,
@@ -596,11 +643,12 @@ class Job:
 
         wd = train.watchdog
         monitor = Monitor(
-            metrics=attempt_metrics, save_freq=self.save_freq, total_steps=self.target,
-            stall_min=wd.stall_min, startup_min=wd.startup_min,
+            metrics=attempt_metrics, schedule=self.schedule(), model=self.time_model(),
+            stall=StallPolicy(None if wd.stall_min is None else wd.stall_min * 60,
+                              wd.stall_factor, wd.stall_floor_min * 60, wd.stall_cap_min * 60),
             margin_s=train.time_limit_margin_min * 60,
             is_saved=lambda s: check_complete(ckpt / f"global_step_{s}", s)[0],
-            time_left=lambda: time_left(me.job_id), history=history)
+            deadline=Deadline(lambda: time_left(me.job_id)), ckpt_dir=ckpt, start_step=start)
         spec = launch.LaunchSpec(
             submission_id=sub_id, launch_script=self.launch_script,
             runtime_env=self.runtime_env, log_dir=log_dir,
@@ -634,6 +682,7 @@ class Job:
         outcome = signal_outcome[0] if result.outcome == "signal" and signal_outcome \
             else result.outcome
         close_record(rec, layout, self.end_step, result.reason, result.exit_code)
+        rec["timing"] = monitor.timing()
         self.describe(rec, outcome, result, log_dir)
         rec["wandb"] = self.wandb_record(spec.env_vars, log_dir / "driver.log")
         write_json_atomic(record, rec)

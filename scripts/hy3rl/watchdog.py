@@ -1,35 +1,55 @@
-"""The launcher's eyes on a running attempt: progress, hangs and the time limit.
+"""The launcher's eyes on a running attempt: a time model of the run, hangs, the time limit.
 
 :class:`Monitor` is polled by the launcher (``hy3rl.launch``) every ``train.watchdog.poll_s``
 seconds while the Ray job runs. It re-reads the attempt's metrics log (verl's ``file``
-logger, one line per step, written after the step's save) and answers with a
-:class:`StopRequest` when the attempt must end:
+logger, one line per step), looks at the checkpoint being written, and answers with a
+:class:`StopRequest` when the attempt must end.
 
-- **hung**: no new metrics line for the stall limit (``train.watchdog.stall_min``; null
-  derives it from this run's measured times: the larger of 30 minutes and three times the
-  slowest step plus the slowest save, ``stall_limit_s``), or no first line within
-  ``train.watchdog.startup_min`` of the submission. The launcher collects ``ray stack``, the
-  driver's stack, the GPU/process lists and the node logs, then stops the Ray job and Ray
-  on every node.
-- **stopped_for_time_limit**: a complete save of step N whose metrics line is written (verl
-  logs a step after saving it), and less time left before the job's end (SLURM's, from
-  ``squeue -o %L``; none on one machine) than one more save interval: ``save_freq`` x the
-  p95 step time + the slowest save + ``train.time_limit_margin_min`` (``save_interval_s``,
-  measured from this run's attempts). The trainer is stopped right there: 0 steps lost.
+**The time model** (:class:`TimeModel`). verl@220e903's v1 loop runs, for step ``s``: the
+step's work; the save when ``s`` is a save step (``save_freq``, and the last step), inside
+the ``step`` timer; then validation when ``s`` is a test step (``test_freq``, and the last
+step), timed apart (``testing``); then it logs the line of step ``s``. Before the first
+line of an attempt lie the startup (Ray job start, model loads, optimizer state on resume,
+the validation before training); after the line of the attempt's last step, the shutdown.
+Each phase is learned from this run's records across attempts (the metrics lines of every
+attempt of the lineage, the startups measured in the attempt records): a step is
+``timing_s/step - timing_s/save_checkpoint`` (p95), a validation ``timing_s/testing``
+(max), a save ``timing_s/save_checkpoint`` (max), a startup the time from the submission to
+the attempt's first line (max). A phase never seen yet has an allowance instead
+(:class:`Allowances`): a first save is the checkpoint's size (preflight's disk estimate)
+over ``train.watchdog.storage_mb_s``; a first validation one step; the first step, the
+first startup and the shutdown their configured minutes.
 
-Times come from verl's own metrics: ``timing_s/step`` (verl's ``marked_timer("step")``
-wraps the save) plus ``timing_s/testing`` (validation runs between steps), and
-``timing_s/save_checkpoint``. Standard library only (it runs in the launcher's process).
+**hung**: the work expected before the next line, from the schedule (the next step, plus
+its save and its validation where the schedule has them), times ``stall_factor``, clamped
+to [``stall_floor_min``, ``stall_cap_min``], passes without progress. Progress is a new
+line, a save completing, or bytes arriving in the checkpoint being written. Before the first
+line the limit is the startup's: ``max(startup_min, 1.5 x the slowest startup seen, 1.5 x
+a startup that hung before)``. ``stall_min`` set fixes the limit of a step (0: never).
+**After the last step**: the shutdown allowance; when it passes and the last step's
+checkpoint is complete the attempt is stopped as ``succeeded`` (the records say it was
+stopped after the final step), else ``hung``.
+
+**stopped_for_time_limit**: at a complete save of step N whose line is written, when the
+time left before the job's end is less than the work until the next save (each step, the
+validations where they happen, the save) plus ``train.time_limit_margin_min``, the
+trainer is stopped right there: 0 steps lost. The time left comes from the job's deadline
+(:class:`Deadline`), read when the job starts and refreshed at each decision; a failed
+query keeps the last deadline, and a save whose decision could not be made is looked at
+again at the next poll.
+
+Standard library only (it runs in the launcher's process).
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import os
 import re
 import subprocess
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,10 +58,10 @@ from hy3rl.verl_log import read_metrics
 
 log = logging.getLogger("hy3rl.watchdog")
 
-MIN_STALL_S = 30 * 60.0
-STALL_FACTOR = 3.0
-STEP_KEYS = ("timing_s/step", "timing_s/testing")
+STEP_KEY = "timing_s/step"
+TEST_KEY = "timing_s/testing"
 SAVE_KEY = "timing_s/save_checkpoint"
+STARTUP_FACTOR = 1.5  # a startup's limit over the slowest startup seen (or one that hung)
 
 
 @dataclass(frozen=True)
@@ -56,57 +76,165 @@ class StopRequest:
     diagnose: bool = False
 
 
-# --------------------------------------------------------------------------- measured times
+# --------------------------------------------------------------------------- the schedule
 
 
-def step_seconds(lines: Iterable[Mapping[str, Any]]) -> list[float]:
-    """Per logged training step: ``timing_s/step`` + ``timing_s/testing`` (lines without a
-    step time, e.g. the validation before training, are left out)."""
-    out = []
-    for rec in lines:
-        data = rec.get("data") or {}
-        step = data.get("timing_s/step")
-        if isinstance(step, (int, float)) and not isinstance(step, bool):
-            testing = data.get("timing_s/testing")
-            out.append(float(step) + (float(testing) if isinstance(testing, (int, float))
-                                      else 0.0))
-    return out
+@dataclass(frozen=True)
+class Schedule:
+    """verl's v1 schedule of one trainer run: it saves at multiples of ``save_freq`` (> 0)
+    and at ``last``, validates at multiples of ``test_freq`` (> 0) and at ``last``."""
+
+    save_freq: int
+    test_freq: int
+    last: int
+
+    def saves(self, step: int) -> bool:
+        return self.save_freq > 0 and (step % self.save_freq == 0 or step >= self.last)
+
+    def validates(self, step: int) -> bool:
+        return self.test_freq > 0 and (step % self.test_freq == 0 or step >= self.last)
+
+    def next_save(self, after: int) -> int | None:
+        """The first save step after ``after``; None when the run does not save."""
+        if self.save_freq <= 0:
+            return None
+        return min(self.last, (after // self.save_freq + 1) * self.save_freq)
 
 
-def save_seconds(lines: Iterable[Mapping[str, Any]]) -> list[float]:
-    """``timing_s/save_checkpoint`` of every step that saved."""
-    out = []
-    for rec in lines:
-        value = (rec.get("data") or {}).get(SAVE_KEY)
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            out.append(float(value))
-    return out
+# --------------------------------------------------------------------------- the time model
 
 
-def p95(values: list[float]) -> float:
+def _number(value: Any) -> float | None:
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    return None
+
+
+def p95(values: Sequence[float]) -> float:
     """The 95th percentile (nearest rank) of a non-empty list."""
     ordered = sorted(values)
     return ordered[max(0, math.ceil(0.95 * len(ordered)) - 1)]
 
 
-def stall_limit_s(stall_min: float | None, steps: list[float], saves: list[float]) -> float | None:
-    """Seconds without progress that make a hang. ``stall_min`` 0: never (None); a number:
-    that; None: max(30 min, 3 x (slowest step + slowest save)) of what this run measured."""
-    if stall_min == 0:
-        return None
-    if stall_min is not None:
-        return float(stall_min) * 60.0
-    slowest = (max(steps) if steps else 0.0) + (max(saves) if saves else 0.0)
-    return max(MIN_STALL_S, STALL_FACTOR * slowest)
+@dataclass(frozen=True)
+class Allowances:
+    """Seconds allowed to a phase never seen yet in this run (module doc). ``validation_s``
+    None: one step's estimate; ``save_s`` None: one step's estimate (no size known)."""
+
+    startup_s: float
+    step_s: float
+    validation_s: float | None
+    save_s: float | None
+    shutdown_s: float
 
 
-def save_interval_s(save_freq: int, steps: list[float], saves: list[float],
-                    margin_s: float) -> float | None:
-    """Time one more save needs: ``save_freq`` x p95 step + slowest save + margin. None
-    when nothing is measured yet or the run does not save."""
-    if save_freq <= 0 or not steps:
-        return None
-    return save_freq * p95(steps) + (max(saves) if saves else 0.0) + margin_s
+@dataclass
+class TimeModel:
+    """What this run's records say each phase takes (seconds), and what is allowed to a
+    phase never seen (module doc)."""
+
+    allow: Allowances
+    steps: list[float] = field(default_factory=list)
+    validations: list[float] = field(default_factory=list)
+    saves: list[float] = field(default_factory=list)
+    startups: list[float] = field(default_factory=list)
+    startup_hung: list[float] = field(default_factory=list)
+
+    @classmethod
+    def learn(cls, allow: Allowances, lines: Iterable[Mapping[str, Any]],
+              startups: Iterable[float] = (), startup_hung: Iterable[float] = ()) -> TimeModel:
+        model = cls(allow, startups=[float(s) for s in startups],
+                    startup_hung=[float(s) for s in startup_hung])
+        model.add_lines(lines)
+        return model
+
+    def add_lines(self, lines: Iterable[Mapping[str, Any]]) -> None:
+        for rec in lines:
+            data = rec.get("data") or {}
+            step = _number(data.get(STEP_KEY))
+            if step is None:
+                continue  # the validation before training: part of the startup
+            save = _number(data.get(SAVE_KEY))
+            test = _number(data.get(TEST_KEY))
+            self.steps.append(max(0.0, step - (save or 0.0)))
+            if save is not None:
+                self.saves.append(save)
+            if test is not None:
+                self.validations.append(test)
+
+    # each phase: (seconds, learned?)
+    def step(self) -> tuple[float, bool]:
+        return (p95(self.steps), True) if self.steps else (self.allow.step_s, False)
+
+    def validation(self) -> tuple[float, bool]:
+        if self.validations:
+            return max(self.validations), True
+        return (self.allow.validation_s if self.allow.validation_s is not None
+                else self.step()[0]), False
+
+    def save(self) -> tuple[float, bool]:
+        if self.saves:
+            return max(self.saves), True
+        return (self.allow.save_s if self.allow.save_s is not None else self.step()[0]), False
+
+    def startup(self) -> tuple[float, bool]:
+        if self.startups:
+            return max(self.startups), True
+        return self.allow.startup_s, False
+
+    def startup_limit(self) -> float:
+        """A startup's limit: never below the allowance; 1.5 x the slowest startup seen and
+        1.5 x a startup that was declared hung (the next try gets longer)."""
+        return max([self.allow.startup_s] +
+                   [STARTUP_FACTOR * s for s in self.startups + self.startup_hung])
+
+    def work(self, step: int, schedule: Schedule) -> float:
+        """Seconds from the line of ``step - 1`` to the line of ``step``."""
+        total = self.step()[0]
+        if schedule.saves(step):
+            total += self.save()[0]
+        if schedule.validates(step):
+            total += self.validation()[0]
+        return total
+
+    def until_save(self, after: int, schedule: Schedule) -> float | None:
+        """Seconds from the line of step ``after`` to the complete save of the next save
+        step, following the schedule (the validation of that step comes after its save and
+        is not needed); None when the run does not save."""
+        nxt = schedule.next_save(after)
+        if nxt is None:
+            return None
+        total = sum(self.work(s, schedule) for s in range(after + 1, nxt))
+        return total + self.step()[0] + self.save()[0]
+
+    def snapshot(self) -> dict[str, Any]:
+        """The estimates (seconds) and whether each was learned, for the attempt record."""
+        out: dict[str, Any] = {}
+        for name in ("startup", "step", "validation", "save"):
+            seconds, learned = getattr(self, name)()
+            out[name] = {"s": round(seconds, 1), "learned": learned,
+                         "samples": len(getattr(self, f"{name}s"))}
+        out["startup"]["limit_s"] = round(self.startup_limit(), 1)
+        out["shutdown"] = {"s": self.allow.shutdown_s, "learned": False, "samples": 0}
+        return out
+
+
+@dataclass(frozen=True)
+class StallPolicy:
+    """``fixed_s``: a fixed limit for a step (None: from the model; 0: never);
+    ``factor``, ``floor_s``, ``cap_s``: the derived limit's factor and bounds."""
+
+    fixed_s: float | None
+    factor: float
+    floor_s: float
+    cap_s: float
+
+    def limit(self, expected: float) -> float | None:
+        if self.fixed_s == 0:
+            return None
+        if self.fixed_s is not None:
+            return self.fixed_s
+        return min(self.cap_s, max(self.floor_s, self.factor * expected))
 
 
 # --------------------------------------------------------------------------- the job's end
@@ -114,23 +242,26 @@ def save_interval_s(save_freq: int, steps: list[float], saves: list[float],
 
 def parse_time_left(text: str) -> float | None:
     """squeue's ``%L`` (``[D-]HH:MM:SS``, ``MM:SS``, ``UNLIMITED``, ``NOT_SET``,
-    ``INVALID``) in seconds; None for no limit or an unknown form. ``INVALID`` is what squeue
-    prints when the time left is negative, the normal case at the time limit's SIGTERM:
-    0 (no time left), so that the signal is classified as the time limit, never as a
-    preemption."""
+    ``INVALID``) in seconds: ``inf`` for no limit, None for an unknown form. ``INVALID`` is
+    what squeue prints when the time left is negative, the normal case at the time limit's
+    SIGTERM: 0 (no time left), so that the signal is classified as the time limit, never
+    as a preemption."""
     text = text.strip()
     if text == "INVALID":
         return 0.0
-    m = re.fullmatch(r"(?:(\d+)-)?(?:(\d+):)?(\d+):(\d+)", text)
+    if text in ("UNLIMITED", "NOT_SET"):
+        return math.inf
+    m = re.fullmatch(r"(-)?(?:(\d+)-)?(?:(\d+):)?(\d+):(\d+)", text)
     if not m:
         return None
-    days, hours, minutes, seconds = (int(g) if g else 0 for g in m.groups())
-    return float(((days * 24 + hours) * 60 + minutes) * 60 + seconds)
+    days, hours, minutes, seconds = (int(g) if g else 0 for g in m.groups()[1:])
+    left = float(((days * 24 + hours) * 60 + minutes) * 60 + seconds)
+    return 0.0 if m.group(1) else left
 
 
 def slurm_time_left(job_id: str) -> float | None:
-    """Seconds until SLURM ends the job (its time limit; follows ``scontrol update``), None
-    when it cannot be told (logged)."""
+    """Seconds until SLURM ends the job (its time limit; follows ``scontrol update``);
+    ``inf`` for none; None when it cannot be told (logged)."""
     try:
         proc = subprocess.run(["squeue", "-h", "-j", str(job_id), "-o", "%L"],
                               capture_output=True, text=True, timeout=30,
@@ -145,6 +276,40 @@ def slurm_time_left(job_id: str) -> float | None:
     return parse_time_left(proc.stdout.strip().splitlines()[0] if proc.stdout.strip() else "")
 
 
+@dataclass
+class Deadline:
+    """The job's end on ``clock``: read by ``query`` (seconds left, ``inf`` for none, None
+    when it cannot be told) at :meth:`refresh`; a failed query keeps the last deadline."""
+
+    query: Callable[[], float | None]
+    clock: Callable[[], float] = time.monotonic
+    end: float | None = None
+
+    def refresh(self) -> None:
+        left = self.query()
+        if left is not None:
+            self.end = self.clock() + left
+
+    def left(self, refresh: bool = True) -> float | None:
+        """Seconds left (``inf``: no limit), None while it was never told."""
+        if refresh:
+            self.refresh()
+        return None if self.end is None else max(0.0, self.end - self.clock())
+
+
+def tree_bytes(path: Path) -> int:
+    """Bytes of the files under ``path`` (0 when it is not there); files that vanish while
+    it is walked are skipped."""
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_size
+            except OSError:
+                pass
+    return total
+
+
 # --------------------------------------------------------------------------- the monitor
 
 
@@ -152,98 +317,172 @@ def slurm_time_left(job_id: str) -> float | None:
 class Monitor:
     """Polled by the launcher while the Ray job runs (see the module docstring).
 
-    ``metrics``: the attempt's metrics log. ``history``: metrics lines of this run's earlier
-    attempts (their times count). ``is_saved(step)``: whether ``global_step_<step>`` is a
-    complete checkpoint. ``time_left()``: seconds until the job's end, None for none.
-    ``clock``: monotonic seconds (tests pass their own)."""
+    ``metrics``: the attempt's metrics log. ``model``: the time model learned from this
+    run's earlier records (the attempt's own lines are added as they come). ``schedule``:
+    verl's schedule of this trainer run (``last``: the attempt's last step).
+    ``is_saved(step)``: whether ``global_step_<step>`` is a complete checkpoint.
+    ``ckpt_dir``: where ``global_step_<step>`` is written (bytes arriving are progress).
+    ``deadline``: the job's end. ``clock``: monotonic seconds (tests pass their own)."""
 
     metrics: Path
-    save_freq: int
-    total_steps: int
-    stall_min: float | None
-    startup_min: float
+    schedule: Schedule
+    model: TimeModel
+    stall: StallPolicy
     margin_s: float
     is_saved: Callable[[int], bool]
-    time_left: Callable[[], float | None]
-    history: list[dict[str, Any]] = field(default_factory=list)
+    deadline: Deadline
+    ckpt_dir: Path | None = None
+    start_step: int = 0
     clock: Callable[[], float] = time.monotonic
     started: float | None = None
+    first_line_at: float | None = None
     last_progress: float | None = None
     seen: int = 0
     last_step: int | None = None
     lines: list[dict[str, Any]] = field(default_factory=list)
-    checked_saves: set[int] = field(default_factory=set)
+    decided_saves: set[int] = field(default_factory=set)
+    bytes_seen: dict[int, int] = field(default_factory=dict)
+    complete_seen: set[int] = field(default_factory=set)
+    phase: str = "startup"
+    startup_hung_s: float | None = None
 
     def start(self) -> None:
-        """The Ray job was submitted: the startup clock runs from now."""
+        """The Ray job was submitted: the startup clock runs from now; the deadline is
+        read."""
         self.started = self.clock()
+        self.deadline.refresh()
 
-    def measured(self) -> tuple[list[float], list[float]]:
-        every = [*self.history, *self.lines]
-        return step_seconds(every), save_seconds(every)
-
-    def stall_limit(self) -> float | None:
-        return stall_limit_s(self.stall_min, *self.measured())
+    @property
+    def startup_s(self) -> float | None:
+        """Seconds from the submission to the attempt's first line (None: not yet)."""
+        if self.first_line_at is None or self.started is None:
+            return None
+        return self.first_line_at - self.started
 
     def poll(self) -> StopRequest | None:
-        """Look at the metrics log once; a StopRequest when the attempt must end."""
+        """Look at the metrics log and the checkpoint once; a StopRequest when the attempt
+        must end."""
         now = self.clock()
         if self.started is None:
-            self.started = now
+            self.start()
         try:
-            self.lines = read_metrics(self.metrics)
+            lines = read_metrics(self.metrics)
         except Exception as exc:  # a bad line must not stop the watch; verl_log names it
             log.warning("watchdog: %s", exc)
-        if len(self.lines) > self.seen:
-            self.seen = len(self.lines)
-            self.last_step = self.lines[-1]["step"]
+            lines = self.lines
+        if len(lines) > self.seen:
+            self.model.add_lines(lines[self.seen:])
+            self.lines, self.seen = lines, len(lines)
+            self.last_step = lines[-1]["step"]
             self.last_progress = now
+            if self.first_line_at is None:
+                self.first_line_at = now
+        self.watch_save(now)
         saved = self.after_save()
         if saved is not None:
             return saved
         return self.hang(now)
 
+    def next_step(self) -> int:
+        return (self.last_step if self.last_step is not None else self.start_step) + 1
+
+    def watch_save(self, now: float) -> None:
+        """Bytes arriving in the next step's checkpoint, or it becoming complete, are
+        progress."""
+        if self.ckpt_dir is None or self.last_step is None:
+            return
+        step = self.next_step()
+        if not self.schedule.saves(step) or step > self.schedule.last:
+            return
+        if step not in self.complete_seen and self.is_saved(step):
+            self.complete_seen.add(step)
+            self.last_progress = now
+            return
+        path = self.ckpt_dir / f"global_step_{step}"
+        if not path.is_dir():
+            return
+        size = tree_bytes(path)
+        if size > self.bytes_seen.get(step, 0):
+            self.bytes_seen[step] = size
+            self.last_progress = now
+
     def hang(self, now: float) -> StopRequest | None:
         if self.last_progress is None:
-            if self.startup_min <= 0:
+            self.phase = "startup"
+            limit, waited = self.model.startup_limit(), now - self.started
+            if self.model.allow.startup_s <= 0 or waited < limit:
                 return None
-            waited, limit = now - self.started, self.startup_min * 60.0
-            if waited < limit:
-                return None
+            self.startup_hung_s = waited
             return StopRequest("hung", f"hung before its first step (no metrics line "
-                               f"{_minutes(waited)} after the submission; "
-                               f"train.watchdog.startup_min={self.startup_min:g})", None, True)
-        limit = self.stall_limit()
+                               f"{_minutes(waited)} after the submission; startup limit "
+                               f"{_minutes(limit)})", None, True)
         waited = now - self.last_progress
+        step = self.last_step
+        if step is not None and step >= self.schedule.last:
+            return self.shutdown(step, waited)
+        nxt = self.next_step()
+        self.phase = "+".join(["step"] + (["save"] if self.schedule.saves(nxt) else []) +
+                              (["validation"] if self.schedule.validates(nxt) else []))
+        limit = self.stall.limit(self.model.work(nxt, self.schedule))
         if limit is None or waited < limit:
             return None
-        step = self.last_step
-        return StopRequest("hung", f"hung at step {(step or 0) + 1} (no progress for "
+        return StopRequest("hung", f"hung at step {nxt} ({self.phase}; no progress for "
                            f"{_minutes(waited)}; last logged step {step}; stall limit "
                            f"{_minutes(limit)})", step, True)
 
+    def shutdown(self, step: int, waited: float) -> StopRequest | None:
+        """After the line of the last step: the trainer only has to exit."""
+        self.phase = "shutdown"
+        allow = self.model.allow.shutdown_s
+        if allow <= 0 or waited < allow:
+            return None
+        saved = self.schedule.save_freq <= 0 or self.is_saved(step)
+        if saved:
+            return StopRequest("succeeded", f"stopped {_minutes(waited)} after the line of "
+                               f"the final step {step}, whose checkpoint is complete (the "
+                               f"trainer did not exit within the shutdown allowance "
+                               f"{_minutes(allow)})", step)
+        return StopRequest("hung", f"hung after the final step {step} (no exit for "
+                           f"{_minutes(waited)}; its checkpoint is not complete)", step, True)
+
     def after_save(self) -> StopRequest | None:
-        """After the newest logged save step: stop when one more interval does not fit."""
-        if self.save_freq <= 0 or not self.lines:
+        """After the newest logged save step: stop when the work until the next save does
+        not fit in the time left."""
+        if self.schedule.save_freq <= 0 or not self.lines:
             return None
         step = self.lines[-1]["step"]
-        if step >= self.total_steps or step % self.save_freq or step in self.checked_saves:
+        if (step >= self.schedule.last or not self.schedule.saves(step)
+                or step in self.decided_saves):
             return None
         if not self.is_saved(step):
             return None  # async save still finishing: look again at the next poll
-        self.checked_saves.add(step)
-        need = save_interval_s(self.save_freq, *self.measured(), self.margin_s)
-        left = self.time_left()
-        if need is None or left is None:
+        need = self.model.until_save(step, self.schedule)
+        left = self.deadline.left()
+        if left is None:
+            log.warning("watchdog: step %d saved; the time left is unknown: looking again "
+                        "at the next poll", step)
             return None
-        log.info("watchdog: step %d saved; %.0fs left before the time limit, one more save "
-                 "interval needs %.0fs", step, left, need)
+        self.decided_saves.add(step)
+        if need is None or math.isinf(left):
+            return None
+        need += self.margin_s
+        log.info("watchdog: step %d saved; %.0fs left before the time limit, until the next "
+                 "save %.0fs", step, left, need)
         if left >= need:
             return None
         return StopRequest(
             "stopped_for_time_limit",
             f"stopped after the save of step {step} before the time limit: 0 steps lost "
-            f"({left:.0f}s left, one more save interval needs {need:.0f}s)", step)
+            f"({left:.0f}s left, the next save needs {need:.0f}s)", step)
+
+    def timing(self) -> dict[str, Any]:
+        """For the attempt record: the startup measured, the model's estimates, the phase
+        the attempt was in when it ended."""
+        return {"startup_s": None if self.startup_s is None else round(self.startup_s, 1),
+                "startup_limit_s": round(self.model.startup_limit(), 1),
+                "startup_hung_s": (None if self.startup_hung_s is None
+                                   else round(self.startup_hung_s, 1)),
+                "phase": self.phase, "model": self.model.snapshot()}
 
 
 def _minutes(seconds: float) -> str:

@@ -1,0 +1,212 @@
+"""One attempt's Ray job, from its submission to its end, and the token that closes the
+Ray cluster to everyone else (the cluster's bring-up is ``hy3rl.launch``).
+
+- **Submission and output.** ``ray job submit --submission-id <id>`` (this interpreter's
+  Ray CLI) streams the driver's output into ``driver.log`` and this process's stdout (the
+  rule's log). Ray 2.60's log tail can end quietly while the job still runs (its websocket
+  closes: ray-project/ray#51601, #60665), so **the job's end comes from Ray's job status**
+  (``JobSubmissionClient.get_job_status``, a terminal state: SUCCEEDED, FAILED, STOPPED),
+  polled while the job runs, never from the end of the stream. A stream that ends while
+  the job is not terminal is re-attached (``tail_job_logs``) from the character of the
+  job's log where it ended, so that ``driver.log`` holds the whole log once.
+- **Authentication.** Ray's dashboard and jobs API answer anyone on the network by
+  default: a job's ``runtime_env.env_vars`` (a passed-through ``WANDB_API_KEY``) can be read
+  and jobs submitted that run as this user. :class:`AuthToken` makes a fresh 256-bit token
+  per launch in a file only this user can read (0600, on the shared results storage, so
+  that every node's ``ray start`` reads the same file), removed at the teardown; every Ray
+  process of the launch runs with ``RAY_AUTH_MODE=token`` and ``RAY_AUTH_TOKEN_PATH`` (Ray
+  2.60's token authentication), and the launcher's own job client sends the token as a
+  bearer header. A request without it is refused (401).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("hy3rl.rayjob")
+
+TERMINAL = frozenset({"SUCCEEDED", "FAILED", "STOPPED"})
+# The line after which `ray job submit` prints the job's own log (ray/dashboard/modules/
+# job/cli.py); what comes before it is the CLI's own chatter.
+TAIL_MARKER = "Tailing logs until the job exits"
+TOKEN_NAME = ".ray-auth-token"
+
+
+@dataclass
+class AuthToken:
+    """A per-launch Ray token in ``path`` (0600)."""
+
+    path: Path
+    token: str
+
+    @classmethod
+    def create(cls, directory: Path) -> AuthToken:
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / TOKEN_NAME
+        path.unlink(missing_ok=True)
+        token = secrets.token_hex(32)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(token)
+        return cls(path, token)
+
+    def env(self) -> dict[str, str]:
+        """What every Ray process of the launch runs with."""
+        return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(self.path)}
+
+    def headers(self) -> dict[str, str]:
+        """The job client's bearer header."""
+        return {"Authorization": f"Bearer {self.token}"}
+
+    def remove(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
+def without_auth(env: dict[str, str]) -> dict[str, str]:
+    """``env`` without Ray's authentication variables (a launch sets its own)."""
+    return {k: v for k, v in env.items() if k not in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN",
+                                                      "RAY_AUTH_TOKEN_PATH")}
+
+
+@dataclass
+class JobRun:
+    """The Ray job ``submission_id`` on the dashboard at ``address`` (module doc).
+    ``ray_cli``: the Ray CLI; ``env``: the environment of the CLI (with the token's);
+    ``headers``: the job client's; ``redact``: applied to every line of output before it is
+    written; ``driver_log``: where the output goes (and this process's stdout)."""
+
+    address: str
+    submission_id: str
+    ray_cli: str
+    driver_log: Path
+    env: dict[str, str]
+    headers: dict[str, str]
+    redact: Callable[[str], str] = str
+    proc: subprocess.Popen | None = None
+    job_chars: int = 0  # characters of the job's own log written so far
+    reattached: int = 0
+    streams: list[threading.Thread] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def client(self) -> Any:
+        from ray.job_submission import JobSubmissionClient
+
+        return JobSubmissionClient(self.address, headers=dict(self.headers))
+
+    def submit(self, runtime_env: Path, entrypoint: list[str]) -> list[str]:
+        """Submit the job; its output streams from now on. Returns the command."""
+        cmd = [self.ray_cli, "job", "submit", "--address", self.address,
+               "--submission-id", self.submission_id, "--runtime-env", str(runtime_env),
+               "--", *entrypoint]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True,
+                                     env=self.env)
+        reader = threading.Thread(target=self._pump_cli, daemon=True)
+        reader.start()
+        self.streams.append(reader)
+        return cmd
+
+    def _write(self, text: str, job: bool) -> None:
+        line = self.redact(text)
+        with self._lock, open(self.driver_log, "a") as fh:
+            fh.write(line)
+            if job:
+                self.job_chars += len(text)
+        sys.stdout.write(line)
+        sys.stdout.flush()
+
+    def _pump_cli(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        in_log = False
+        for raw in self.proc.stdout:
+            text = raw.decode(errors="replace")
+            self._write(text, in_log)
+            if not in_log and TAIL_MARKER in text:
+                in_log = True
+
+    def stream_open(self) -> bool:
+        """Whether a log stream still runs."""
+        return any(t.is_alive() for t in self.streams)
+
+    def reattach(self) -> None:
+        """Follow the job's log again from the character where the last stream ended (a
+        thread running Ray's ``tail_job_logs``)."""
+        self.reattached += 1
+        skip = self.job_chars
+        log.warning("the log stream of Ray job %s ended while the job runs: re-attached "
+                    "(%d) from character %d of its log", self.submission_id,
+                    self.reattached, skip)
+        reader = threading.Thread(target=self._pump_tail, args=(skip,), daemon=True)
+        reader.start()
+        self.streams.append(reader)
+
+    def _pump_tail(self, skip: int) -> None:
+        async def follow() -> None:
+            left = skip
+            async for chunk in self.client().tail_job_logs(self.submission_id):
+                if left >= len(chunk):
+                    left -= len(chunk)
+                    continue
+                chunk, left = chunk[left:], 0
+                self._write(chunk, True)
+
+        try:
+            asyncio.run(follow())
+        except Exception as exc:  # the next status poll decides; another re-attach may come
+            log.warning("re-attached log stream of %s ended: %s", self.submission_id, exc)
+
+    def status(self) -> str | None:
+        """Ray's status of the job (PENDING, RUNNING, SUCCEEDED, ...); None when the
+        dashboard does not answer."""
+        try:
+            status = self.client().get_job_status(self.submission_id)
+        except Exception as exc:
+            log.warning("ray job status %s: %s", self.submission_id, exc)
+            return None
+        return str(getattr(status, "value", status))
+
+    def info(self) -> Any:
+        return self.client().get_job_info(self.submission_id)
+
+    def stop(self) -> None:
+        """Ask Ray to stop the job: the job client first (no CLI start-up: a stop right
+        after a save must land before the next step), the CLI if that fails."""
+        try:
+            self.client().stop_job(self.submission_id)
+            log.info("ray job stop %s", self.submission_id)
+        except Exception as exc:
+            log.warning("ray job stop via the job client: %s; trying the CLI", exc)
+            with contextlib.suppress(subprocess.TimeoutExpired, OSError):
+                subprocess.run([self.ray_cli, "job", "stop", "--no-wait", "--address",
+                                self.address, self.submission_id],
+                               capture_output=True, timeout=15, env=self.env)
+                log.info("ray job stop %s (CLI)", self.submission_id)
+
+    def close(self, wait_s: float = 10) -> None:
+        """End the CLI's stream (it may still tail a job being stopped) and let the
+        streams finish writing."""
+        proc = self.proc
+        if proc is not None and proc.poll() is None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(5)
+            if proc.poll() is None:
+                proc.terminate()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(5)
+            if proc.poll() is None:
+                proc.kill()
+        deadline = time.monotonic() + wait_s
+        for t in self.streams:
+            t.join(max(0.0, deadline - time.monotonic()))
