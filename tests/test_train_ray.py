@@ -202,3 +202,50 @@ def test_runtime_prefix_wraps_node_and_uses_its_ray(train_setup) -> None:
     assert f"ray CLI {shim}" in node_log
     assert "ray-shim: start --block" in shim_log.read_text()
     assert not leftover("t-local-1")
+
+
+def test_log_stream_ended_early_and_the_cluster_closed_to_others(train_setup) -> None:
+    """Ray's log tail ending while the job runs (the double kills the `ray job submit`
+    client at step 3) neither stops nor fails the job: its end comes from Ray's job status,
+    the stream is re-attached and driver.log holds every line once. Meanwhile the jobs API
+    refuses a request without the launch's token (0600, removed at the teardown)."""
+    import urllib.error
+    import urllib.request
+
+    setup = train_setup(total=8, save_freq=2, step_s=1.0)
+    setup.set_faults(close_log_stream=3)
+    out = open(setup.root / "train.log", "w")
+    proc = subprocess.Popen(setup.cli(), cwd=setup.root, env=train_env(setup), stdout=out,
+                            stderr=subprocess.STDOUT)
+    logs = setup.results / "train" / "attempts" / "attempt-1"
+    metrics = setup.results / "train" / "attempts" / "attempt-1.metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
+            break
+        time.sleep(0.5)
+    assert proc.poll() is None, (setup.root / "train.log").read_text()[-3000:]
+    head = json.loads((logs / "head.json").read_text())
+    url = f"http://{head['ip']}:{head['dashboard_port']}/api/jobs/"
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(url, timeout=10)
+    assert refused.value.code == 401
+    token_file = logs / ".ray-auth-token"
+    assert token_file.stat().st_mode & 0o777 == 0o600
+    req = urllib.request.Request(url, headers={"Authorization":
+                                               f"Bearer {token_file.read_text()}"})
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        assert resp.status == 200 and "t-local-1" in resp.read().decode()
+    code = proc.wait(timeout=240)
+    out.close()
+    log = (setup.root / "train.log").read_text()
+    assert code == 0, log[-3000:]
+    a1 = attempt(setup, 1)
+    assert a1["outcome"] == "succeeded" and a1["end_step"] == 8, a1
+    assert "killed 1 log stream client(s)" in (logs / "driver.log").read_text()
+    driver = (logs / "driver.log").read_text()
+    for step in range(1, 9):
+        assert driver.count(f"step:{step} - ") == 1, (step, driver[-3000:])
+    assert "re-attached (1) from character" in (logs / "launcher.log").read_text()
+    assert not token_file.exists()
+    assert a1["timing"]["startup_s"] is not None and a1["timing"]["phase"] == "shutdown"
