@@ -181,12 +181,18 @@ CONTROLLER_STARTED = utc_now()
 
 
 def train_retries():
-    """`retries` of rules train and train_segment: a job is submitted at most
-    train.max_submissions times per invocation (the global `retries: 0` stays). Only the
+    """`retries` of rules train and train_segment: train.max_submissions - 1 failed
+    submissions of a job per invocation, plus planned ones (a time limit or a preemption
+    that added a checkpoint), which hy3rl.resubmit.decide counts apart; the global
+    `retries: 0` stays. Only the
     controller retries: the job's own Snakemake (exec mode remote, inside the allocation)
     gets 0, or it would rerun the rule in the same allocation, bypassing
     train.restarts_per_job, the guard and the time limit."""
-    return CFG.train.max_submissions - 1 if workflow.is_main_process else 0
+    from hy3rl.resubmit import PLANNED_CAP
+
+    if not workflow.is_main_process:
+        return 0
+    return CFG.train.max_submissions - 1 + PLANNED_CAP
 
 
 def train_slurm_extra(wildcards, attempt):
@@ -204,7 +210,9 @@ def train_slurm_extra(wildcards, attempt):
     from hy3rl.resubmit import ResubmitError, decide, with_exclude
 
     try:
-        decision = decide(LAYOUT, attempt, CONTROLLER_STARTED)
+        decision = decide(
+            LAYOUT, attempt, CONTROLLER_STARTED, max_failed=CFG.train.max_submissions
+        )
     except ResubmitError as exc:
         raise WorkflowError(str(exc))
     if decision.stop:

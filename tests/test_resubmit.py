@@ -190,7 +190,8 @@ def test_job_exit_retry_false_stops_with_its_reason(layout: Layout):
     [line] = lines(layout)
     assert line.pop("at") >= SINCE
     assert line == {"snakemake_attempt": 2, "stop": loop, "exclude": [],
-                    "notes": [f"job 4711 (attempts 1, 2): {loop}"], "nothing_left": False}
+                    "notes": [f"job 4711 (attempts 1, 2): {loop}"], "nothing_left": False,
+                    "planned": False}
 
 
 def test_nodes_to_exclude_merge_and_stay_excluded(layout: Layout):
@@ -297,6 +298,35 @@ def test_crash_loop_in_the_records_stops_without_job_exit(layout: Layout):
                       f"{layout.attempt_logs(1)}/, {layout.attempt_logs(2)}/; error: E: x")
 
 
+def test_planned_stops_spend_no_failed_submission(layout: Layout):
+    """Issue 19, 10: a time-limit stop that added a checkpoint is free; failures count
+    against train.max_submissions; a time limit reached without a new checkpoint stops."""
+    write_records(layout, record(1, "stopped_for_time_limit", 0, 20, logged=20))
+    write_exit(layout, retry=True, reason="stopped after the save of step 20", attempts=[1])
+    d = decide(layout, 2, SINCE, job_state=no_slurm, node_state=no_slurm, max_failed=1)
+    assert d.stop is None and lines(layout)[-1]["planned"] is True
+    assert "no failed submission" in d.notes[-1]
+    # a failure of the next job: the first failed submission; max 1 -> stop
+    write_records(layout, record(2, "failed", 20, 20, logged=24, failed_at=25, started=LATER))
+    write_exit(layout, retry=True, reason="failed", attempts=[2], ended=LATER + 31)
+    d = decide(layout, 3, SINCE, job_state=no_slurm, node_state=no_slurm, max_failed=1)
+    assert d.stop == "1 failed submission(s) of the training job in this invocation " \
+        "(train.max_submissions = 1)"
+
+
+def test_a_time_limit_without_a_new_checkpoint_stops(layout: Layout):
+    write_records(layout, record(1, "time_limit", 20, 20, logged=20))
+    write_exit(layout, retry=True, reason="time limit", attempts=[1])
+    d = decide(layout, 2, SINCE, job_state=no_slurm, node_state=no_slurm, max_failed=5)
+    assert d.stop and d.stop.startswith("attempt 1 ended for the time limit without adding a "
+                                        "checkpoint (newest complete step 20")
+    # a preemption without progress counts as a failed submission, and is resubmitted
+    write_records(layout, record(2, "preempted", 20, 20, started=LATER))
+    write_exit(layout, retry=True, reason="preempted", attempts=[2], ended=LATER + 31)
+    d = decide(layout, 3, SINCE, job_state=no_slurm, node_state=no_slurm, max_failed=5)
+    assert d.stop is None and lines(layout)[-1]["planned"] is False
+
+
 def test_two_jobs_that_left_nothing_stop(layout: Layout):
     d = decide(layout, 2, SINCE, job_state=no_slurm, node_state=no_slurm)
     assert d.stop is None and lines(layout)[-1]["nothing_left"] is True
@@ -400,9 +430,10 @@ def test_snakemake_resubmits_a_training_job_max_submissions_minus_one_times(tmp_
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out
     assert out.count(f"Error in rule {rule}:") == 2, out  # submitted twice, then given up
-    [line] = _decisions(work, layout)
-    assert (line["snakemake_attempt"], line["stop"], line["nothing_left"]) == (2, None, True)
-    assert "not resubmitted" not in out
+    first, second = _decisions(work, layout)
+    assert (first["snakemake_attempt"], first["stop"], first["nothing_left"]) == (2, None, True)
+    assert second["snakemake_attempt"] == 3 and second["stop"]
+    assert "; not resubmitted" in out
 
 
 def test_snakemake_stops_a_bad_input_before_resubmitting(tmp_path: Path):

@@ -764,3 +764,37 @@ def test_last_error_line(tmp_path: Path) -> None:
                    "(TaskRunner pid=1) ValueError: bad batch\nwandb: finished\n")
     assert train.last_error(log) == "ValueError: bad batch"
     assert train.last_error(tmp_path / "none.log") is None
+
+
+def test_resume_keeps_only_the_newest_incomplete_save(ckpt: Path) -> None:
+    """Issue 19, 9: multi-TB leftovers of saves that never completed are removed at the
+    next start, all but the newest (kept for inspection)."""
+    partial_checkpoint(ckpt, 6)
+    ckptdir.prepare_resume(ckpt, attempt=2)
+    partial_checkpoint(ckpt, 6)
+    ckptdir.prepare_resume(ckpt, attempt=10)
+    partial_checkpoint(ckpt, 6)
+    start, actions = ckptdir.prepare_resume(ckpt, attempt=11)
+    assert start == 4
+    assert sorted(p.name for p in ckpt.iterdir() if "incomplete" in p.name or
+                  p.name.startswith(".pruning")) == ["global_step_6.incomplete-11"]
+    assert "removed global_step_6.incomplete-10 (an older incomplete save; the newest is " \
+        "kept)" in actions
+
+
+def test_a_full_disk_is_not_retried_as_a_crash(tmp_path: Path) -> None:
+    """Issue 19, 9: a save that fails for lack of space says so; neither restarted nor
+    resubmitted (every attempt would fail at the same save)."""
+    driver = tmp_path / "driver.log"
+    driver.write_text("step:19 - ok\nTraceback (most recent call last):\n"
+                      "OSError: [Errno 28] No space left on device: '/ckpt/global_step_20'\n")
+    why = train.disk_full(driver, tmp_path)
+    assert why and why.startswith(f"the trainer ran out of disk space (No space left on device)"
+                                  f" on {tmp_path} (")
+    assert train.disk_full(tmp_path / "missing.log", tmp_path) is None
+    (tmp_path / "ok.log").write_text("RuntimeError: CUDA error\n")
+    assert train.disk_full(tmp_path / "ok.log", tmp_path) is None
+    rec = {**_rec(1, "failed", 0, 0, failed_at=20), "disk_full": why}
+    step = train.after_attempt(rec, [rec], restarts_left=3, lost=[], allocation=["n1"],
+                               nodes_needed=1, time_left=None, interval=None)
+    assert (step.restart, step.retry) == (False, False) and why in step.reason

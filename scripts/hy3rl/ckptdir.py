@@ -141,7 +141,10 @@ def prepare_resume(ckpt_dir: Path, attempt: int) -> tuple[int, list[str]]:
 
     Returns (start step, actions taken). Newer incomplete ``global_step_N`` directories are
     renamed to ``global_step_N.incomplete-<attempt>`` (verl would otherwise save into a
-    half-written directory); the tracker is (re)written when it names another step."""
+    half-written directory); only the newest such leftover is kept (for inspection): older
+    ones are removed, as is a ``.pruning-*`` directory of an interrupted retention, so that
+    multi-TB leftovers never fill the disk. The tracker is (re)written when it names
+    another step."""
     actions: list[str] = []
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     for left in sorted(ckpt_dir.glob(".pruning-global_step_*")):
@@ -158,6 +161,7 @@ def prepare_resume(ckpt_dir: Path, attempt: int) -> tuple[int, list[str]]:
             os.rename(c.path, aside)
             actions.append(f"moved incomplete checkpoint {c.path.name} aside to {aside.name} "
                            f"({c.reason})")
+    actions += remove_old_incomplete(ckpt_dir)
     tracker = read_tracker(ckpt_dir)
     if best is None:
         if tracker is not None:
@@ -175,6 +179,24 @@ def prepare_resume(ckpt_dir: Path, attempt: int) -> tuple[int, list[str]]:
     log.info("resume: starting from step %d (%s)", start,
              best.path if best else "no complete checkpoint: from scratch")
     return start, actions
+
+
+def remove_old_incomplete(ckpt_dir: Path) -> list[str]:
+    """Remove every ``global_step_N.incomplete-<k>[.n]`` but the newest (the highest
+    attempt ``k``, then ``n``): each is renamed out of the pattern first (``.pruning-*``,
+    finished at the next start if this process ends mid-removal). Returns the actions
+    taken."""
+    def order(p: Path) -> tuple[int, ...]:
+        return tuple(int(x) for x in re.findall(r"\d+", p.name.split(".incomplete-")[1]))
+
+    aside = sorted(ckpt_dir.glob("global_step_*.incomplete-*"), key=order)
+    actions = []
+    for old in aside[:-1]:
+        doomed = free_name(ckpt_dir / f".pruning-{old.name}")
+        os.rename(old, doomed)
+        shutil.rmtree(doomed)
+        actions.append(f"removed {old.name} (an older incomplete save; the newest is kept)")
+    return actions
 
 
 # --------------------------------------------------------------------------- retention

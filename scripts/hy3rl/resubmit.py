@@ -54,6 +54,12 @@ from hy3rl.layout import ATTEMPT_RE, Layout
 from hy3rl.timefmt import parse, utc_now
 
 FAILED = frozenset({"failed", "hung"})
+# A job that ended for the time limit or a preemption did not fail: it is resubmitted
+# without spending train.max_submissions when it added a complete checkpoint.
+PLANNED = frozenset({"stopped_for_time_limit", "time_limit", "preempted"})
+# Snakemake's retries of a training job: max_submissions - 1 failed submissions plus at
+# most this many planned ones (each must add a checkpoint: bounded by the run's saves).
+PLANNED_CAP = 1000
 SLURM_TIMEOUT_S = 60
 
 # Types of the record keys the guard reads (other keys are not its business). Records of
@@ -365,15 +371,39 @@ def _from_record(rec: Mapping[str, Any],
             "job-exit.json; resubmitting"], []
 
 
+def planned(job_records: Sequence[Mapping[str, Any]]) -> tuple[bool, str | None]:
+    """Whether the failed job (its attempt records, oldest first) ended as planned: its
+    last attempt stopped for the time limit or was preempted, and the job added a complete
+    checkpoint. Returns (planned, stop): ``stop`` says why a time-limit job that added no
+    checkpoint must not be resubmitted (it would meet the same limit at the same step)."""
+    if not job_records:
+        return False, None
+    last = job_records[-1]
+    if outcome(last) not in PLANNED:
+        return False, None
+    first = int(job_records[0].get("start_step") or 0)
+    end = max(int(r.get("end_step") or 0) for r in job_records)
+    if end > first:
+        return True, None
+    if outcome(last) == "preempted":
+        return False, None  # counts as a failed submission
+    return False, (f"attempt {last['attempt']} ended for the time limit without adding a "
+                   f"checkpoint (newest complete step {end}, as when the job started): the "
+                   "time limit does not hold a startup and one save interval; raise "
+                   "cluster.train_time_min or lower SAVE_FREQ")
+
+
 def decide(layout: Layout, attempt: int, since: str, *,
            job_state: Callable[[str], SlurmJob | None] = slurm_job,
            node_state: Callable[[Sequence[str]], Mapping[str, str]] = slurm_node_states,
-           ) -> Decision:
+           max_failed: int | None = None) -> Decision:
     """The decision for Snakemake's submission ``attempt`` of a training job of the run in
     ``layout``, ``since`` being the controller's start (module doc). ``job_state`` and
     ``node_state`` ask SLURM (:func:`slurm_job`, :func:`slurm_node_states`). Attempt >= 2
-    appends the decision to ``submissions.jsonl``. Raises :class:`ResubmitError` for an
-    unreadable record."""
+    appends the decision to ``submissions.jsonl``. ``max_failed``
+    (``train.max_submissions``): the failed submissions allowed in this invocation; a job
+    that ended as planned (:func:`planned`) is not one. Raises :class:`ResubmitError` for
+    an unreadable record."""
     if attempt < 2:
         return Decision()
     start = parse(since)
@@ -413,14 +443,25 @@ def decide(layout: Layout, attempt: int, since: str, *,
     loop = crash_loop(records, layout.train_attempts)
     if stop is None and loop:
         stop = loop
+    free, no_progress = planned(sorted(mine, key=lambda r: r["attempt"]))
+    if free:
+        notes.append("the job ended as planned and added a checkpoint: no failed submission")
+    elif stop is None and no_progress:
+        stop = no_progress
+    failed = sum(1 for d in decisions if not d.get("planned")) + (0 if free else 1)
+    if stop is None and max_failed is not None and failed >= max_failed:
+        stop = (f"{failed} failed submission(s) of the training job in this invocation "
+                f"(train.max_submissions = {max_failed})")
     decision = Decision(stop, sorted(set(exclude)), notes)
-    append_decision(layout, attempt, decision, nothing_left=job_exit is None and not mine)
+    append_decision(layout, attempt, decision, nothing_left=job_exit is None and not mine,
+                    planned=free)
     return decision
 
 
 def append_decision(layout: Layout, attempt: int, decision: Decision, *,
-                    nothing_left: bool) -> None:
-    """One line ``{"at", "snakemake_attempt", "stop", "exclude", "notes", "nothing_left"}``
+                    nothing_left: bool, planned: bool = False) -> None:
+    """One line ``{"at", "snakemake_attempt", "stop", "exclude", "notes", "nothing_left",
+    "planned"}``
     appended to ``submissions.jsonl`` (``nothing_left``: the failed job left no record and
     no job-exit.json; twice in a row stops). hy3rl.atomic has no append helper (it
     replaces whole files): one short line in one write in append mode (O_APPEND: never
@@ -429,7 +470,7 @@ def append_decision(layout: Layout, attempt: int, decision: Decision, *,
     path.parent.mkdir(parents=True, exist_ok=True)
     line = json.dumps({"at": utc_now(), "snakemake_attempt": attempt, "stop": decision.stop,
                        "exclude": decision.exclude, "notes": decision.notes,
-                       "nothing_left": nothing_left})
+                       "nothing_left": nothing_left, "planned": planned})
     with open(path, "a", encoding="utf-8") as fh:
         fh.write(line + "\n")
         fh.flush()

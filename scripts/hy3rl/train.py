@@ -268,6 +268,8 @@ def after_attempt(rec: Mapping[str, Any], records: Sequence[Mapping[str, Any]], 
 
     outcome, reason = rec.get("outcome"), str(rec.get("exit_reason"))
     exclude = sorted(set(lost))
+    if rec.get("disk_full"):
+        return JobStep(False, False, f"{reason}: {rec['disk_full']}", exclude)
     if outcome in ("stopped_for_time_limit", "time_limit", "preempted"):
         return JobStep(False, True, reason, exclude)
     if outcome in ("refused", "cancelled"):
@@ -300,6 +302,30 @@ def classify_signal(reason: str, job_id: str | None, time_left: float | None) ->
 
 ERROR_LINE = re.compile(r"^\s*(?:\([^)]*\)\s*)?([A-Za-z_][\w.]*(?:Error|Exception|Interrupt)"
                         r"\b:?.*)$")
+
+
+DISK_FULL = re.compile(r"No space left on device|\[Errno 28\]|ENOSPC")
+
+
+def disk_full(driver_log: Path, ckpt_dir: Path) -> str | None:
+    """When the trainer's output says the storage is full (ENOSPC, as a failing save
+    prints): what to do, for the record and job-exit.json; else None. Not retried as a
+    crash: every attempt would fail at the same save."""
+    try:
+        with open(driver_log, "rb") as fh:
+            fh.seek(max(0, os.path.getsize(driver_log) - 256 * 1024))
+            text = fh.read().decode(errors="replace")
+    except OSError:
+        return None
+    if not DISK_FULL.search(text):
+        return None
+    try:
+        free = f"{shutil.disk_usage(ckpt_dir).free / 1e9:.1f} GB free now"
+    except OSError:
+        free = "free space unknown"
+    return (f"the trainer ran out of disk space (No space left on device) on {ckpt_dir} "
+            f"({free}): free space there or lower train.checkpoint_keep, then rerun; not "
+            "retried as a crash")
 
 
 def last_error(driver_log: Path) -> str | None:
@@ -479,7 +505,8 @@ def run(train: Train, cluster: Cluster, layout: Layout, *, keep_steps: Sequence[
                 lost=job.lost, allocation=job.allocation or rec.get("nodes") or [],
                 nodes_needed=cluster.nodes, time_left=time_left(me.job_id),
                 interval=job.restart_need(), attempts_dir=layout.train_attempts)
-            if not step.retry and rec["outcome"] not in ("refused", "cancelled"):
+            if not step.retry and rec["outcome"] not in ("refused", "cancelled") \
+                    and not rec.get("disk_full"):
                 rec["crash_loop"] = step.reason
                 write_json_atomic(Path(layout.attempt_record(k)), rec)
             if not step.restart:
@@ -704,6 +731,7 @@ class Job:
             last = rec.get("last_logged_step")
             rec["failed_at_step"] = (last if last is not None else rec["start_step"]) + 1
             rec["error"] = last_error(log_dir / "driver.log")
+            rec["disk_full"] = disk_full(log_dir / "driver.log", self.layout.checkpoint_dir)
         if outcome == "stopped_for_time_limit" and (rec.get("steps_lost") or
                                                     rec.get("end_step") != result.stop_step):
             # The trainer went on while it was being stopped: say what really happened.
