@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import time
@@ -83,8 +84,10 @@ class SlurmTrain:
 
 @pytest.fixture
 def slurm_train(slurm_profile_args, train_setup):
-    def factory(total: int, save_freq: int, step_s: float = 0.2, **train_cfg) -> SlurmTrain:
-        setup = train_setup(run=RUN, total=total, save_freq=save_freq, step_s=step_s)
+    def factory(total: int, save_freq: int, step_s: float = 0.2, test_freq: int = -1,
+                **train_cfg) -> SlurmTrain:
+        setup = train_setup(run=RUN, total=total, save_freq=save_freq, step_s=step_s,
+                            test_freq=test_freq)
         return SlurmTrain(setup, slurm_profile_args, **train_cfg)
 
     return factory
@@ -244,7 +247,7 @@ def test_hang_is_detected_diagnosed_and_restarted_in_the_job(slurm_train) -> Non
     st.run(check=True)
     a1, a2 = records(st)
     assert a1["outcome"] == "hung", a1
-    assert a1["exit_reason"].startswith("hung at step 5 (no progress for 0."), a1
+    assert a1["exit_reason"].startswith("hung at step 5 (step; no progress for 0."), a1
     assert "stall limit 0.25 min" in a1["exit_reason"], a1
     assert (a1["end_step"], a1["last_logged_step"], a1["steps_lost"]) == (4, 4, 0)
     assert a2["slurm_job_id"] == a1["slurm_job_id"] and a2["job_attempt"] == 2
@@ -273,16 +276,41 @@ def test_hang_is_detected_diagnosed_and_restarted_in_the_job(slurm_train) -> Non
     no_leftovers(st, a1["slurm_job_id"])
 
 
-def test_time_limit_every_job_ends_right_after_a_save(slurm_train) -> None:
+FAILING_SQUEUE = """#!/bin/sh
+# squeue on the job's PATH before SLURM's: every `-o %L` query of a job after its first
+# fails, as a slurmctld timeout would (issue 19, 3).
+case "$*" in
+*%L*)
+    state="$HY3RL_TEST_SQUEUE_STATE.$SLURM_JOB_ID"
+    if [ -e "$state" ]; then
+        echo "squeue: error: slurm_load_jobs error: Socket timed out on send/recv" >&2
+        exit 1
+    fi
+    : > "$state" ;;
+esac
+exec {real} "$@"
+"""
+
+
+def test_time_limit_every_job_ends_right_after_a_save(slurm_train, tmp_path: Path) -> None:
     """A 1-minute job limit, a run that needs several: each job stops its trainer right
-    after a save before the limit, Snakemake resubmits it, and no step is lost."""
+    after a save before the limit, Snakemake resubmits it (no failed submission spent), and
+    no step is lost, although squeue answers the job's time left only once per job (the
+    deadline read at the start stands when a later query fails)."""
     # 44 steps of 1 s cannot fit in one 1-minute job with its start-up (10-25 s here) and
     # the stop's margin; two or three jobs do.
     st = slurm_train(total=44, save_freq=4, step_s=1.0, max_submissions=5, restarts_per_job=0,
                      time_limit_margin_min=0.2, watchdog={"poll_s": 0.2})
     st.cluster = {"train_time_min": 1}
     st.write_config()
-    st.run(check=True)
+    fake = tmp_path / "fakebin"
+    fake.mkdir()
+    (fake / "squeue").write_text(FAILING_SQUEUE.format(real=shutil.which("squeue")))
+    (fake / "squeue").chmod(0o755)
+    st.run(check=True, PATH=f"{fake}{os.pathsep}{os.environ['PATH']}",
+           HY3RL_TEST_SQUEUE_STATE=str(tmp_path / "squeue-state"))
+    assert list(tmp_path.glob("squeue-state.*")), "the jobs did not use the failing squeue"
+    assert "Socket timed out" in st.train_log()
     recs = records(st)
     assert len(recs) >= 2, recs
     for rec in recs[:-1]:
@@ -297,6 +325,41 @@ def test_time_limit_every_job_ends_right_after_a_save(slurm_train) -> None:
     assert done["final_step"] == 44 and done["steps_lost_total"] == 0
     merged = [json.loads(x) for x in (st.train_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in merged] == list(range(45))
+    decisions = [json.loads(x) for x in
+                 (st.train_dir / "attempts" / "submissions.jsonl").read_text().splitlines()]
+    assert decisions and all(d["planned"] for d in decisions), decisions
+
+
+def test_slow_first_save_and_validation_no_false_hang_real_hangs_caught(slurm_train) -> None:
+    """Issue 19 on the test cluster, one invocation: a first save ten times a step and
+    validations five times a step are no hang (the limit of the old code before the first
+    save, 3 x the slowest step, was passed by step 4: 0.5 + 5 + 2.5 s > 3 x 3 s); a real
+    hang at step 10 is still caught within its phase's limit (step+validation: 3 x the
+    learned 0.5 + 2.5 s); after the restart, a trainer that does not exit after its last
+    step is stopped within the shutdown allowance and recorded succeeded."""
+    st = slurm_train(total=12, save_freq=4, step_s=0.5, test_freq=2, max_submissions=1,
+                     restarts_per_job=1,
+                     watchdog={"poll_s": 0.5, "stall_floor_min": 0.05, "first_step_min": 0.05,
+                               "save_min": 0.2, "shutdown_min": 0.1})
+    st.setup.times = {"FIRST_SAVE": 5.0, "TEST": 2.5}
+    st.setup.set_faults(hang_at=10, hang_after_last=1)
+    st.run(check=True)
+    a1, a2 = records(st)
+    assert a1["outcome"] == "hung", a1
+    assert a1["exit_reason"].startswith("hung at step 10 (step+validation; no progress "), a1
+    limit = float(re.search(r"stall limit ([\d.]+) min", a1["exit_reason"]).group(1))
+    assert limit < 0.4, a1["exit_reason"]  # 3 x (step + validation), not the save's
+    assert a1["last_logged_step"] == 9 and a1["end_step"] == 8
+    model = a1["timing"]["model"]
+    assert model["save"]["learned"] and model["save"]["s"] >= 5.0, model
+    assert model["validation"]["learned"] and model["validation"]["s"] >= 2.5, model
+    assert a2["outcome"] == "succeeded" and a2["start_step"] == 8, a2
+    assert "after the line of the final step 12, whose checkpoint is complete" in \
+        a2["exit_reason"], a2
+    assert a2["timing"]["phase"] == "shutdown"
+    done = json.loads((st.train_dir / "done.json").read_text())
+    assert done["final_step"] == 12
+    no_leftovers(st, a1["slurm_job_id"])
 
 
 def test_crash_loop_stops_before_another_submission(slurm_train) -> None:
