@@ -502,3 +502,13 @@ def test_dry_run_and_the_jobs_own_snakemake_decide_nothing(tmp_path: Path):
     assert "Trying to restart" not in out, out
     assert "refused by tests/test_resubmit.py" in (work / layout.log("train")).read_text()
     assert not (work / layout.train_submissions).exists()
+
+
+def test_a_start_that_hangs_is_tried_on_other_nodes_before_it_is_a_loop():
+    """Issue 19, 5: two startups that hung on the same nodes are no crash loop yet (the job
+    ends for a new allocation); on other nodes too, they are."""
+    a = record(1, "hung", 0, None, nodes=("gpu01", "gpu02"))
+    b = record(2, "hung", 0, None, nodes=("gpu02", "gpu01"), started=40)
+    assert crash_loop([a, b]) is None
+    c = record(3, "hung", 0, None, nodes=("gpu03", "gpu04"), started=80)
+    assert crash_loop([a, b, c]).startswith("crash loop at step 1: attempts 2 and 3")

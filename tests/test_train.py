@@ -798,3 +798,12 @@ def test_a_full_disk_is_not_retried_as_a_crash(tmp_path: Path) -> None:
     step = train.after_attempt(rec, [rec], restarts_left=3, lost=[], allocation=["n1"],
                                nodes_needed=1, time_left=None, interval=None)
     assert (step.restart, step.retry) == (False, False) and why in step.reason
+
+
+def test_a_start_that_hangs_ends_for_a_new_allocation() -> None:
+    rec = {**_rec(1, "hung", 0, 0), "last_logged_step": None}
+    step = train.after_attempt(rec, [rec], restarts_left=3, lost=[], allocation=["n1"],
+                               nodes_needed=1, time_left=None, interval=None)
+    assert (step.restart, step.retry) == (False, True)
+    assert step.reason.endswith("a start that hangs is retried in a new allocation: ends for "
+                                "a resubmission")

@@ -15,7 +15,10 @@ Contract (docs/formats/train.md):
   second started from the first's last complete checkpoint and saved none, and both broke
   at the same step (equal ``failed_at_step``, or neither logged a training step: an error in
   the trainer's first minutes, such as a configuration or import error, is retried once
-  and stops when it repeats). Any other outcome in between breaks the chain.
+  and stops when it repeats). Two startups that hung (no metrics line at all) on the same
+  nodes are not a loop yet: the job ends for a new allocation instead of restarting in
+  its own, and a loop needs the hang on other nodes too. Any other outcome in between
+  breaks the chain.
 - :func:`decide` for Snakemake's ``attempt`` (1 = the first submission of this job in this
   invocation). Attempt 1 reads nothing and asks SLURM nothing: the dry run and the DAG
   never touch the records or the cluster, and a person's rerun (a new invocation) is never
@@ -122,7 +125,15 @@ def _loops(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
     if start != (a.get("end_step") or 0) or (b.get("end_step") or 0) != start:
         return False
     fa, fb = a.get("failed_at_step"), b.get("failed_at_step")
+    if startup_hang(a) and startup_hang(b) and a.get("nodes") \
+            and sorted(a["nodes"]) == sorted(b.get("nodes") or []):
+        return False  # a start that hangs is tried on other nodes before it is a loop
     return (fa is not None and fa == fb) or (_no_step_logged(a) and _no_step_logged(b))
+
+
+def startup_hang(rec: Mapping[str, Any]) -> bool:
+    """The attempt hung before its first step (model loads, NCCL initialisation)."""
+    return outcome(rec) == "hung" and rec.get("last_logged_step") is None
 
 
 def crash_loop(records: Sequence[Mapping[str, Any]],

@@ -277,6 +277,11 @@ def after_attempt(rec: Mapping[str, Any], records: Sequence[Mapping[str, Any]], 
     loop = crash_loop(list(records), attempts_dir)
     if loop:
         return JobStep(False, False, loop, exclude)
+    if outcome == "hung" and rec.get("last_logged_step") is None:
+        # A start that hangs (NCCL initialisation, a node that never loads) is retried in a
+        # new allocation, on other nodes if SLURM has them, before it can be a crash loop.
+        return JobStep(False, True, f"{reason}; a start that hangs is retried in a new "
+                       "allocation: ends for a resubmission", exclude)
     fits = len([n for n in allocation if n not in set(lost)]) >= nodes_needed
     has_time = time_left is None or interval is None or time_left >= interval
     if restarts_left > 0 and has_time and fits:
