@@ -62,6 +62,7 @@ STEP_KEY = "timing_s/step"
 TEST_KEY = "timing_s/testing"
 SAVE_KEY = "timing_s/save_checkpoint"
 STARTUP_FACTOR = 1.5  # a startup's limit over the slowest startup seen (or one that hung)
+BYTES_EVERY_S = 60.0  # a checkpoint being written is walked at most this often
 
 
 @dataclass(frozen=True)
@@ -343,6 +344,7 @@ class Monitor:
     decided_saves: set[int] = field(default_factory=set)
     bytes_seen: dict[int, int] = field(default_factory=dict)
     complete_seen: set[int] = field(default_factory=set)
+    bytes_walked_at: float | None = None
     phase: str = "startup"
     startup_hung_s: float | None = None
 
@@ -387,8 +389,8 @@ class Monitor:
         return (self.last_step if self.last_step is not None else self.start_step) + 1
 
     def watch_save(self, now: float) -> None:
-        """Bytes arriving in the next step's checkpoint, or it becoming complete, are
-        progress."""
+        """Bytes arriving in the next step's checkpoint (walked at most every
+        :data:`BYTES_EVERY_S`), or it becoming complete, are progress."""
         if self.ckpt_dir is None or self.last_step is None:
             return
         step = self.next_step()
@@ -401,6 +403,9 @@ class Monitor:
         path = self.ckpt_dir / f"global_step_{step}"
         if not path.is_dir():
             return
+        if self.bytes_walked_at is not None and now - self.bytes_walked_at < BYTES_EVERY_S:
+            return  # a multi-TB checkpoint of many files: walked once a minute at most
+        self.bytes_walked_at = now
         size = tree_bytes(path)
         if size > self.bytes_seen.get(step, 0):
             self.bytes_seen[step] = size
