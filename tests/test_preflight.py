@@ -711,6 +711,34 @@ def test_disk_rule_uses_free_space(verl, tmp_path):
     assert small.checkpoint["bytes_per_checkpoint"] == 7 * 10**6
 
 
+def test_disk_rule_counts_what_the_checkpoint_directory_holds(verl, tmp_path, ckpt_writer):
+    """Issue 19, 9: complete checkpoints already there hold their space; leftovers the job
+    removes at its start (older incomplete saves, an interrupted retention) count as free."""
+    cfg = paper_cfg(tmp_path)
+    cfg["preflight"]["waive"] = []
+    cfg["preflight"]["model_bytes"] = 10**6
+    cfg["cluster"]["gpu_memory_gb"] = 10**6
+    cfg["train"]["checkpoint_keep"] = 2
+    cfg["eval"]["steps"] = [200]
+    first = plan_for(cfg, verl, tmp_path)
+    assert first.checkpoint["checkpoints_there"] == 0
+    assert first.checkpoint["bytes_needed"] == 3 * 7 * 10**6
+    ckpt = Path(first.checkpoint["dir"])
+    for step in (20, 40):
+        ckpt_writer(ckpt, step)
+    for k in (3, 4):  # two incomplete saves moved aside: the older is removed at the start
+        aside = ckpt / f"global_step_60.incomplete-{k}"
+        aside.mkdir()
+        (aside / "shard").write_bytes(b"x" * 1000)
+    (ckpt / ".pruning-global_step_10").mkdir()
+    (ckpt / ".pruning-global_step_10" / "shard").write_bytes(b"y" * 500)
+    again = plan_for(cfg, verl, tmp_path, name="again")
+    assert again.checkpoint["checkpoints_there"] == 2
+    assert again.checkpoint["bytes_needed"] == 1 * 7 * 10**6  # only the one being written
+    assert again.checkpoint["reclaimable_bytes"] == 1500
+    assert rule(again, "disk").status == "pass"
+
+
 def test_kept_for_eval():
     assert pf.kept_for_eval([20, 100, 180], 20, 200, 2) == [20, 100]
     assert pf.kept_for_eval([25, 210], 20, 210, 1) == []  # 25 never saved; 210 the newest

@@ -181,17 +181,28 @@ def prepare_resume(ckpt_dir: Path, attempt: int) -> tuple[int, list[str]]:
     return start, actions
 
 
-def remove_old_incomplete(ckpt_dir: Path) -> list[str]:
-    """Remove every ``global_step_N.incomplete-<k>[.n]`` but the newest (the highest
-    attempt ``k``, then ``n``): each is renamed out of the pattern first (``.pruning-*``,
-    finished at the next start if this process ends mid-removal). Returns the actions
-    taken."""
-    def order(p: Path) -> tuple[int, ...]:
-        return tuple(int(x) for x in re.findall(r"\d+", p.name.split(".incomplete-")[1]))
+def _aside_order(p: Path) -> tuple[int, ...]:
+    return tuple(int(x) for x in re.findall(r"\d+", p.name.split(".incomplete-")[1]))
 
-    aside = sorted(ckpt_dir.glob("global_step_*.incomplete-*"), key=order)
+
+def old_incomplete(ckpt_dir: Path) -> list[Path]:
+    """Every ``global_step_N.incomplete-<k>[.n]`` but the newest (the highest attempt
+    ``k``, then ``n``)."""
+    return sorted(ckpt_dir.glob("global_step_*.incomplete-*"), key=_aside_order)[:-1]
+
+
+def leftovers(ckpt_dir: Path) -> list[Path]:
+    """What the next start removes (:func:`prepare_resume`): the ``.pruning-*`` directories
+    of an interrupted retention and every incomplete save but the newest."""
+    return sorted(ckpt_dir.glob(".pruning-global_step_*")) + old_incomplete(ckpt_dir)
+
+
+def remove_old_incomplete(ckpt_dir: Path) -> list[str]:
+    """Remove every incomplete save moved aside but the newest (:func:`old_incomplete`):
+    each is renamed out of the pattern first (``.pruning-*``, finished at the next start if
+    this process ends mid-removal). Returns the actions taken."""
     actions = []
-    for old in aside[:-1]:
+    for old in old_incomplete(ckpt_dir):
         doomed = free_name(ckpt_dir / f".pruning-{old.name}")
         os.rename(old, doomed)
         shutil.rmtree(doomed)

@@ -536,6 +536,20 @@ def _async_save(r: _Rules, eff: Mapping[str, Any]) -> None:
                 "does not write latest_checkpointed_iteration.txt and resume breaks")
 
 
+def checkpoint_space(ckpt_dir: Path) -> tuple[int, int]:
+    """What the checkpoint directory holds already: its complete checkpoints (they occupy
+    their space: only the rest of the checkpoints kept at once needs free space) and the
+    bytes of the leftovers the job removes at its start (hy3rl.ckptdir.leftovers: they
+    count as free)."""
+    from hy3rl.ckptdir import leftovers, scan
+    from hy3rl.watchdog import tree_bytes
+
+    if not ckpt_dir.is_dir():
+        return 0, 0
+    held = sum(1 for c in scan(ckpt_dir) if c.complete)
+    return held, sum(tree_bytes(p) for p in leftovers(ckpt_dir))
+
+
 def _disk(r: _Rules, cfg: Config, eff: Mapping[str, Any], ckpt_dir: Path, weights: int | None,
           weights_from: str) -> dict[str, Any]:
     """disk: free space for (keep + kept for eval + 1) checkpoints; returns plan.json's
@@ -552,13 +566,17 @@ def _disk(r: _Rules, cfg: Config, eff: Mapping[str, Any], ckpt_dir: Path, weight
         r.not_run("disk", f"not run: model bytes {weights_from}")
         return ck
     per = checkpoint_bytes(weights, list(save_contents))
-    need = (keep + len(extra) + 1) * per
+    held, reclaim = checkpoint_space(ckpt_dir)
+    there = min(held, keep + len(extra))  # complete checkpoints already in place
+    need = (keep + len(extra) + 1 - there) * per
     free, probe = free_bytes(ckpt_dir)
+    free += reclaim  # leftovers the job removes at its start
     ck.update(bytes_per_checkpoint=per, bytes_needed=need, free_bytes=free,
-              free_on=str(probe))
+              free_on=str(probe), checkpoints_there=held, reclaimable_bytes=reclaim)
     if need > free:
+        already = f" - {there} already there" if there else ""
         r.error("disk", f"checkpoints need (keep {keep} + {len(extra)} kept for "
-                f"eval.steps {extra} + 1 being written) x "
+                f"eval.steps {extra} + 1 being written{already}) x "
                 f"{per / 1e12:.3f} TB (weights {weights / 1e12:.3f} TB + optimizer "
                 f"6 x weights) = {need / 1e12:.3f} TB but {probe} has {free / 1e12:.3f} TB "
                 f"free (train.checkpoint_keep, eval.steps, train.checkpoint_root)")
