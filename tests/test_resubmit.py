@@ -310,7 +310,7 @@ def test_planned_stops_spend_no_failed_submission(layout: Layout):
     write_records(layout, record(2, "failed", 20, 20, logged=24, failed_at=25, started=LATER))
     write_exit(layout, retry=True, reason="failed", attempts=[2], ended=LATER + 31)
     d = decide(layout, 3, SINCE, job_state=no_slurm, node_state=no_slurm, max_failed=1)
-    assert d.stop == "1 failed submission(s) of the training job in this invocation " \
+    assert d.stop == "1 failed submission(s) of this training job in this invocation " \
         "(train.max_submissions = 1)"
 
 

@@ -335,14 +335,16 @@ def test_slow_first_save_and_validation_no_false_hang_real_hangs_caught(slurm_tr
     validations five times a step are no hang (the limit of the old code before the first
     save, 3 x the slowest step, was passed by step 4: 0.5 + 5 + 2.5 s > 3 x 3 s); a real
     hang at step 10 is still caught within its phase's limit (step+validation: 3 x the
-    learned 0.5 + 2.5 s); after the restart, a trainer that does not exit after its last
-    step is stopped within the shutdown allowance and recorded succeeded."""
+    learned 0.5 + 2.5 s); the log stream of `ray job submit` ending at step 3 while the job
+    runs (the double kills that client) stops nothing: the launcher re-attaches; after the
+    restart, a trainer that does not exit after its last step is stopped within the
+    shutdown allowance and recorded succeeded."""
     st = slurm_train(total=12, save_freq=4, step_s=0.5, test_freq=2, max_submissions=1,
                      restarts_per_job=1,
                      watchdog={"poll_s": 0.5, "stall_floor_min": 0.05, "first_step_min": 0.05,
                                "save_min": 0.2, "shutdown_min": 0.1})
     st.setup.times = {"FIRST_SAVE": 5.0, "TEST": 2.5}
-    st.setup.set_faults(hang_at=10, hang_after_last=1)
+    st.setup.set_faults(hang_at=10, hang_after_last=1, close_log_stream=3)
     st.run(check=True)
     a1, a2 = records(st)
     assert a1["outcome"] == "hung", a1
@@ -350,6 +352,11 @@ def test_slow_first_save_and_validation_no_false_hang_real_hangs_caught(slurm_tr
     limit = float(re.search(r"stall limit ([\d.]+) min", a1["exit_reason"]).group(1))
     assert limit < 0.4, a1["exit_reason"]  # 3 x (step + validation), not the save's
     assert a1["last_logged_step"] == 9 and a1["end_step"] == 8
+    logs = st.train_dir / "attempts" / "attempt-1"
+    assert "re-attached (1) from character" in (logs / "launcher.log").read_text()
+    driver = (logs / "driver.log").read_text()
+    assert "killed 1 log stream client(s)" in driver
+    assert [driver.count(f"step:{k} - ") for k in range(1, 10)] == [1] * 9, driver[-3000:]
     model = a1["timing"]["model"]
     assert model["save"]["learned"] and model["save"]["s"] >= 5.0, model
     assert model["validation"]["learned"] and model["validation"]["s"] >= 2.5, model

@@ -904,6 +904,9 @@ class Launcher:
                 if status in TERMINAL:
                     break
                 if status is None:
+                    failed = job.submit_failed()
+                    if failed:
+                        raise LaunchError(failed, "ray job submit failed")
                     unanswered_since = unanswered_since or now
                     if now - unanswered_since > 60:
                         # The head's dashboard is gone: most likely a node's Ray died; let

@@ -97,6 +97,7 @@ class JobRun:
     proc: subprocess.Popen | None = None
     job_chars: int = 0  # characters of the job's own log written so far
     reattached: int = 0
+    known: bool = False  # Ray answered a status for the job at least once
     streams: list[threading.Thread] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -175,7 +176,22 @@ class JobRun:
         except Exception as exc:
             log.warning("ray job status %s: %s", self.submission_id, exc)
             return None
+        self.known = True
         return str(getattr(status, "value", status))
+
+    def submit_failed(self) -> str | None:
+        """When ``ray job submit`` exited non-zero and Ray never knew the job (the
+        submission itself failed: a bad runtime env, a refused token): the CLI's last
+        output lines; else None."""
+        code = None if self.proc is None else self.proc.poll()
+        if self.known or code in (None, 0):
+            return None
+        try:
+            tail = self.driver_log.read_text(errors="replace").splitlines()[-15:]
+        except OSError:
+            tail = []
+        return f"ray job submit exited {code}: " + " | ".join(ln.strip() for ln in tail
+                                                             if ln.strip())
 
     def info(self) -> Any:
         return self.client().get_job_info(self.submission_id)

@@ -412,9 +412,9 @@ def decide(layout: Layout, attempt: int, since: str, *,
     ``layout``, ``since`` being the controller's start (module doc). ``job_state`` and
     ``node_state`` ask SLURM (:func:`slurm_job`, :func:`slurm_node_states`). Attempt >= 2
     appends the decision to ``submissions.jsonl``. ``max_failed``
-    (``train.max_submissions``): the failed submissions allowed in this invocation; a job
-    that ended as planned (:func:`planned`) is not one. Raises :class:`ResubmitError` for
-    an unreadable record."""
+    (``train.max_submissions``): the failed submissions of this job allowed in this
+    invocation; a job that ended as planned (:func:`planned`) is not one. Raises
+    :class:`ResubmitError` for an unreadable record."""
     if attempt < 2:
         return Decision()
     start = parse(since)
@@ -459,9 +459,12 @@ def decide(layout: Layout, attempt: int, since: str, *,
         notes.append("the job ended as planned and added a checkpoint: no failed submission")
     elif stop is None and no_progress:
         stop = no_progress
-    failed = sum(1 for d in decisions if not d.get("planned")) + (0 if free else 1)
+    # This job's earlier decisions: its submissions 2 .. attempt-1 (the training jobs run
+    # one after another, so they are the newest lines).
+    earlier = decisions[max(0, len(decisions) - (attempt - 2)):] if attempt > 2 else []
+    failed = sum(1 for d in earlier if not d.get("planned")) + (0 if free else 1)
     if stop is None and max_failed is not None and failed >= max_failed:
-        stop = (f"{failed} failed submission(s) of the training job in this invocation "
+        stop = (f"{failed} failed submission(s) of this training job in this invocation "
                 f"(train.max_submissions = {max_failed})")
     decision = Decision(stop, sorted(set(exclude)), notes)
     append_decision(layout, attempt, decision, nothing_left=job_exit is None and not mine,
