@@ -781,3 +781,26 @@ def test_an_offline_wandb_run_is_named_without_a_link(report_run_factory):
     runs = re.findall(r'<p class="wandb-run">(.*?)</p>', html, re.S)
     assert len(runs) == 1 and "<code>test-run-0123abcd</code> (project n/a; attempts 1, 2)" \
         in runs[0] and "no run page recorded" in runs[0] and "href" not in runs[0]
+
+
+def test_the_time_profile_and_the_supervisors_model(report_run_factory):
+    """Where the training time went (verl's own validation share: TEST_FREQ) from the
+    merged metrics, and the newest attempt's time model (hy3rl.watchdog) with its basis."""
+    results = report_run_factory()
+    rec_path = results / "train" / "attempts" / "attempt-2.json"
+    rec = json.loads(rec_path.read_text())
+    rec["timing"] = {"startup_s": 5400.0, "phase": "shutdown", "model": {
+        "step": {"s": 960.0, "learned": True, "samples": 19},
+        "save": {"s": 4100.0, "learned": False, "samples": 0}}}
+    rec_path.write_text(json.dumps(rec))
+    files = _build(results, _config())
+    html = files["index.html"].decode()
+    from hy3rl.verl_log import merged_attempts
+
+    metrics = [r["data"] for r in merged_attempts(results / "train" / "attempts")]
+    test = sum(d.get("timing_s/testing", 0.0) for d in metrics)
+    total = sum(d.get("timing_s/step", 0.0) for d in metrics) + test
+    assert test > 0
+    assert f"{100 * test / total:.3g}%: a larger <code>TEST_FREQ</code> lowers it" in html
+    assert "<td>step</td><td>16</td><td>learned from 19 record(s)</td>" in html
+    assert "<td>save</td><td>68.3</td><td>allowance (not seen yet)</td>" in html

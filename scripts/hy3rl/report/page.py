@@ -216,6 +216,38 @@ def wandb_runs(found: Found) -> list[dict[str, Any]]:
     return list(runs.values())
 
 
+def time_profile(found: Found) -> dict[str, Any] | None:
+    """Where the training job's time went and what the supervisor expects of each phase:
+    sums of verl's ``timing_s/step`` (the save included), ``timing_s/save_checkpoint`` and
+    ``timing_s/testing`` (its own validation, TEST_FREQ, on the training GPUs) over the
+    merged metrics, and the newest attempt record's time model (``timing.model``,
+    hy3rl.watchdog). None when there is neither."""
+    sums = {"step": 0.0, "save": 0.0, "testing": 0.0}
+    keys = {"step": "timing_s/step", "save": "timing_s/save_checkpoint",
+            "testing": "timing_s/testing"}
+    for data in found.metrics.values():
+        for name, key in keys.items():
+            value = data.get(key)
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                sums[name] += float(value)
+    timing = next((a.raw.get("timing") for a in reversed(found.attempts)
+                   if isinstance(a.raw.get("timing"), Mapping)), None)
+    model = timing.get("model") if timing else None
+    if not sums["step"] and not isinstance(model, Mapping):
+        return None
+    total = sums["step"] + sums["testing"]
+    phases = []
+    for name, est in (model or {}).items() if isinstance(model, Mapping) else []:
+        if isinstance(est, Mapping) and isinstance(est.get("s"), int | float):
+            phases.append({"phase": name, "minutes": est["s"] / 60,
+                           "basis": (f"learned from {est.get('samples')} record(s)"
+                                     if est.get("learned") else "allowance (not seen yet)")})
+    return {"hours": total / 3600, "save_hours": sums["save"] / 3600,
+            "testing_hours": sums["testing"] / 3600,
+            "testing_share": sums["testing"] / total if total else None,
+            "phases": phases}
+
+
 def gpu_hours_summary(found: Found) -> dict[str, Any]:
     used = [a.gpu_hours for a in found.attempts if a.gpu_hours is not None]
     plan = found.docs.get("plan")
@@ -523,6 +555,7 @@ def render(found: Found, redact: Redactor, env: Mapping[str, str], figs: Mapping
         identity_notes=found.identity_notes,
         trajectory=((found.identity or {}).get("trajectory") or {}).get("id"),
         resume=resume_points(found.attempts, found.logs),
+        time=time_profile(found),
         notes=found.notes,
         notice=notice,
         training_reason="" if notice else training_reason(found),
