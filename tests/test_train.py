@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from fixtures.common import REPO_ROOT, make_config
 from fixtures.trainer_double import launch_sh, partial_checkpoint, plan_json
-from hy3rl import ckptdir, launch, runtime_id, train, verl_log
+from hy3rl import ckptdir, launch, raynode, runtime_id, train, verl_log
 from hy3rl.errors import StageError
 from hy3rl.layout import Layout
 from hy3rl.settings import Runtime
@@ -381,17 +381,17 @@ def test_port_plan_disjoint_for_cohosted_nodes() -> None:
 
 
 def test_scope_kill_stops_only_its_processes() -> None:
-    env = {**os.environ, launch.SCOPE_VAR: "scope-a"}
+    env = {**os.environ, raynode.SCOPE_VAR: "scope-a"}
     mine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=env)
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
-                             env={**os.environ, launch.SCOPE_VAR: "scope-b"})
+                             env={**os.environ, raynode.SCOPE_VAR: "scope-b"})
     try:
         import time
 
         deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and not launch.scope_processes("scope-a"):
+        while time.monotonic() < deadline and not raynode.scope_processes("scope-a"):
             time.sleep(0.2)
-        assert launch.kill_scope("scope-a", grace=5) == 1
+        assert raynode.kill_scope("scope-a", grace=5) == 1
         assert mine.wait(10) is not None
         assert other.poll() is None
     finally:
@@ -440,8 +440,8 @@ def test_node_cmd_slurm_with_runtime_prefix(tmp_path: Path) -> None:
     assert cmd[8:18] == ["apptainer", "exec", "--nv", "--bind", "/sh ared",
                          "docker://verlai/verl:vllm023.dev1", "env",
                          f"PYTHONPATH={launch.SCRIPTS_DIR}", "python3", "-m"]
-    assert (launch.SCRIPTS_DIR / "hy3rl" / "launch.py").is_file()
-    assert cmd[18:20] == ["hy3rl.launch", "node"]
+    assert (launch.SCRIPTS_DIR / "hy3rl" / "raynode.py").is_file()
+    assert cmd[18:20] == ["hy3rl.raynode", "node"]
     assert cmd[cmd.index("--ray-cli") + 1] == "ray"
     assert cmd[cmd.index("--head-address") + 1] == "10.0.0.1:20000"
     assert sys.executable not in cmd
@@ -450,7 +450,7 @@ def test_node_cmd_slurm_with_runtime_prefix(tmp_path: Path) -> None:
 def test_node_cmd_local_default_and_python(tmp_path: Path) -> None:
     lr, ports = _launcher(tmp_path, None, None)
     cmd = lr.node_cmd(launch.Node("n1", "n1"), "head", ports["n1"], None)
-    assert cmd[:4] == [sys.executable, "-m", "hy3rl.launch", "node"]
+    assert cmd[:4] == [sys.executable, "-m", "hy3rl.raynode", "node"]
     assert "--ray-cli" not in cmd and "srun" not in cmd
     assert cmd[cmd.index("--publish") + 1] == str(tmp_path / "head.json")
 
@@ -699,7 +699,7 @@ def test_copied_logs_are_redacted_with_the_one_policy(tmp_path: Path) -> None:
     plain = tmp_path / "raylet.out"
     plain.write_text("nothing secret\n")
     redactor = make_redactor({"WANDB_API_KEY": key, "WANDB_MODE": "offline"}, [])
-    assert launch.redact_files(redactor, [agent, plain, tmp_path / "gone.log"]) == 1
+    assert raynode.redact_files(redactor, [agent, plain, tmp_path / "gone.log"]) == 1
     assert key not in agent.read_text() and "[REDACTED]" in agent.read_text()
     assert "offline" in agent.read_text() and plain.read_text() == "nothing secret\n"
 

@@ -2,7 +2,7 @@
 snapshot of its processes when the watchdog declares the attempt hung.
 
 Runs on each node inside the training runtime (``train.runtime``, e.g. an apptainer image),
-called by the node wrapper (``hy3rl.launch node``) and by a per-node diagnostics step; so it
+called by the node wrapper (``hy3rl.raynode``) and by a per-node diagnostics step; so it
 imports only the standard library, ``psutil`` and the standard-library-only
 ``hy3rl.atomic``. Neither function raises: both run while an attempt is being torn down, and
 whatever they cannot do is recorded as a reason instead.
@@ -56,7 +56,7 @@ import psutil
 
 from hy3rl.atomic import write_json_atomic, write_text_atomic
 
-SCOPE_VAR = "HY3RL_RAY_SCOPE"  # as hy3rl.launch sets it on every process of a node's Ray
+SCOPE_VAR = "HY3RL_RAY_SCOPE"  # as hy3rl.raynode sets it on every process of a node's Ray
 
 # --------------------------------------------------------------------------- Ray logs
 
