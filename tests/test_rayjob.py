@@ -37,3 +37,16 @@ def test_a_submission_that_failed_says_why(tmp_path: Path) -> None:
     assert why and why.startswith("ray job submit exited 3: ") and "401" in why
     job.known = True  # Ray knew the job: its status decides, not the CLI's exit
     assert job.submit_failed() is None
+
+
+def test_a_stream_resumes_where_it_ended_not_after_the_clis_own_lines() -> None:
+    log = "".join(f"step:{k} - critic/rewards/mean:0.{k}\n" for k in range(1, 9))
+    written = log[:log.index("step:4")]
+    # the CLI printed the job's status after its tail ended: those lines are not the job's
+    chatter = "------------------------------------------\nStatus for job 'r-1-1': RUNNING\n"
+    at = rayjob.resume_offset(log, (written + chatter)[-rayjob.TAIL_KEPT:], len(written) + 70)
+    assert log[at:].startswith("step:4 - ")
+    assert rayjob.resume_offset(log, written, len(written)) == len(written)
+    # too little written to be told apart, or not found: the count
+    assert rayjob.resume_offset(log, "step:", 5) == 5
+    assert rayjob.resume_offset(log, "x" * 50, 10 ** 6) == len(log)

@@ -42,6 +42,24 @@ TERMINAL = frozenset({"SUCCEEDED", "FAILED", "STOPPED"})
 # job/cli.py); what comes before it is the CLI's own chatter.
 TAIL_MARKER = "Tailing logs until the job exits"
 TOKEN_NAME = ".ray-auth-token"
+TAIL_KEPT = 4096  # characters of the job's log kept to find where a stream ended
+
+
+def resume_offset(full: str, tail: str, counted: int) -> int:
+    """Where in ``full`` (the job's whole log so far) a stream that ended stopped: right
+    after ``tail``, the last characters it wrote. The CLI may have printed lines of its own
+    after its tail ended (the job's status): up to five last lines of ``tail`` are dropped
+    until the rest is found. Falls back to ``counted`` (the characters it wrote) when
+    ``tail`` is too short to be told apart or is not found."""
+    lines = tail.splitlines(keepends=True)
+    for drop in range(min(len(lines), 6)):
+        probe = "".join(lines[:len(lines) - drop])
+        if len(probe) < 40:
+            break
+        at = full.rfind(probe)
+        if at >= 0:
+            return at + len(probe)
+    return min(counted, len(full))
 
 
 @dataclass
@@ -96,6 +114,7 @@ class JobRun:
     redact: Callable[[str], str] = str
     proc: subprocess.Popen | None = None
     job_chars: int = 0  # characters of the job's own log written so far
+    job_tail: str = ""  # the last TAIL_KEPT of them
     reattached: int = 0
     known: bool = False  # Ray answered a status for the job at least once
     streams: list[threading.Thread] = field(default_factory=list)
@@ -125,6 +144,7 @@ class JobRun:
             fh.write(line)
             if job:
                 self.job_chars += len(text)
+                self.job_tail = (self.job_tail + text)[-TAIL_KEPT:]
         sys.stdout.write(line)
         sys.stdout.flush()
 
@@ -142,10 +162,16 @@ class JobRun:
         return any(t.is_alive() for t in self.streams)
 
     def reattach(self) -> None:
-        """Follow the job's log again from the character where the last stream ended (a
-        thread running Ray's ``tail_job_logs``)."""
+        """Follow the job's log again from the character where the last stream ended
+        (:func:`resume_offset` on the job's log so far; a thread running Ray's
+        ``tail_job_logs``, which starts at the log's beginning)."""
         self.reattached += 1
-        skip = self.job_chars
+        try:
+            skip = resume_offset(self.client().get_job_logs(self.submission_id),
+                                 self.job_tail, self.job_chars)
+        except Exception as exc:  # the count is the next best answer
+            log.warning("ray job logs %s: %s", self.submission_id, exc)
+            skip = self.job_chars
         log.warning("the log stream of Ray job %s ended while the job runs: re-attached "
                     "(%d) from character %d of its log", self.submission_id,
                     self.reattached, skip)
