@@ -328,6 +328,38 @@ def test_the_console_script_writes_every_file(tmp_path: Path, report_run_factory
     assert sorted(p.name for p in (results / "report").iterdir()) == OUTPUTS
 
 
+def test_a_report_of_a_run_still_going(tmp_path: Path, report_run_factory):
+    """`hy3rl report --out DIR` mid-run: what exists now, the open training attempt marked
+    running, written to DIR only (the run's own report outputs, which Snakemake compares
+    by time, are not touched; nothing of the run is written)."""
+    results = report_run_factory()
+    rec_path = results / "train" / "attempts" / "attempt-2.json"
+    rec = json.loads(rec_path.read_text())
+    for key in ("outcome", "ended_at", "wall_s"):
+        rec.pop(key, None)
+    rec["exit_reason"] = "running"
+    rec_path.write_text(json.dumps(rec))
+    (results / "train" / "done.json").unlink(missing_ok=True)
+    before = {p: p.stat().st_mtime_ns for p in results.rglob("*") if p.is_file()}
+    site = tmp_path / "site.yaml"
+    site.write_text(json.dumps({"run": {"name": results.name,
+                                        "results_root": str(results.parent)},
+                                "cluster": {"gpu": True, "nodes": 2, "gpus_per_node": 8},
+                                "report": {"dpi": 50}}))
+    out = tmp_path / "now"
+    proc = subprocess.run(
+        [sys.executable, "-m", "hy3rl.cli", "report", "--configfile",
+         str(REPO_ROOT / "config/config.yaml"), "--configfile", str(site), "--out", str(out)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(p.name for p in out.iterdir()) == OUTPUTS
+    assert not (results / "report").exists()
+    assert {p: p.stat().st_mtime_ns for p in results.rglob("*") if p.is_file()} == before
+    html = (out / "index.html").read_text()
+    assert 'id="running"' in html
+    assert "training attempt 2 (job 4712, started " in html and "is running" in html
+
+
 # ---- the page and its files ----
 
 

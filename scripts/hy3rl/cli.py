@@ -137,8 +137,10 @@ def _report(cfg: Config, layout: Layout, args: argparse.Namespace) -> None:
     from hy3rl import report
     from hy3rl.layout import REPORT_FILES
 
+    out = getattr(args, "out", None)
     report.run(cfg, results=layout,
-               outputs={n: Path(layout.report_file(n)) for n, _ in REPORT_FILES})
+               outputs={n: Path(out) / n if out else Path(layout.report_file(n))
+                        for n, _ in REPORT_FILES})
 
 
 STAGES: dict[str, tuple[Stage, str]] = {
@@ -180,6 +182,10 @@ def main(argv: list[str] | None = None) -> int:
                        help="config file(s), merged in order (default: config/config.yaml)")
         p.add_argument("--tag", default="base", help="evaluation tag (evaluate, score, "
                        "metrics): base, step<N> or final")
+        if name == "report":
+            p.add_argument("--out", type=Path, default=None, help="write the report files "
+                           "there instead of results/<run>/report/: a report of a run still "
+                           "going, which leaves the run's own outputs untouched")
         if name == "model":
             p.add_argument("--threads", type=int, default=8, help="files transferred or "
                            "hashed in parallel (default 8, as the rule)")

@@ -216,6 +216,19 @@ def wandb_runs(found: Found) -> list[dict[str, Any]]:
     return list(runs.values())
 
 
+def running_now(found: Found) -> list[str]:
+    """What the records say is still running: training attempts whose record is open
+    (``exit_reason`` ``running``; a job killed without closing it reads the same until the
+    next job closes it as ``killed``)."""
+    out = []
+    for a in found.attempts:
+        if a.outcome is None and a.exit_reason == "running":
+            out.append(f"training attempt {a.attempt} (job {a.slurm_job_id or 'local'}, "
+                       f"started {a.started or 'n/a'}) is running: its record is open; the "
+                       f"curves hold the steps logged so far")
+    return out
+
+
 def time_profile(found: Found) -> dict[str, Any] | None:
     """Where the training job's time went and what the supervisor expects of each phase:
     sums of verl's ``timing_s/step`` (the save included), ``timing_s/save_checkpoint`` and
@@ -556,6 +569,7 @@ def render(found: Found, redact: Redactor, env: Mapping[str, str], figs: Mapping
         trajectory=((found.identity or {}).get("trajectory") or {}).get("id"),
         resume=resume_points(found.attempts, found.logs),
         time=time_profile(found),
+        running=running_now(found),
         notes=found.notes,
         notice=notice,
         training_reason="" if notice else training_reason(found),
