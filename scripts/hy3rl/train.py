@@ -312,15 +312,22 @@ ERROR_LINE = re.compile(r"^\s*(?:\([^)]*\)\s*)?([A-Za-z_][\w.]*(?:Error|Exceptio
 DISK_FULL = re.compile(r"No space left on device|\[Errno 28\]|ENOSPC")
 
 
+def output_tail(driver_log: Path) -> str | None:
+    """The last 256 KiB of the trainer's output; None when it cannot be read."""
+    try:
+        with open(driver_log, "rb") as fh:
+            fh.seek(max(0, os.path.getsize(driver_log) - 256 * 1024))
+            return fh.read().decode(errors="replace")
+    except OSError:
+        return None
+
+
 def disk_full(driver_log: Path, ckpt_dir: Path) -> str | None:
     """When the trainer's output says the storage is full (ENOSPC, as a failing save
     prints): what to do, for the record and job-exit.json; else None. Not retried as a
     crash: every attempt would fail at the same save."""
-    try:
-        with open(driver_log, "rb") as fh:
-            fh.seek(max(0, os.path.getsize(driver_log) - 256 * 1024))
-            text = fh.read().decode(errors="replace")
-    except OSError:
+    text = output_tail(driver_log)
+    if text is None:
         return None
     if not DISK_FULL.search(text):
         return None
@@ -336,11 +343,8 @@ def disk_full(driver_log: Path, ckpt_dir: Path) -> str | None:
 def last_error(driver_log: Path) -> str | None:
     """The trainer's last error line (``SomeError: message``) in its output, for the record
     and the crash-loop message; None when there is none."""
-    try:
-        with open(driver_log, "rb") as fh:
-            fh.seek(max(0, os.path.getsize(driver_log) - 256 * 1024))
-            text = fh.read().decode(errors="replace")
-    except OSError:
+    text = output_tail(driver_log)
+    if text is None:
         return None
     found = None
     for line in text.splitlines():
