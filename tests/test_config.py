@@ -134,10 +134,11 @@ def test_placeholders_are_refused_by_key(tmp_path: Path):
                                            "slurm_account": "acct"})
     msg = str(err.value)
     for key in ("model.revision", "model.dir", "train.checkpoint_root", "train.runtime.prefix",
-                "slurm_partition"):
+                "data.heldout.revision", "slurm_partition"):
         assert key in msg, msg
     assert "slurm_account" not in msg
-    site = cfgmod.deep_merge(paper, {"model": {"revision": "a" * 40, "dir": "/m"}, "train": {
+    site = cfgmod.deep_merge(paper, {"model": {"revision": "a" * 40, "dir": "/m"}, "data": {
+        "heldout": {"revision": "b" * 40}}, "train": {
         "checkpoint_root": "/c", "runtime": {"prefix": ""}}})
     cfgmod.refuse_placeholders(site, {"slurm_partition": "gpu"})  # nothing left: passes
 

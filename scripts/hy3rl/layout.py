@@ -17,7 +17,22 @@ from pathlib import Path
 from typing import Any
 
 # Evaluation tags: the base model, a training step's checkpoint, the final one.
-TAG_PATTERN = r"base|final|step\d+"
+TAG_PATTERN = r"(?:heldout/)?(?:base|final|step\d+)"
+# A tag evaluated on the held-out set (data.heldout) is ``heldout/<tag>``: its files live
+# under ``eval/heldout/<tag>/`` beside the test set's ``eval/<tag>/``.
+HELDOUT_PREFIX = "heldout/"
+
+
+def heldout_tag(tag: str) -> str:
+    """The held-out twin of test-set tag ``tag`` (``step20`` -> ``heldout/step20``)."""
+    return tag if tag.startswith(HELDOUT_PREFIX) else HELDOUT_PREFIX + tag
+
+
+def split_tag(tag: str) -> tuple[str, bool]:
+    """(model tag, on the held-out set): ``heldout/step20`` -> (``step20``, True)."""
+    if tag.startswith(HELDOUT_PREFIX):
+        return tag[len(HELDOUT_PREFIX):], True
+    return tag, False
 
 # The report's files, in the order of rules/report.smk: (name, report category).
 REPORT_FILES: tuple[tuple[str, str], ...] = (
@@ -102,6 +117,11 @@ class Layout:
         return self._p("data/val.parquet")
 
     @property
+    def data_heldout(self) -> str:
+        """``data/heldout.parquet``: data.heldout, when configured."""
+        return self._p("data/heldout.parquet")
+
+    @property
     def data_summary(self) -> str:
         return self._p("data/summary.json")
 
@@ -152,6 +172,12 @@ class Layout:
     @property
     def train_done(self) -> str:
         return self._p("train/done.json")
+
+    @property
+    def train_state(self) -> str:
+        """``train/state.json``: written by the controller when it stops resubmitting a
+        training job (hy3rl.resubmit); evaluation waits read it."""
+        return self._p("train/state.json")
 
     @property
     def train_metrics(self) -> str:
@@ -266,6 +292,16 @@ class Layout:
     @property
     def eval_summary(self) -> str:
         return self._p("eval/summary.json")
+
+    def eval_ready(self, tag: str) -> str:
+        """``eval/<step tag>/checkpoint.json``: the step's checkpoint is complete and made by
+        this run's configuration (rule eval_checkpoint); an input of its generations."""
+        return self._p(f"eval/{tag}/checkpoint.json")
+
+    @property
+    def eval_selected(self) -> str:
+        """``eval/selected.json``: the checkpoint eval.select picks (rule eval_select)."""
+        return self._p("eval/selected.json")
 
     # ---- report
     @property

@@ -79,10 +79,34 @@ class ValSource(DataSource):
 
 
 @dataclass(frozen=True)
+class HeldoutSource:
+    name: str
+    source: str | None
+    revision: str | None
+    dedup: bool
+    limit: int | None
+    seed: int
+    convert: Convert | None
+    from_train: bool
+    n: int | None
+
+    def __post_init__(self) -> None:
+        if self.from_train and self.source is not None:
+            raise ConfigError("data.heldout: from_train carves the set out of data.train; "
+                              f"source must be null (is {self.source!r})")
+        if self.from_train and self.limit is None:
+            raise ConfigError("data.heldout.limit: from_train needs the number of prompts "
+                              "to carve out of data.train")
+        if not self.from_train and self.source is None:
+            raise ConfigError("data.heldout.source: set a source, or from_train: true")
+
+
+@dataclass(frozen=True)
 class Data:
     max_prompt_length: int
     train: DataSource
     val: ValSource
+    heldout: HeldoutSource | None
 
 
 @dataclass(frozen=True)
@@ -244,6 +268,7 @@ class Train:
     verl_overrides: dict[str, Any]
     checkpoint_root: str
     checkpoint_keep: int
+    keep_eval_checkpoints: str
     on_config_change: str
     segment_steps: int
     prune_interval_s: float
@@ -290,6 +315,14 @@ class Bootstrap:
 
 
 @dataclass(frozen=True)
+class Select:
+    set: str
+    grader: str
+    metric: str
+    k: int | None
+
+
+@dataclass(frozen=True)
 class Eval:
     backend: str
     preset: str
@@ -301,6 +334,8 @@ class Eval:
     seed: int
     steps: list[int]
     final: bool
+    select: Select | None
+    wait_poll_s: float
     batch_size: int
     transformers: TransformersBackend
     vllm: VllmBackend
