@@ -73,11 +73,28 @@ def data_inputs(wildcards):
     from hy3rl.data import local_source_path
 
     inputs = {"model_manifest": model_manifest()}
-    for split in ("train", "val"):
-        local = local_source_path(getattr(CFG.data, split).source)
+    for split in ("train", "val", "heldout"):
+        src = getattr(CFG.data, split)
+        local = local_source_path(src.source) if src and src.source else None
         if local is not None:
             inputs[split] = local
     return inputs
+
+
+def data_outputs():
+    """Rule data's outputs: train, val and the summary, plus the held-out set when
+    data.heldout is set (output lists are fixed when the Snakefile is parsed)."""
+    outputs = {"train": LAYOUT.data_train, "val": LAYOUT.data_val}
+    if CFG.data.heldout is not None:
+        outputs["heldout"] = LAYOUT.data_heldout
+    outputs["summary"] = LAYOUT.data_summary
+    return outputs
+
+
+def heldout_input():
+    """{"heldout": data/heldout.parquet} when data.heldout is set (preflight checks it
+    against the test and training sets), else nothing."""
+    return {"heldout": LAYOUT.data_heldout} if CFG.data.heldout else {}
 
 
 # ---- checks ----
@@ -207,6 +224,7 @@ def train_slurm_extra(wildcards, attempt):
     base = gpu_job_resources(c.nodes, c.gpus_per_node, c.train_time_min)["slurm_extra"]
     if not workflow.is_main_process:
         return base
+    from hy3rl.evalckpt import write_train_state
     from hy3rl.resubmit import ResubmitError, decide, with_exclude
 
     try:
@@ -214,8 +232,11 @@ def train_slurm_extra(wildcards, attempt):
             LAYOUT, attempt, CONTROLLER_STARTED, max_failed=CFG.train.max_submissions
         )
     except ResubmitError as exc:
+        write_train_state(LAYOUT, "stopped", str(exc))
         raise WorkflowError(str(exc))
     if decision.stop:
+        # The evaluation steps' waits of this controller read it and fail, naming it.
+        write_train_state(LAYOUT, "stopped", f"{decision.stop}; not resubmitted")
         raise WorkflowError(f"{decision.stop}; not resubmitted")
     return with_exclude(base, decision.exclude)
 
@@ -268,20 +289,55 @@ def eval_targets():
     return [LAYOUT.eval_summary, *(LAYOUT.eval_request(tag) for tag in eval_tags(CFG))]
 
 
+def eval_wait_resources():
+    """A waiting local job: it holds no core a generation could use (threads 0 would be
+    refused by Snakemake; 1 is the least), little memory."""
+    return {"mem_mb": 300, "runtime": CFG.cluster.train_time_min}
+
+
+def eval_val(tag):
+    """The problems of a tag: the held-out set for ``heldout/<tag>``, else data.val."""
+    from hy3rl.layout import split_tag
+
+    return LAYOUT.data_heldout if split_tag(tag)[1] else LAYOUT.data_val
+
+
 def eval_generate_inputs(wildcards):
-    """The validation parquet; the tag's model: the model's manifest for base (the weights
-    are CFG.model.path), train/done.json for a checkpoint tag (ancient: the checkpoints are
-    not outputs, and a finished training that is rerun re-evaluates nothing;
-    hy3rl.evaluate.model_for_tag finds the weights); for
-    vLLM, the Ray runtime env written by deps (a multi-node engine starts Ray with it;
-    ancient, as for training: a rewritten deps output re-evaluates nothing)."""
-    inputs = {"val": LAYOUT.data_val, "request": LAYOUT.eval_request(wildcards.tag)}
-    if wildcards.tag == "base":
+    """The tag's problems (eval_val) and request; the tag's model: the model's manifest for
+    base (the weights are CFG.model.path); for step<N> the step's wait (rule
+    eval_checkpoint: the checkpoint is complete, so the generation runs while training
+    goes on); for final train/done.json (ancient: the checkpoints are not outputs, and a
+    finished training that is rerun re-evaluates nothing; hy3rl.evaluate.model_for_tag
+    finds the weights); for vLLM, the Ray runtime env written by deps (a multi-node engine
+    starts Ray with it; ancient, as for training: a rewritten deps output re-evaluates
+    nothing)."""
+    from hy3rl.layout import split_tag
+
+    tag = wildcards.tag
+    model, _ = split_tag(tag)
+    inputs = {"val": eval_val(tag), "request": LAYOUT.eval_request(tag)}
+    if model == "base":
         inputs["model_manifest"] = model_manifest()
-    else:
+    elif model == "final":
         inputs["train_done"] = ancient(LAYOUT.train_done)
+    else:
+        inputs["ready"] = LAYOUT.eval_ready(model)
     if CFG.eval.backend == "vllm":
         inputs["runtime_env"] = ancient(LAYOUT.deps_runtime_env)
+    return inputs
+
+
+def eval_checkpoint_inputs(wildcards):
+    """The wait of step<N>: both its requests (not ancient: a request that changes, e.g.
+    after a config change that retrains, waits again for the new run's checkpoint) and the
+    plan the training job runs (ancient: a plan re-rendered unchanged waits for nothing;
+    its presence means preflight passed, so a failed preflight never starts a wait)."""
+    from hy3rl.layout import heldout_tag
+
+    tag = f"step{wildcards.step}"
+    inputs = {"request": LAYOUT.eval_request(tag), "plan": ancient(LAYOUT.train_plan)}
+    if CFG.data.heldout:
+        inputs["heldout_request"] = LAYOUT.eval_request(heldout_tag(tag))
     return inputs
 
 
@@ -333,22 +389,58 @@ def eval_generate_resources():
 
 
 def eval_metrics_inputs(wildcards):
-    """The tag's scores and their meta; a checkpoint tag also base's scores (vs_base)."""
+    """The tag's scores and their meta; a checkpoint tag also its set's base scores
+    (vs_base)."""
+    from hy3rl.layout import heldout_tag, split_tag
+
+    tag = wildcards.tag
+    model, held = split_tag(tag)
     inputs = {
-        "scores": LAYOUT.eval_scores(wildcards.tag),
-        "meta": LAYOUT.eval_scores_meta(wildcards.tag),
+        "scores": LAYOUT.eval_scores(tag),
+        "meta": LAYOUT.eval_scores_meta(tag),
     }
-    if wildcards.tag != "base":
-        inputs["base"] = LAYOUT.eval_scores("base")
+    if model != "base":
+        inputs["base"] = LAYOUT.eval_scores(heldout_tag("base") if held else "base")
     return inputs
 
 
 def eval_summary_inputs():
-    """metrics.json of every tag (hy3rl.evaluate.eval_tags), in tag order: the summary's
-    rows."""
+    """metrics.json of every test-set tag (hy3rl.evaluate.eval_tags), in tag order: the
+    summary's rows; the held-out ones and the selection."""
     from hy3rl.evaluate import eval_tags
+    from hy3rl.layout import heldout_tag
 
-    return [LAYOUT.eval_metrics(tag) for tag in eval_tags(CFG)]
+    tags = eval_tags(CFG, heldout=False)
+    inputs = {"metrics": [LAYOUT.eval_metrics(tag) for tag in tags]}
+    if CFG.data.heldout:
+        inputs["heldout"] = [LAYOUT.eval_metrics(heldout_tag(tag)) for tag in tags]
+    if selection_enabled():
+        inputs["selected"] = LAYOUT.eval_selected
+    return inputs
+
+
+def selection_enabled():
+    """Rule eval_select is in the DAG: eval.select is set and checkpoints are evaluated."""
+    from hy3rl.selection import candidate_tags
+
+    return CFG.eval.select is not None and CFG.data.heldout is not None and bool(
+        candidate_tags(CFG)
+    )
+
+
+def eval_select_inputs(wildcards):
+    """The held-out metrics of every candidate (the selection) and the test set's metrics of
+    base, the candidates (the selected one's AIME-2024 figures, selected vs final), and the
+    plan holding the rule fixed before training (ancient: as the training jobs read it)."""
+    from hy3rl.layout import heldout_tag
+    from hy3rl.selection import candidate_tags
+
+    tags = candidate_tags(CFG)
+    return {
+        "heldout": [LAYOUT.eval_metrics(heldout_tag(t)) for t in tags],
+        "test": [LAYOUT.eval_metrics(t) for t in ["base", *tags]],
+        "plan": ancient(LAYOUT.train_plan),
+    }
 
 
 # ---- report ----

@@ -1,7 +1,8 @@
 # Stage `data`: DAPO-Math-17k and AIME-2024 (hub or local files) -> verified verl parquet
 # and a summary (hy3rl.data.run). Format: docs/formats/data.md
 # Inputs (the model's manifest: its directory holds the tokenizer; local source files):
-# data_inputs, common.smk.
+# data_inputs, common.smk. Outputs (train, val, summary; heldout with data.heldout):
+# data_outputs, common.smk.
 
 
 # Runs on the submitting host like deps: hub sources need the network (compute nodes often
@@ -14,9 +15,7 @@ rule data:
     input:
         unpack(data_inputs),
     output:
-        train=LAYOUT.data_train,
-        val=LAYOUT.data_val,
-        summary=LAYOUT.data_summary,
+        **data_outputs(),
     log:
         LAYOUT.log("data"),
     threads: 2

@@ -1,7 +1,10 @@
 # Stage `evaluate`: AIME generation per model tag (base, step<N>, final), two graders,
 # metrics, and a summary over tags. Formats: docs/formats/eval.md. The tag logic lives in
 # hy3rl.evaluate (eval_tags, model_for_tag) so it is unit-tested; the input functions are
-# in rules/common.smk (eval section).
+# in rules/common.smk (eval section). With data.heldout, every tag is evaluated on the
+# held-out set too (tag heldout/<tag>); with eval.select, rule eval_select picks the
+# checkpoint to report on it. A step's generations start as soon as its checkpoint is
+# complete (rule eval_checkpoint), while training goes on on its own allocation.
 
 
 STAGE_TARGETS.append(eval_targets)
@@ -24,6 +27,28 @@ rule eval_request:
         request=eval_request_param,
     script:
         "../scripts/adapters/eval_request.py"
+
+
+if gpu_enabled():
+
+    # Waits, on the submit host, until step N's checkpoint is complete under this run's
+    # identity (or fails when training ended or was given up before it: hy3rl.evalckpt).
+    # threads 0: the waits hold none of the local cores the other local jobs need.
+    rule eval_checkpoint:
+        input:
+            unpack(eval_checkpoint_inputs),
+        output:
+            ready=LAYOUT.eval_ready("step{step}"),
+        log:
+            LAYOUT.log("eval/step{step}.wait"),
+        wildcard_constraints:
+            step=r"\d+",
+        localrule: True
+        threads: 0
+        resources:
+            mem_mb=300,
+        script:
+            "../scripts/adapters/eval_checkpoint.py"
 
 
 rule eval_generate:
@@ -80,9 +105,30 @@ rule eval_metrics:
         "../scripts/adapters/eval_metrics.py"
 
 
+if selection_enabled():
+
+    # The checkpoint eval.select picks on the held-out set (the rule from the plan the
+    # training ran with), and its AIME-2024 figures against base and final.
+    rule eval_select:
+        input:
+            unpack(eval_select_inputs),
+        output:
+            selected=LAYOUT.eval_selected,
+        log:
+            LAYOUT.log("eval/select"),
+        localrule: True
+        threads: 1
+        resources:
+            mem_mb=1000,
+        params:
+            **triggers("eval.select", "eval.bootstrap"),
+        script:
+            "../scripts/adapters/eval_select.py"
+
+
 rule evaluate:
     input:
-        metrics=eval_summary_inputs(),
+        **eval_summary_inputs(),
     output:
         summary=LAYOUT.eval_summary,
     log:

@@ -14,7 +14,8 @@ localrules:
 
 # Params: every config value preflight reads (cluster.gpu..gpu_memory_gb: the allocation
 # rules and the estimate; eval.steps: the checkpoints retention keeps, for the disk rule;
-# train.runtime: the runtime_tag warning). With cluster.gpu, check_bridge's report is read:
+# train.runtime: the runtime_tag warning; eval.select and the samples per problem: the
+# selection rule written into the plan; data.heldout is read through its file). With cluster.gpu, check_bridge's report is read:
 # a bridge check that is `not run` or `fail` stops the launch unless `preflight.waive: [bridge]`.
 rule preflight:
     input:
@@ -22,6 +23,7 @@ rule preflight:
         summary=LAYOUT.data_summary,
         train=LAYOUT.data_train,
         val=LAYOUT.data_val,
+        **heldout_input(),
         checkpoint_check=LAYOUT.checks_checkpoint,
         bridge_check=bridge_check_input(),
         model_manifest=model_manifest(),
@@ -61,6 +63,9 @@ rule preflight:
             "train.on_config_change",
             "preflight",
             "eval.steps",
+            "eval.select",
+            "eval.n_samples",
+            "eval.preset",
         ),
     script:
         "../scripts/adapters/preflight.py"

@@ -35,21 +35,25 @@ from hy3rl.settings import Config
 COLUMNS = ["data_source", "prompt", "ability", "reward_model", "extra_info"]
 
 
-def data_section(train: dict, val: dict, max_prompt_length: int = 2048):
+def data_section(train: dict, val: dict, max_prompt_length: int = 2048,
+                 heldout: dict | None = None):
     """The typed `data` section: these splits over the schema's defaults only."""
     return Config.from_dict({"data": {"max_prompt_length": max_prompt_length, "train": train,
-                                      "val": val}}).data
+                                      "val": val, "heldout": heldout}}).data
 
 
 def run_stage(tmp_path: Path, tokenizer: Path, train: dict, val: dict,
-              max_prompt_length: int = 2048) -> tuple[str | None, Path]:
+              max_prompt_length: int = 2048, heldout: dict | None = None
+              ) -> tuple[str | None, Path]:
     """run() in-process into ``tmp_path/out``; returns the DataError's message (None when
     the stage succeeded) and the output directory."""
     out = tmp_path / "out"
     try:
-        data.run(data_section(train, val, max_prompt_length), tokenizer=str(tokenizer),
-                 train=out / "train.parquet", val=out / "val.parquet",
-                 summary=out / "summary.json", cache_dir=str(tmp_path / "hf-cache"))
+        data.run(data_section(train, val, max_prompt_length, heldout),
+                 tokenizer=str(tokenizer), train=out / "train.parquet",
+                 val=out / "val.parquet", summary=out / "summary.json",
+                 heldout=out / "heldout.parquet" if heldout else None,
+                 cache_dir=str(tmp_path / "hf-cache"))
     except data.DataError as exc:
         return str(exc), out
     return None, out
@@ -132,6 +136,9 @@ def test_paper_shape_keeps_file_as_is_and_summary_matches_independent_count(
                              "sha256": sha256(files["dapo"])}
     assert sorted(p.name for p in out.iterdir()) == ["summary.json", "train.parquet",
                                                      "val.parquet"]
+    # data.heldout null: no held-out file, no held-out record, heldout_n null
+    assert summary["heldout_n"] is None and sorted(summary["splits"]) == ["train", "val"]
+    assert "held_out_rows" not in rec
 
 
 def test_dedup_keeps_first_occurrences_and_aime_problem_mode(tmp_path, files,
@@ -462,7 +469,8 @@ def test_data_rule_through_snakemake(tmp_path, files, tiny_tokenizer_dir):
     (model / "config.json").write_text("{}")
     override = {"run": {"name": "t"}, "model": {"source": str(model)},
                 "data": {"train": {"source": str(files["dapo"]), "limit": 8},
-                         "val": {"source": str(files["aime"])}}}
+                         "val": {"source": str(files["aime"])},
+                         "heldout": {"limit": 4}}}  # config.yaml's carve, 4 of 20 prompts
     cfg = tmp_path / "local.yaml"
     cfg.write_text(yaml.safe_dump(override))
     target = "results/t/data/summary.json"
@@ -470,6 +478,10 @@ def test_data_rule_through_snakemake(tmp_path, files, tiny_tokenizer_dir):
                    "--cores", "2", target], work)
     summary = json.loads((work / target).read_text())
     assert summary["splits"]["train"]["rows"] == 8 and summary["val_n"] == 32
+    heldout = work / "results/t/data/heldout.parquet"
+    assert summary["splits"]["heldout"]["sha256"] == sha256(heldout)
+    assert summary["splits"]["heldout"]["name"] == "dapo_heldout"
+    assert pq.read_table(heldout).num_rows == 4 and summary["heldout_n"] == 1
     assert "val_n: 32" in (work / "results/t/logs/data.log").read_text()
     # The model directory is read after rule model described it (the data rule's input).
     manifest = json.loads((work / "results/t/model/manifest.json").read_text())
@@ -519,3 +531,197 @@ def test_empty_source_and_revision_on_local_file(tmp_path, files, tiny_tokenizer
                          {"source": str(files["aime"]), "revision": "main"})
     assert "applies to hub datasets only" in err
     assert not out.exists() or list(out.iterdir()) == []
+
+
+# --------------------------------------------------------------------------- data.heldout
+
+
+def prompt_texts(rows: list[dict]) -> list[str]:
+    return [json.dumps(r["prompt"], sort_keys=True) for r in rows]
+
+
+def carve(limit: int, seed: int = 1, **extra) -> dict:
+    return {"name": "dapo_heldout", "from_train": True, "limit": limit, "seed": seed, **extra}
+
+
+def test_heldout_carved_from_train_after_dedup_before_limit(tmp_path, files,
+                                                            tiny_tokenizer_dir):
+    """20 prompts x 100 (dedup on): 5 prompts held out, train's limit then samples the 15
+    left; the choice is numpy default_rng(seed) over the distinct prompts."""
+    train = {"source": str(files["dapo"]), "limit": 10, "seed": 3}
+    val = {"source": str(files["aime"])}
+    err, out = run_stage(tmp_path / "a", tiny_tokenizer_dir, train, val, heldout=carve(5))
+    assert err is None, err
+    assert sorted(p.name for p in out.iterdir()) == ["heldout.parquet", "summary.json",
+                                                     "train.parquet", "val.parquet"]
+    source = dapo_rows(20, 1)
+    chosen = np.sort(np.random.default_rng(1).choice(20, 5, replace=False))
+    heldout = pq.read_table(out / "heldout.parquet")
+    assert heldout.column_names == COLUMNS and heldout.schema.metadata is None
+    assert heldout.to_pylist() == [source[i] for i in chosen]  # training rows, index kept
+    left = [r for i, r in enumerate(source) if i not in set(chosen.tolist())]
+    expected_train = np.sort(np.random.default_rng(3).choice(15, 10, replace=False))
+    train_rows = pq.read_table(out / "train.parquet").to_pylist()
+    assert train_rows == [left[i] for i in expected_train]
+    assert not set(prompt_texts(train_rows)) & set(prompt_texts(heldout.to_pylist()))
+
+    summary = read_summary(out)
+    assert summary["heldout_n"] == 1 and summary["val_n"] == 32
+    rec = summary["splits"]["heldout"]
+    assert (rec["name"], rec["from_train"], rec["carved_prompts"]) == ("dapo_heldout", True, 5)
+    assert (rec["rows"], rec["unique_prompts"], rec["duplicates"]) == (5, 5, 0)
+    assert rec["heldout_n"] == 1 and "carved" in rec["heldout_n_source"]
+    assert rec["options"] == {"dedup": True, "limit": 5, "seed": 1, "convert": None, "n": None}
+    assert rec["source"] == summary["splits"]["train"]["source"]
+    assert rec["input"] == summary["splits"]["train"]["input"]
+    assert rec["sha256"] == sha256(out / "heldout.parquet")
+    assert rec["bytes"] == (out / "heldout.parquet").stat().st_size
+    assert rec["path"] == str(out / "heldout.parquet")
+    lengths = verl_lengths(tiny_tokenizer_dir, [r["prompt"] for r in heldout.to_pylist()])
+    assert rec["prompt_tokens"]["max"] == max(lengths)
+    trec = summary["splits"]["train"]
+    assert trec["held_out_rows"] == 5 and trec["rows"] == 10
+    assert "carved_prompts" not in trec and "name" not in trec
+
+    # Same seeds: the same files; another held-out seed: another set.
+    err_b, out_b = run_stage(tmp_path / "b", tiny_tokenizer_dir, train, val, heldout=carve(5))
+    err_c, out_c = run_stage(tmp_path / "c", tiny_tokenizer_dir, train, val,
+                             heldout=carve(5, seed=2, n=4))
+    assert err_b is err_c is None, (err_b, err_c)
+    for name in ("heldout.parquet", "train.parquet"):
+        assert sha256(out / name) == sha256(out_b / name)
+    assert sha256(out / "heldout.parquet") != sha256(out_c / "heldout.parquet")
+    assert read_summary(out_c)["heldout_n"] == 4
+
+
+def test_heldout_carve_without_dedup_removes_every_duplicate(tmp_path, files,
+                                                            tiny_tokenizer_dir):
+    err, out = run_stage(tmp_path, tiny_tokenizer_dir,
+                         {"source": str(files["dapo"]), "dedup": False},
+                         {"source": str(files["aime"])}, heldout=carve(4, seed=5))
+    assert err is None, err
+    source = dapo_rows(20, 100)
+    chosen = np.sort(np.random.default_rng(5).choice(20, 4, replace=False))
+    heldout = pq.read_table(out / "heldout.parquet").to_pylist()
+    assert heldout == [source[i] for i in chosen]  # one row a prompt: its first occurrence
+    held = set(prompt_texts(heldout))
+    train_rows = pq.read_table(out / "train.parquet").to_pylist()
+    assert train_rows == [r for r in source if prompt_texts([r])[0] not in held]
+    assert len(train_rows) == 1600
+    summary = read_summary(out)
+    assert summary["splits"]["train"]["held_out_rows"] == 400
+    assert summary["splits"]["train"]["input"]["rows"] == 2000
+    assert summary["splits"]["heldout"]["rows"] == 4
+
+
+@pytest.mark.parametrize("limit", [20, 25])
+def test_heldout_carve_larger_than_train_is_refused(limit, tmp_path, files,
+                                                   tiny_tokenizer_dir):
+    err, out = run_stage(tmp_path, tiny_tokenizer_dir, {"source": str(files["dapo"])},
+                         {"source": str(files["aime"])}, heldout=carve(limit))
+    assert err is not None and err.startswith("data.heldout.limit: "), err
+    assert f"{limit} prompts" in err and "20 distinct prompts" in err
+    assert str(files["dapo"]) in err
+    assert not out.exists() or list(out.iterdir()) == []
+
+
+def test_heldout_from_its_own_source(tmp_path, files, tiny_tokenizer_dir):
+    """A local parquet read like a split: dedup, limit, n inferred as val's; and a user's
+    JSONL converted with an id field."""
+    aime25 = write_parquet(tmp_path / "aime-2025.parquet", aime_rows(4))
+    own = {"name": "aime2025", "source": str(aime25)}
+    err, out = run_stage(tmp_path / "a", tiny_tokenizer_dir, {"source": str(files["dapo"])},
+                         {"source": str(files["aime"])}, heldout=own)
+    assert err is None, err
+    summary = read_summary(out)
+    rec = summary["splits"]["heldout"]
+    assert (rec["name"], rec["from_train"]) == ("aime2025", False)
+    assert "carved_prompts" not in rec and "held_out_rows" not in summary["splits"]["train"]
+    assert rec["rows"] == 30 and rec["input"]["rows"] == 120
+    assert summary["heldout_n"] == 4 and summary["val_n"] == 32
+    assert rec["source"]["sha256"] == sha256(aime25)
+    assert sorted(r["extra_info"]["index"] for r in
+                  pq.read_table(out / "heldout.parquet").to_pylist()) == list(range(30))
+    assert summary["splits"]["train"]["rows"] == 20  # train untouched
+
+    err, out = run_stage(tmp_path / "b", tiny_tokenizer_dir, {"source": str(files["dapo"])},
+                         {"source": str(files["aime"])},
+                         heldout={**own, "dedup": False, "limit": 7, "seed": 2, "n": 3})
+    assert err is None, err
+    summary = read_summary(out)
+    assert summary["heldout_n"] == 3 and summary["splits"]["heldout"]["rows"] == 7
+    expected = np.sort(np.random.default_rng(2).choice(120, 7, replace=False))
+    assert pq.read_table(out / "heldout.parquet").to_pylist() == [
+        aime_rows(4)[i] for i in expected]
+
+    mine = write_jsonl(tmp_path / "mine.jsonl", [{"id": "I-1", "q": "Find x if x+1=0.", "a": -1},
+                                                 {"id": "II-1", "q": "What is 2+2?", "a": 4}])
+    err, out = run_stage(
+        tmp_path / "c", tiny_tokenizer_dir, {"source": str(files["dapo"])},
+        {"source": str(files["aime"])},
+        heldout={**own, "source": str(mine),
+                 "convert": {"question": "q", "answer": "a", "id": "id"}})
+    assert err is None, err
+    rows = pq.read_table(out / "heldout.parquet").to_pylist()
+    assert [r["extra_info"] for r in rows] == [
+        {"index": "I-1", "raw_problem": "Find x if x+1=0.", "split": "heldout"},
+        {"index": "II-1", "raw_problem": "What is 2+2?", "split": "heldout"}]
+    assert read_summary(out)["heldout_n"] == 1
+
+
+def test_heldout_errors_name_the_set_and_leave_nothing(tmp_path, files, tiny_tokenizer_dir):
+    """Errors of the held-out source say data.heldout, its file and row; the earlier
+    outputs (train, val, summary, heldout) stay as they were."""
+    train, val = {"source": str(files["dapo"])}, {"source": str(files["aime"])}
+    err, out = run_stage(tmp_path, tiny_tokenizer_dir, train, val, heldout=carve(3))
+    assert err is None, err
+    before = {p.name: sha256(p) for p in out.iterdir()}
+    assert len(before) == 4
+
+    mine = write_jsonl(tmp_path / "mine.jsonl", [{"id": "p1", "q": "a?", "a": 1},
+                                                 {"id": "p2", "q": "b?", "a": 2},
+                                                 {"id": "p1", "q": "c?", "a": 3}])
+    own = {"name": "mine", "source": str(mine),
+           "convert": {"question": "q", "answer": "a", "id": "id"}}
+    err, _ = run_stage(tmp_path, tiny_tokenizer_dir, train, val, heldout=own)
+    assert err == (f"data.heldout: {mine}: row 2, column extra_info.index: problem id 'p1' is "
+                   "also row 0's, whose prompt differs (the evaluation keys held-out problems "
+                   "by extra_info.index)"), err
+    bad = write_parquet(tmp_path / "bad.parquet", [*dapo_rows(2), {**dapo_rows(3)[2],
+                                                                   "ability": None}])
+    err, _ = run_stage(tmp_path, tiny_tokenizer_dir, train, val,
+                       heldout={"name": "bad", "source": str(bad)})
+    assert err.startswith(f"data.heldout: {bad}: row 2, column ability"), err
+    uneven = write_parquet(tmp_path / "uneven.parquet", aime_rows(32)[:-1])
+    err, _ = run_stage(tmp_path, tiny_tokenizer_dir, train, val,
+                       heldout={"name": "u", "source": str(uneven)})
+    assert err.startswith("data.heldout: ") and "set data.heldout.n" in err, err
+    err, _ = run_stage(tmp_path, tiny_tokenizer_dir, train, val, heldout=carve(20))
+    assert err.startswith("data.heldout.limit: "), err
+    assert {p.name: sha256(p) for p in out.iterdir()} == before  # all four, intact
+
+    # Fresh directory, a failing held-out set: nothing written at all.
+    err, out2 = run_stage(tmp_path / "fresh", tiny_tokenizer_dir, train, val, heldout=own)
+    assert err and (not out2.exists() or list(out2.iterdir()) == [])
+
+
+def test_heldout_path_must_match_config(tmp_path, files, tiny_tokenizer_dir):
+    section = data_section({"source": str(files["dapo"])}, {"source": str(files["aime"])},
+                           heldout=carve(3))
+    out = tmp_path / "out"
+    with pytest.raises(data.DataError, match=r"data\.heldout: set, but no path"):
+        data.run(section, tokenizer=str(tiny_tokenizer_dir), train=out / "t.parquet",
+                 val=out / "v.parquet", summary=out / "s.json")
+    assert not out.exists()
+
+
+def test_check_problem_ids_missing_index(tmp_path):
+    rows = [{**r, "extra_info": {"other": "x"}} for r in dapo_rows(2)]
+    table = pa.Table.from_pylist(rows)
+    with pytest.raises(data.DataError, match=r"f: row 7, column extra_info.index: missing"):
+        data.check_problem_ids(table, np.array([0, 1]), np.array([7, 9]), "f")
+    table = pa.Table.from_pylist([{**r, "extra_info": {"index": [1]}} for r in dapo_rows(2)])
+    with pytest.raises(data.DataError, match="expected a string or an integer"):
+        data.check_problem_ids(table, np.array([0, 1]), np.array([0, 1]), "f")
+    same = pa.Table.from_pylist([{**r, "extra_info": {"index": 5}} for r in dapo_rows(1, 2)])
+    data.check_problem_ids(same, np.array([0, 0]), np.array([0, 1]), "f")  # one problem

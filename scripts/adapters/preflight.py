@@ -18,4 +18,6 @@ with rule_job(snakemake) as cfg:
                   bridge_check=Path(bridge[0]) if bridge else None,
                   plan=Path(snakemake.output.plan), launch=Path(snakemake.output.launch),
                   reward_fn=Path(Layout.from_config(cfg).preflight_reward_fn),
-                  model_manifest=Path(snakemake.input.model_manifest))
+                  model_manifest=Path(snakemake.input.model_manifest),
+                  heldout=Path(snakemake.input.heldout) if snakemake.input.get("heldout")
+                  else None)

@@ -1,13 +1,13 @@
 # Adapter of rule train (rules/train.smk) -> hy3rl.train.run. `snakemake` is Snakemake's object.
 from pathlib import Path
 
-from hy3rl import train
+from hy3rl import evalckpt, train
 from hy3rl.layout import Layout
 from hy3rl.smk import rule_job
 
 with rule_job(snakemake) as cfg:
     inp = snakemake.input
-    train.run(cfg.train, cfg.cluster, Layout.from_config(cfg), keep_steps=cfg.eval_keep_steps,
+    train.run(cfg.train, cfg.cluster, Layout.from_config(cfg), keep_steps=evalckpt.protector(cfg, Layout.from_config(cfg)),
               plan=Path(inp.plan), launch_script=Path(inp.launch),
               runtime_env=Path(inp.runtime_env), sentinel=Path(snakemake.output.done),
               metrics=Path(snakemake.output.metrics))

@@ -224,10 +224,16 @@ def retention_victims(ckpts: list[Checkpoint], keep: int, protected: Iterable[in
     return [s for s in complete[:-keep] if s not in keep_set]
 
 
-def prune(ckpt_dir: Path, keep: int, protected: Iterable[int]) -> list[int]:
+Protected = Iterable[int] | Callable[[], Iterable[int]]
+
+
+def prune(ckpt_dir: Path, keep: int, protected: Protected) -> list[int]:
     """Remove old complete checkpoints (retention); returns the removed steps. A victim is
-    first renamed out of ``global_step_*`` so a reader never sees it half-deleted."""
-    protected = list(protected)
+    first renamed out of ``global_step_*`` so a reader never sees it half-deleted.
+    ``protected``: the steps never removed, or a callable giving them, asked at every pass
+    (evaluation's, hy3rl.evalckpt.protected_steps: read from files, so a restarted job
+    keeps what an evaluation has not finished reading)."""
+    protected = list(protected() if callable(protected) else protected)
     ckpts = scan(ckpt_dir)
     tracker = read_tracker(ckpt_dir)
     removed = []
@@ -240,14 +246,14 @@ def prune(ckpt_dir: Path, keep: int, protected: Iterable[int]) -> list[int]:
         shutil.rmtree(trash)
         removed.append(step)
         log.info("retention: removed checkpoint step %d (keeping the newest %d complete and "
-                 "eval steps %s)", step, keep, sorted(protected))
+                 "for evaluation steps %s)", step, keep, sorted(protected))
     return removed
 
 
 class Pruner(threading.Thread):
     """Runs retention every ``interval`` seconds while the trainer runs."""
 
-    def __init__(self, ckpt_dir: Path, keep: int, protected: list[int], interval: float):
+    def __init__(self, ckpt_dir: Path, keep: int, protected: Protected, interval: float):
         super().__init__(daemon=True, name="retention")
         self.args = (ckpt_dir, keep, protected)
         self.interval = interval

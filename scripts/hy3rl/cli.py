@@ -44,7 +44,8 @@ def _data(cfg: Config, layout: Layout, args: argparse.Namespace) -> None:
     from hy3rl import data
 
     data.run(cfg.data, tokenizer=cfg.model.path, train=Path(layout.data_train),
-             val=Path(layout.data_val), summary=Path(layout.data_summary))
+             val=Path(layout.data_val), summary=Path(layout.data_summary),
+             heldout=Path(layout.data_heldout) if cfg.data.heldout else None)
 
 
 def _tiny_model(cfg: Config, layout: Layout, args: argparse.Namespace) -> None:
@@ -95,9 +96,9 @@ def _cluster_probe(cfg: Config, layout: Layout, args: argparse.Namespace) -> Non
 
 
 def _train(cfg: Config, layout: Layout, args: argparse.Namespace) -> None:
-    from hy3rl import train
+    from hy3rl import evalckpt, train
 
-    train.run(cfg.train, cfg.cluster, layout, keep_steps=cfg.eval_keep_steps,
+    train.run(cfg.train, cfg.cluster, layout, keep_steps=evalckpt.protector(cfg, layout),
               plan=Path(layout.preflight_plan), launch_script=Path(layout.preflight_launch),
               runtime_env=Path(layout.deps_runtime_env), sentinel=Path(layout.train_done),
               metrics=Path(layout.train_metrics))
@@ -127,10 +128,13 @@ def _score(cfg: Config, layout: Layout, args: argparse.Namespace) -> None:
 def _metrics(cfg: Config, layout: Layout, args: argparse.Namespace) -> None:
     from hy3rl import metrics
 
+    from hy3rl.layout import heldout_tag, split_tag
+
     t = args.tag
     metrics.run(cfg.eval.bootstrap, tag=t, scores=Path(layout.eval_scores(t)),
                 scores_meta=Path(layout.eval_scores_meta(t)), out=Path(layout.eval_metrics(t)),
-                base_scores=None if t == "base" else Path(layout.eval_scores("base")))
+                base_scores=None if split_tag(t)[0] == "base"
+                else Path(layout.eval_scores(heldout_tag("base") if split_tag(t)[1] else "base")))
 
 
 def _report(cfg: Config, layout: Layout, args: argparse.Namespace) -> None:

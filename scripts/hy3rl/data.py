@@ -4,7 +4,10 @@ Reads each split's source (a hub dataset id through ``datasets``, a local datase
 directory, or a .parquet / .jsonl / .csv file), optionally converts a user's own
 question/answer dataset with the DAPO prompt template, validates every row the way verl
 will consume it, optionally de-duplicates by prompt and samples a seeded subset, and writes
-``train.parquet``, ``val.parquet`` and ``summary.json`` (all three or none).
+``train.parquet``, ``val.parquet`` and ``summary.json`` (all three or none). With
+``data.heldout`` it also writes ``heldout.parquet`` (all four or none): a held-out set read
+from its own source like a split, or ``limit`` prompts carved out of ``data.train`` after
+its dedup and before its ``limit`` (:func:`carve_heldout`).
 
 The core works on Arrow tables column by column; only the unique prompts go through the
 tokenizer (batched), weighted by how often they occur. docs/formats/data.md describes the
@@ -21,8 +24,9 @@ import json
 import logging
 import os
 import tempfile
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +36,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from hy3rl.errors import StageError
-from hy3rl.settings import Convert, Data, DataSource, ValSource
+from hy3rl.settings import Convert, Data, DataSource, HeldoutSource, ValSource
 
 log = logging.getLogger("hy3rl.data")
 
@@ -543,11 +547,12 @@ def sample_rows(n: int, limit: int | None, seed: int) -> np.ndarray | None:
     return np.sort(rng.choice(n, size=limit, replace=False))
 
 
-def implied_val_n(repeats: np.ndarray, dedup: bool, explicit: int | None, label: str
-                  ) -> tuple[int, str]:
-    """The validation n verl should use and where it comes from."""
+def implied_val_n(repeats: np.ndarray, dedup: bool, explicit: int | None, label: str,
+                  key: str = "data.val") -> tuple[int, str]:
+    """The validation n verl should use and where it comes from (``key``: the config
+    section, ``data.val`` or ``data.heldout``)."""
     if explicit is not None:
-        return int(explicit), "data.val.n"
+        return int(explicit), f"{key}.n"
     if not dedup:
         return 1, "1: every row of the validation file is scored once (no dedup)"
     if not len(repeats):
@@ -556,7 +561,7 @@ def implied_val_n(repeats: np.ndarray, dedup: bool, explicit: int | None, label:
     if lo != hi:
         raise DataError(
             f"{label}: cannot infer the validation n: problems repeat unevenly in the source "
-            f"({lo} to {hi} times); set data.val.n"
+            f"({lo} to {hi} times); set {key}.n"
         )
     return lo, f"inferred: each problem repeats {lo} times in the source"
 
@@ -618,24 +623,66 @@ class SplitResult:
 
     table: pa.Table
     record: dict[str, Any] = field(default_factory=dict)
-    val_n: int | None = None
+    n: int | None = None  # val, heldout: samples per prompt (summary val_n, heldout_n)
+    carved: SplitResult | None = None  # train with a from_train held-out set: that set
+
+
+@dataclass
+class LoadedSplit:
+    """A source after load, convert, validate and dedup, before ``limit``."""
+
+    table: pa.Table
+    ids: np.ndarray  # each row's prompt id (prompt_ids)
+    rows: np.ndarray  # each row's 0-based row number in the source as read
+    label: str  # the file or dataset id, as errors name it
+    provenance: dict[str, Any]
+    dropped: list[str]
+    input_counts: PromptCounts
+    conflicts: int
+    repeats: np.ndarray  # rows of each prompt id in the source
+
+    def take(self, indices: np.ndarray) -> LoadedSplit:
+        """Only these rows (ascending ``indices``); the facts about the source stay."""
+        return replace(self, table=take_rows(self.table, indices), ids=self.ids[indices],
+                       rows=self.rows[indices])
+
+
+@contextmanager
+def _labelled(key: str) -> Iterator[None]:
+    """Prefix a DataError raised inside with the config section at fault (``data.val``)."""
+    try:
+        yield
+    except DataError as exc:
+        raise DataError(f"{key}: {exc}") from exc
 
 
 def prepare_split(
-    split: str, src: DataSource, tokenizer, max_prompt_length: int,
-    cache_dir: str | None = None,
+    split: str, src: DataSource | HeldoutSource, tokenizer, max_prompt_length: int,
+    cache_dir: str | None = None, carve: HeldoutSource | None = None,
 ) -> SplitResult:
-    """Load, convert, validate, dedup and sample one split (``data.<split>``); errors say
-    which split."""
-    try:
-        return _prepare_split(split, src, tokenizer, max_prompt_length, cache_dir)
-    except DataError as exc:
-        raise DataError(f"data.{split}: {exc}") from exc
+    """Load, convert, validate, dedup and sample one split (``data.<split>``, or
+    ``data.heldout`` with its own source as split ``heldout``); errors say which split.
+    ``carve`` (``data.heldout`` with from_train) takes its prompts out of this split after
+    dedup and before ``limit`` (:func:`carve_heldout`); the result's ``carved`` holds them."""
+    key = f"data.{split}"
+    with _labelled(key):
+        loaded = _load_split(split, src, cache_dir)
+    carved = None
+    if carve is not None:
+        before = len(loaded.ids)
+        loaded, held = carve_heldout(loaded, carve.limit, carve.seed, key)
+        with _labelled("data.heldout"):
+            carved = _finish_split(held, carve, tokenizer, max_prompt_length)
+    with _labelled(key):
+        result = _finish_split(loaded, src, tokenizer, max_prompt_length)
+    if carved is not None:
+        result.record["held_out_rows"] = before - len(loaded.ids)
+        result.carved = carved
+    return result
 
 
-def _prepare_split(
-    split: str, src: DataSource, tokenizer, max_prompt_length: int, cache_dir: str | None,
-) -> SplitResult:
+def _load_split(split: str, src: DataSource | HeldoutSource, cache_dir: str | None
+                ) -> LoadedSplit:
     source, convert = src.source, src.convert
     raw, provenance = load_source(source, src.revision, convert, cache_dir)
     label = provenance.get("path") or provenance.get("id") or source
@@ -651,22 +698,96 @@ def _prepare_split(
     validate(table, label)
 
     ids = prompt_ids(table["prompt"])
-    input_counts = count_prompts(ids)
-    conflicts = conflicting_answers(ids, pc.struct_field(table["reward_model"], "ground_truth"))
-    repeats = np.bincount(ids) if len(ids) else np.zeros(0, dtype=np.int64)
-
-    dedup = src.dedup
-    keep = first_occurrences(ids) if dedup else None
+    loaded = LoadedSplit(
+        table=table, ids=ids, rows=np.arange(len(ids), dtype=np.int64), label=label,
+        provenance=provenance, dropped=dropped, input_counts=count_prompts(ids),
+        conflicts=conflicting_answers(ids, pc.struct_field(table["reward_model"],
+                                                           "ground_truth")),
+        repeats=np.bincount(ids) if len(ids) else np.zeros(0, dtype=np.int64),
+    )
+    keep = first_occurrences(ids) if src.dedup else None
     if keep is not None and len(keep) < len(ids):
-        table, ids = take_rows(table, keep), ids[keep]
-    chosen = sample_rows(len(ids), src.limit, src.seed)
-    if chosen is not None:
-        table, ids = take_rows(table, chosen), ids[chosen]
-    table = table.replace_schema_metadata(None)
+        loaded = loaded.take(keep)
+    return loaded
 
-    val_n = None
+
+def carve_heldout(loaded: LoadedSplit, limit: int, seed: int, key: str = "data.train"
+                  ) -> tuple[LoadedSplit, LoadedSplit]:
+    """Hold ``limit`` distinct prompts out of ``loaded``, chosen with ``seed`` among its
+    distinct prompts in order of first appearance (numpy default_rng, as
+    :func:`sample_rows`). Returns (every row whose prompt is none of them, the first row of
+    each chosen prompt), both in source order."""
+    first = first_occurrences(loaded.ids)
+    if limit >= len(first):
+        raise DataError(
+            f"data.heldout.limit: {limit} prompts to hold out, but {key} ({loaded.label}) has "
+            f"{len(first)} distinct prompts after its dedup; at least one must stay for "
+            "training"
+        )
+    held = first[sample_rows(len(first), limit, seed)]
+    keep = np.flatnonzero(~np.isin(loaded.ids, loaded.ids[held]))
+    return loaded.take(keep), loaded.take(held)
+
+
+def check_problem_ids(table: pa.Table, ids: np.ndarray, rows: np.ndarray, label: str
+                      ) -> None:
+    """Each held-out problem (a distinct prompt) has its own ``extra_info.index``: the
+    evaluation keys problems by it. ``rows`` are the source row numbers errors name."""
+    if not len(ids):
+        return
+    et = table.schema.field("extra_info").type
+    names = {f.name: f.type for f in et}
+    if "index" not in names:
+        raise DataError(
+            f"{label}: row {int(rows[0])}, column extra_info.index: missing (the evaluation "
+            "keys held-out problems by it; a converted source takes it from convert.id or the "
+            "row number)"
+        )
+    if not (_is_text(names["index"]) or pa.types.is_integer(names["index"])):
+        raise _type_error(label, "extra_info.index", "a string or an integer (a problem id)",
+                          names["index"])
+    index = pc.struct_field(table["extra_info"], "index")
+    _raise_first(pc.is_null(index), label, "extra_info.index", "missing problem id (null)",
+                 rows)
+    owner: dict[Any, int] = {}
+    for pos, pid in enumerate(index.to_pylist()):
+        first = owner.setdefault(pid, pos)
+        if ids[first] != ids[pos]:
+            raise DataError(
+                f"{label}: row {int(rows[pos])}, column extra_info.index: problem id {pid!r} "
+                f"is also row {int(rows[first])}'s, whose prompt differs (the evaluation keys "
+                "held-out problems by extra_info.index)"
+            )
+
+
+def _samples_per_prompt(src: DataSource | HeldoutSource, loaded: LoadedSplit
+                        ) -> tuple[int | None, str | None]:
+    """val and heldout: the n to record and where it comes from; (None, None) for train."""
     if isinstance(src, ValSource):
-        val_n, val_n_source = implied_val_n(repeats, dedup, src.n, label)
+        return implied_val_n(loaded.repeats, src.dedup, src.n, loaded.label)
+    if isinstance(src, HeldoutSource):
+        if not src.from_train:
+            return implied_val_n(loaded.repeats, src.dedup, src.n, loaded.label,
+                                 "data.heldout")
+        if src.n is not None:
+            return int(src.n), "data.heldout.n"
+        return 1, "1: one row per prompt carved out of data.train"
+    return None, None
+
+
+def _finish_split(loaded: LoadedSplit, src: DataSource | HeldoutSource, tokenizer,
+                  max_prompt_length: int) -> SplitResult:
+    """Sample ``limit`` rows (not for a carved set: it holds its ``limit`` prompts
+    already), count prompt tokens and build the summary record."""
+    table, ids, rows = loaded.table, loaded.ids, loaded.rows
+    carved = isinstance(src, HeldoutSource) and src.from_train
+    chosen = None if carved else sample_rows(len(ids), src.limit, src.seed)
+    if chosen is not None:
+        table, ids, rows = take_rows(table, chosen), ids[chosen], rows[chosen]
+    table = table.replace_schema_metadata(None)
+    if isinstance(src, HeldoutSource):
+        check_problem_ids(table, ids, rows, loaded.label)
+    n, n_source = _samples_per_prompt(src, loaded)
 
     uniq, first, counts = np.unique(ids, return_index=True, return_counts=True)
     order = np.argsort(first)  # tokenize each distinct prompt once, in file order
@@ -686,20 +807,26 @@ def _prepare_split(
             "note": TRUNCATION_NOTE,
         },
         "input": {
-            **asdict(input_counts),
-            "dropped_columns": dropped,
-            "prompts_with_conflicting_answers": conflicts,
+            **asdict(loaded.input_counts),
+            "dropped_columns": loaded.dropped,
+            "prompts_with_conflicting_answers": loaded.conflicts,
         },
         "options": {
-            "dedup": dedup, "limit": src.limit, "seed": src.seed,
-            "convert": asdict(convert) if convert else None,
+            "dedup": src.dedup, "limit": src.limit, "seed": src.seed,
+            "convert": asdict(src.convert) if src.convert else None,
         },
-        "source": provenance,
+        "source": loaded.provenance,
     }
     if isinstance(src, ValSource):
         record["options"]["n"] = src.n
-        record.update(val_n=val_n, val_n_source=val_n_source)
-    return SplitResult(table=table, record=record, val_n=val_n)
+        record.update(val_n=n, val_n_source=n_source)
+    if isinstance(src, HeldoutSource):
+        record["options"]["n"] = src.n
+        record = {"name": src.name, "from_train": src.from_train, **record,
+                  "heldout_n": n, "heldout_n_source": n_source}
+        if carved:
+            record["carved_prompts"] = len(uniq)
+    return SplitResult(table=table, record=record, n=n)
 
 
 # --------------------------------------------------------------------------- outputs
@@ -716,7 +843,7 @@ def write_outputs(
     tables: Mapping[str, pa.Table], outs: Mapping[str, Path], summary: dict[str, Any],
     summary_path: Path,
 ) -> dict[str, Any]:
-    """Write the parquet files and the summary (with their hashes): all three or none."""
+    """Write the parquet files and the summary (with their hashes): all or none."""
     temps: dict[Path, Path] = {}
     try:
         for split, table in tables.items():
@@ -731,7 +858,7 @@ def write_outputs(
         tmp = _tmp_path(Path(summary_path))
         temps[Path(summary_path)] = tmp
         tmp.write_text(json.dumps(summary, indent=2, sort_keys=False) + "\n")
-        for final, tmp in temps.items():  # summary last: it vouches for the other two
+        for final, tmp in temps.items():  # summary last: it vouches for the others
             os.replace(tmp, final)
     finally:
         for tmp in temps.values():
@@ -741,22 +868,38 @@ def write_outputs(
 
 def run(
     data: Data, *, tokenizer: str | Path, train: Path, val: Path, summary: Path,
-    cache_dir: str | None = None,
+    heldout: Path | None = None, cache_dir: str | None = None,
 ) -> dict[str, Any]:
     """The whole stage: ``data.train`` and ``data.val`` -> the ``train`` and ``val`` parquet
-    files and ``summary`` (all three or none), prompt tokens counted with the tokenizer of
-    the model directory ``tokenizer``; ``cache_dir`` is the ``datasets`` cache (None: the
-    Hugging Face default). Returns the summary written."""
+    files and ``summary``, plus ``data.heldout`` -> ``heldout`` when that is set (all or
+    none), prompt tokens counted with the tokenizer of the model directory ``tokenizer``;
+    ``cache_dir`` is the ``datasets`` cache (None: the Hugging Face default). Returns the
+    summary written."""
+    spec = data.heldout
+    if (spec is None) != (heldout is None):
+        raise DataError(
+            "data.heldout: set, but no path was given for its parquet file (run(heldout=...))"
+            if spec is not None else
+            "data.heldout: null, but a path was given for its parquet file (run(heldout=...))"
+        )
     tok = load_tokenizer(str(tokenizer))
+    carve = spec if spec is not None and spec.from_train else None
     results = {
-        split: prepare_split(split, src, tok, data.max_prompt_length, cache_dir)
-        for split, src in (("train", data.train), ("val", data.val))
+        "train": prepare_split("train", data.train, tok, data.max_prompt_length, cache_dir,
+                               carve=carve),
+        "val": prepare_split("val", data.val, tok, data.max_prompt_length, cache_dir),
     }
+    if carve is not None:
+        results["heldout"] = results["train"].carved
+    elif spec is not None:
+        results["heldout"] = prepare_split("heldout", spec, tok, data.max_prompt_length,
+                                           cache_dir)
     template = tok.chat_template
     doc: dict[str, Any] = {
         "format": SUMMARY_FORMAT,
         "max_prompt_length": data.max_prompt_length,
-        "val_n": results["val"].val_n,
+        "val_n": results["val"].n,
+        "heldout_n": results["heldout"].n if "heldout" in results else None,
         "tokenizer": {
             "path": str(tokenizer),
             "class": type(tok).__name__,
@@ -768,13 +911,19 @@ def run(
         },
         "splits": {split: res.record for split, res in results.items()},
     }
-    write_outputs({s: r.table for s, r in results.items()},
-                  {"train": Path(train), "val": Path(val)}, doc, Path(summary))
+    outs = {"train": Path(train), "val": Path(val)}
+    if heldout is not None:
+        outs["heldout"] = Path(heldout)
+    write_outputs({s: r.table for s, r in results.items()}, outs, doc, Path(summary))
     for split, rec in doc["splits"].items():
         tokens = rec["prompt_tokens"]
         log.info("%s: %d rows (%d unique prompts) from %d source rows; prompt tokens p50 %s "
                  "max %s; %d rows over %d -> %s", split, rec["rows"], rec["unique_prompts"],
                  rec["input"]["rows"], tokens["p50"], tokens["max"],
                  rec["over_max_prompt_length"]["rows"], data.max_prompt_length, rec["path"])
-    log.info("val_n: %s; summary -> %s", doc["val_n"], summary)
+    if carve is not None:
+        log.info("heldout %s: %d prompts carved out of train (%d train rows removed)",
+                 carve.name, carve.limit, doc["splits"]["train"]["held_out_rows"])
+    log.info("val_n: %s; heldout_n: %s; summary -> %s", doc["val_n"], doc["heldout_n"],
+             summary)
     return doc

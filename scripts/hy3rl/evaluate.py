@@ -39,7 +39,7 @@ from typing import Any
 
 from hy3rl.atomic import write_json_atomic, write_jsonl_atomic, write_text_atomic
 from hy3rl.errors import StageError
-from hy3rl.layout import Layout
+from hy3rl.layout import Layout, heldout_tag, split_tag
 from hy3rl.settings import Config, Eval, Ray, Runtime, VllmBackend, build
 from hy3rl.timefmt import utc_now
 
@@ -533,15 +533,23 @@ def _versions() -> dict[str, str | None]:
 # --------------------------------------------------------------------------------------
 
 
-def eval_tags(cfg: Config) -> list[str]:
+def eval_tags(cfg: Config, heldout: bool = True) -> list[str]:
     """Tags to evaluate: base always; step<N> for eval.steps and final only when training
-    is in the DAG (cluster.gpu)."""
+    is in the DAG (cluster.gpu); then, with data.heldout (and ``heldout``), each of them
+    again on the held-out set (``heldout/<tag>``)."""
     tags = ["base"]
     if cfg.cluster.gpu:
         tags += [f"step{s}" for s in cfg.eval.steps]
         if cfg.eval.final:
             tags.append("final")
+    if heldout and cfg.data.heldout is not None:
+        tags += [heldout_tag(t) for t in tags]
     return tags
+
+
+def eval_steps(cfg: Config) -> list[int]:
+    """The evaluation steps whose checkpoints are waited for while training runs."""
+    return sorted(cfg.eval.steps) if cfg.cluster.gpu else []
 
 
 def final_step(train_done: Path) -> int:
@@ -563,12 +571,22 @@ def checkpoint_step(model_path: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def checkpoint_dir_of(model_path: str | Path) -> Path:
+    """``.../global_step_<N>`` of a checkpoint's HF model directory."""
+    p = Path(model_path)
+    for parent in [p, *p.parents]:
+        if re.fullmatch(r"global_step_\d+", parent.name):
+            return parent
+    raise EvalError(f"{model_path}: not inside a global_step_<N> checkpoint directory")
+
+
 def model_for_tag(cfg: Config, tag: str, train_done: str | Path | None = None) -> str:
     """The model directory a tag evaluates: ``base`` is ``cfg.model.path`` (the directory
     rule model describes); ``step<N>`` and ``final`` (the ``final_step`` of ``train_done``,
     by default the layout's ``train/done.json``) are the HF weights of that step's
     checkpoint, under the one checkpoint directory of :class:`hy3rl.layout.Layout`."""
     layout = Layout.from_config(cfg)
+    tag, _ = split_tag(tag)
     if tag == "base":
         return cfg.model.path
     if tag == "final":

@@ -138,12 +138,14 @@ def eval_request_params(config: Mapping[str, Any], tag: str,
     (``generation_keys``), and for a checkpoint tag the training triggers (a new trajectory
     re-evaluates it; ``final`` also the total, so an extension re-evaluates the final
     checkpoint in the same invocation)."""
+    from hy3rl.layout import split_tag
     from hy3rl.smk import triggers
 
     values = triggers(config, *generation_keys)
     values["tag"] = f"tag={tag}"
-    if tag != "base":
-        values.update(train_trigger_values(config, extent=tag == "final"))
+    model, _ = split_tag(tag)
+    if model != "base":
+        values.update(train_trigger_values(config, extent=model == "final"))
     return "\n".join(sorted(values.values()))
 
 

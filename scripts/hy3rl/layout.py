@@ -43,6 +43,7 @@ REPORT_FILES: tuple[tuple[str, str], ...] = (
     ("fig_step_time.png", "2. Training"),
     ("fig_eval_checkpoints.png", "4. Evaluation"),
     ("fig_eval_heatmap.png", "4. Evaluation"),
+    ("fig_eval_curves.png", "4. Evaluation"),
     ("stages.csv", "1. Report"),
     ("attempts.csv", "2. Training"),
     ("claims.csv", "3. Claims"),

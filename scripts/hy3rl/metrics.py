@@ -23,7 +23,7 @@ import json
 import math
 import sys
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -200,35 +200,41 @@ def grader_metrics(problems: Sequence[ProblemScores], grader: str,
     return res
 
 
+def paired_difference(this: Mapping[str, float], base: Mapping[str, float],
+                      boot: Mapping[str, Any], base_tag: str = "base") -> dict[str, Any]:
+    """Per-problem differences ``this - base`` of one grader's per-problem accuracy
+    ({problem id: accuracy}; problems in ``this``'s order, the same ids in both) and a
+    paired bootstrap interval of their mean (the same problem resample applied to both)."""
+    if set(this) != set(base):
+        only = sorted(set(this) ^ set(base))[:5]
+        raise MetricsError(f"problem ids differ from {base_tag}'s (e.g. {only})")
+    rows = [{"problem_id": pid, "base": base[pid], "this": a, "diff": a - base[pid]}
+            for pid, a in this.items()]
+    diffs = [r["diff"] for r in rows]
+    return {"mean_diff": float(np.mean(diffs)),
+            "paired_bootstrap_ci": bootstrap_ci(diffs, boot["resamples"], boot["level"],
+                                                boot["seed"]),
+            "per_problem": rows}
+
+
 def compare_to_base(this: Sequence[ProblemScores], base: Sequence[ProblemScores],
                     boot: dict[str, Any], base_tag: str = "base") -> dict[str, Any]:
     """Per-problem accuracy differences (this - base) and a paired bootstrap interval of
-    their mean (the same problem resample applied to both)."""
-    this_ids = [p.problem_id for p in this]
-    base_by = {p.problem_id: p for p in base}
-    if set(this_ids) != set(base_by):
-        only = sorted(set(this_ids) ^ set(base_by))[:5]
-        raise MetricsError(f"problem ids differ from {base_tag}'s (e.g. {only})")
+    their mean (the same problem resample applied to both): :func:`paired_difference` per
+    grader."""
     out: dict[str, Any] = {"base_tag": base_tag}
     for g in GRADERS:
-        rows = []
-        for p in this:
-            b = base_by[p.problem_id]
-            a_this = sum(p.acc[g]) / len(p.acc[g])
-            a_base = sum(b.acc[g]) / len(b.acc[g])
-            rows.append({"problem_id": p.problem_id, "base": a_base, "this": a_this,
-                         "diff": a_this - a_base})
-        diffs = [r["diff"] for r in rows]
-        out[g] = {"mean_diff": float(np.mean(diffs)),
-                  "paired_bootstrap_ci": bootstrap_ci(diffs, boot["resamples"], boot["level"],
-                                                      boot["seed"]),
-                  "per_problem": rows}
+        out[g] = paired_difference({p.problem_id: sum(p.acc[g]) / len(p.acc[g]) for p in this},
+                                   {p.problem_id: sum(p.acc[g]) / len(p.acc[g]) for p in base},
+                                   boot, base_tag)
     return out
 
 
 def compute_metrics(scores: Sequence[dict[str, Any]], tag: str, graders_info: dict[str, Any],
                     boot: dict[str, Any], base_scores: Sequence[dict[str, Any]] | None = None,
-                    source: str = "scores") -> dict[str, Any]:
+                    source: str = "scores", step: int | None = None) -> dict[str, Any]:
+    """One tag's metrics.json document (docs/formats/eval.md). ``step``: the training step
+    of the checkpoint evaluated (samples.meta.json ``step``; None for base or unknown)."""
     problems = group_scores(scores, source)
     n = len(problems[0].finish)
     total = n * len(problems)
@@ -248,7 +254,8 @@ def compute_metrics(scores: Sequence[dict[str, Any]], tag: str, graders_info: di
                       "majority_answers": tied}
         per_problem.append(row)
     return {
-        "tag": tag, "num_problems": len(problems), "n": n, "primary_grader": "math_dapo",
+        "tag": tag, "step": step, "num_problems": len(problems), "n": n,
+        "primary_grader": "math_dapo",
         "graders": graders_info,
         "by_grader": {g: grader_metrics(problems, g, boot) for g in GRADERS},
         "format_failures": int(sum(fmt)), "format_failure_rate": sum(fmt) / total,
@@ -288,20 +295,34 @@ def _read_json(path: Path) -> dict[str, Any]:
         raise MetricsError(f"{path}: cannot read: {exc}") from exc
 
 
+def _step_of(meta: Mapping[str, Any], source: Path) -> int | None:
+    step = meta.get("step")
+    if step is None:
+        return None
+    if not isinstance(step, int) or isinstance(step, bool):
+        raise MetricsError(f"{source}: 'step' is not an integer ({step!r})")
+    return step
+
+
 def run(boot: Bootstrap, *, tag: str, scores: Path, scores_meta: Path, out: Path,
-        base_scores: Path | None = None) -> None:
+        base_scores: Path | None = None, samples_meta: Path | None = None) -> None:
     """``out`` (``<tag>/metrics.json``) from ``scores`` (scores.jsonl) and the grader
     implementations of ``scores_meta`` (scores.meta.json); a checkpoint tag is compared with
-    ``base_scores`` (``base/scores.jsonl``). ``boot`` is ``eval.bootstrap``."""
+    ``base_scores`` (``base/scores.jsonl``). ``boot`` is ``eval.bootstrap``. The document's
+    ``step`` is ``samples_meta``'s (samples.meta.json) when given, else scores.meta.json's
+    ``step`` if it has one, else null."""
     from hy3rl.graders import read_jsonl
 
-    graders_info = _read_json(scores_meta).get("graders")
+    meta = _read_json(scores_meta)
+    graders_info = meta.get("graders")
     if not isinstance(graders_info, dict):
         raise MetricsError(f"{scores_meta}: no 'graders' mapping")
+    step = (_step_of(_read_json(samples_meta), Path(samples_meta)) if samples_meta is not None
+            else _step_of(meta, Path(scores_meta)))
     base = read_jsonl(Path(base_scores)) if base_scores is not None else None
     try:
         metrics = compute_metrics(read_jsonl(Path(scores)), tag, graders_info,
-                                  dataclasses.asdict(boot), base, source=str(scores))
+                                  dataclasses.asdict(boot), base, source=str(scores), step=step)
     except KeyError as exc:
         where = f"{scores}" + (f" or {base_scores}" if base_scores is not None else "")
         raise MetricsError(f"{where}: a score line lacks the key {exc}") from exc
@@ -311,7 +332,21 @@ def run(boot: Bootstrap, *, tag: str, scores: Path, scores_meta: Path, out: Path
           f"math_verify {bg['math_verify']['avg@n']:.4f}", file=sys.stderr)
 
 
-def run_summary(*, metrics: Sequence[Path], out: Path) -> None:
+def run_summary(*, metrics: Sequence[Path], out: Path, heldout: Sequence[Path] = (),
+                selected: Path | None = None) -> None:
     """``out`` (eval/summary.json): one row per ``metrics`` file (``<tag>/metrics.json``),
-    in the order given."""
-    write_json_atomic(Path(out), summarize([_read_json(p) for p in metrics]), indent=1)
+    in the order given; ``heldout``: the same for the held-out set's files
+    (``heldout/<tag>/metrics.json``), under key ``heldout``; ``selected``
+    (eval/selected.json, hy3rl.selection): the selected checkpoint and its test-set rows,
+    under key ``selected`` (null without)."""
+    summary = summarize([_read_json(p) for p in metrics])
+    summary["heldout"] = summarize([_read_json(p) for p in heldout])
+    summary["selected"] = None
+    if selected is not None:
+        doc = _read_json(selected)
+        try:
+            summary["selected"] = {**doc["selected"], "rows": doc["test"]["rows"]}
+        except (KeyError, TypeError) as exc:
+            raise MetricsError(f"{selected}: lacks the key {exc} (docs/formats/eval.md)") \
+                from exc
+    write_json_atomic(Path(out), summary, indent=1)

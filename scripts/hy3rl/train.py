@@ -40,6 +40,7 @@ from hy3rl.atomic import write_json_atomic, write_jsonl_atomic
 from hy3rl.ckptdir import (
     LockHeld,
     LockInfo,
+    Protected,
     Pruner,
     acquire_lock,
     apply_identity,
@@ -139,6 +140,9 @@ class AttemptRecord:
     trajectory_id: str | None = None
     total_training_steps: int | None = None
     identity_action: str | None = None
+    # The checkpoint selection rule of the plan it ran with (plan.json selection): the first
+    # attempt's is the rule fixed before training; the report shows a later change.
+    selection: dict[str, Any] | None = None
 
 
 def attempt_numbers(layout: Layout) -> list[int]:
@@ -444,7 +448,7 @@ def stage_launch(plan: Path, launch: Path, out_plan: Path, out_launch: Path) -> 
         os.replace(tmp, dest)
 
 
-def run(train: Train, cluster: Cluster, layout: Layout, *, keep_steps: Sequence[int],
+def run(train: Train, cluster: Cluster, layout: Layout, *, keep_steps: Protected,
         plan: Path, launch_script: Path, runtime_env: Path, sentinel: Path,
         metrics: Path, until: int | None = None) -> None:
     """The training job (see the module doc) of run ``layout.run`` on the checkpoint
@@ -458,7 +462,8 @@ def run(train: Train, cluster: Cluster, layout: Layout, *, keep_steps: Sequence[
     newest complete checkpoint is the attempt's last step, ``sentinel`` (done.json, or a
     segment's ``segments/step<N>.json``). ``until``: a segment's last step (the launch gets
     ``trainer.total_training_steps=<until>`` appended); None runs to the plan's total.
-    ``keep_steps``: the steps retention never prunes (``Config.eval_keep_steps``).
+    ``keep_steps``: the steps retention never prunes, or a callable asked at every pass
+    (``hy3rl.evalckpt.protector``: what evaluation has not finished reading).
     Before each attempt starts the trainer, the checkpoint directory's run identity is
     checked against the plan's (``hy3rl.ckptdir.decide_identity``) and written: another
     trajectory is refused unless ``train.on_config_change`` chose otherwise. With W&B on,
@@ -491,7 +496,7 @@ def run(train: Train, cluster: Cluster, layout: Layout, *, keep_steps: Sequence[
         write_job_exit(layout, job_name(), [], None, f"{exc}")
         raise
     job = Job(train, cluster, layout, plan_doc, target=total if until is None
-              else min(int(until), total), total=total, keep_steps=[int(s) for s in keep_steps],
+              else min(int(until), total), total=total, keep_steps=keep_steps,
               launch_script=Path(launch_script).resolve(),
               runtime_env=Path(runtime_env).resolve(), metrics=metrics)
     k = (attempt_numbers(layout) or [0])[-1] + 1
@@ -550,7 +555,7 @@ class Job:
     plan: Mapping[str, Any]
     target: int
     total: int
-    keep_steps: list[int]
+    keep_steps: Protected
     launch_script: Path
     runtime_env: Path
     metrics: Path
@@ -670,6 +675,7 @@ class Job:
             metrics_log=attempt_metrics.name, log_dir=log_dir.name, runtime=runtime,
             job_attempt=len(self.attempts) + 1, trajectory_id=self.trajectory_id,
             total_training_steps=self.total, identity_action=self.identity_action,
+            selection=self.plan.get("selection"),
             excluded_nodes=sorted(set(self.excluded or []) | set(self.lost)))
         rec = self.rec = dataclasses.asdict(attempt)
         self.attempts.append(k)

@@ -31,6 +31,7 @@ import yaml
 
 from hy3rl.layout import Layout
 from hy3rl.preflight.estimate import NOT_COMPOSED, add_costs, estimate_gpu_hours
+from hy3rl.preflight.heldout import selection_record
 from hy3rl.preflight.render import Plan, build_plan, render_launch, write_outputs
 from hy3rl.preflight.resolve import Override, PreflightError, resolve
 from hy3rl.preflight.rules import (
@@ -162,14 +163,17 @@ def run_identity(cfg: Config, res: Any, lock_doc: Mapping[str, Any],
 
 def run(cfg: Config, *, lock: Path, data_summary: Path | None, train_files: Path,
         val_files: Path, checkpoint_check: Path | None, bridge_check: Path | None,
-        plan: Path, launch: Path, reward_fn: Path, model_manifest: Path | None = None) -> Plan:
+        plan: Path, launch: Path, reward_fn: Path, model_manifest: Path | None = None,
+        heldout: Path | None = None) -> Plan:
     """Resolve, compose, check; write ``plan`` (plan.json), ``launch`` (launch.sh) and, with
     ``train.reward_function.path``, its copy at ``reward_fn``. ``data_summary`` and
     ``checkpoint_check`` may be None or absent (their rules are then `not run`).
     ``bridge_check`` is checks/bridge.json: read when ``cluster.gpu`` is true, where None or
     absent is an error (rule ``bridge``) unless waived. The checkpoint directory is the
     layout's; the eval steps retention keeps are ``cfg.eval_keep_steps``. Returns the plan;
-    raises :class:`RulesFailed` (plan written) when a rule is in error."""
+    raises :class:`RulesFailed` (plan written) when a rule is in error. ``heldout``:
+    data/heldout.parquet (data.heldout), checked against the test and training sets and
+    hashed into the selection rule (plan ``selection``)."""
     lock_doc = read_json(lock, "deps lock")
     if lock_doc is None:
         raise PreflightError(f"{lock}: missing (run rule deps)")
@@ -199,7 +203,9 @@ def run(cfg: Config, *, lock: Path, data_summary: Path | None, train_files: Path
         verl_checks = run_verl_checks(verl_dir, res.composed, model_dir)
         rules, ck = check_rules(cfg, res, eff, facts, ckpt_check, weights, weights_from,
                                 verl_checks=verl_checks, bridge=bridge,
-                                bridge_path=bridge_check, identity=ident)
+                                bridge_path=bridge_check, identity=ident,
+                                data_files={"train": train_files, "val": val_files,
+                                            "heldout": heldout})
         estimate = estimate_gpu_hours(cfg, eff, facts, weights)
         add_costs(rules, estimate)
     check_verl_pin(rules, verl_dir, head, commit, cfg.preflight.waive)
@@ -209,7 +215,7 @@ def run(cfg: Config, *, lock: Path, data_summary: Path | None, train_files: Path
                         head=head, effective=eff, rules=rules, checkpoint=ck,
                         verl_checks=verl_record(verl_checks, model_dir),
                         estimate=estimate, launch=launch, launch_text=launch_text,
-                        identity=ident)
+                        identity=ident, selection=selection_record(cfg, heldout))
     write_outputs(result, res, plan_path=plan, launch=launch, launch_text=launch_text)
     _log_summary(result, plan)
     if result.errors:

@@ -59,6 +59,9 @@ class Plan:
     # The run identity (hy3rl.identity): the trajectory (id, values, origins), the extent,
     # train.on_config_change and what a launch would do on the checkpoint directory.
     identity: dict[str, Any]
+    # The checkpoint selection rule (eval.select, hy3rl.preflight.heldout.selection_record),
+    # fixed here before the first training step; null without one.
+    selection: dict[str, Any] | None = None
 
 
 def render_launch(res: Resolution, run: str, commit: str) -> str:
@@ -99,7 +102,8 @@ def _messages(rules: list[RuleResult], status: str) -> list[str]:
 def build_plan(*, run: str, gpu: bool, res: Resolution, commit: str, head: str | None,
                effective: dict[str, Any], rules: list[RuleResult], checkpoint: dict[str, Any],
                verl_checks: dict[str, Any], estimate: dict[str, Any], launch: Path,
-               launch_text: str, identity: dict[str, Any]) -> Plan:
+               launch_text: str, identity: dict[str, Any],
+               selection: dict[str, Any] | None = None) -> Plan:
     """The plan record (``ok`` exactly when no rule is in error)."""
     errors = _messages(rules, "error")
     resolved: dict[str, dict[str, str]] = {}
@@ -122,7 +126,7 @@ def build_plan(*, run: str, gpu: bool, res: Resolution, commit: str, head: str |
         launch={"path": str(launch.absolute()),
                 "sha256": hashlib.sha256(launch_text.encode()).hexdigest(),
                 "command": LAUNCH_COMMAND},
-        identity=identity,
+        identity=identity, selection=selection,
     )
 
 

@@ -61,6 +61,10 @@ RULES: dict[str, str] = {
                     "with train.on_config_change; never a total below its newest checkpoint",
     "eval_steps_kept": "every eval.steps step is within the total and, once the run has "
                        "passed it, still has its checkpoint (retention removed none)",
+    "eval_steps_saved": "every eval.steps step is a step verl saves (a multiple of save_freq, "
+                        "a segment's end or the last step)",
+    "selection": "eval.select names the held-out set (data.heldout), which shares no problem "
+                 "with the test set (data.val) nor the training set, and its k fits",
     "resume_schedule": "a resume or extension only with a constant learning-rate schedule "
                        "(verl restarts its scheduler from the current total on every start); "
                        "waive it to opt in",
@@ -655,6 +659,32 @@ def _eval_steps_kept(r: _Rules, ckpt_dir: Path, steps: list[int]) -> None:
                 "known when it ran): remove them from eval.steps")
 
 
+def _eval_steps_saved(r: _Rules, cfg: Config, eff: Mapping[str, Any], gpu: bool) -> None:
+    save, total = to_int(eff.get("trainer.save_freq")), cfg.train.total_training_steps
+    if not gpu or save is None or save <= 0:
+        return
+    seg = cfg.train.segment_steps
+    saved = set(range(save, total + 1, save)) | {total} | (
+        set(range(seg, total + 1, seg)) if seg > 0 else set())
+    bad = [x for x in cfg.eval.steps if x not in saved and x <= total]
+    if bad:
+        r.error("eval_steps_saved", f"eval.steps {bad}: verl saves no checkpoint at "
+                f"{'these steps' if len(bad) > 1 else 'this step'} (trainer.save_freq = {save}"
+                f"{f', segments of {seg}' if seg > 0 else ''}, last step {total}); use "
+                "multiples of the save frequency")
+
+
+def _selection(r: _Rules, cfg: Config, files: Mapping[str, Path | None] | None) -> None:
+    from hy3rl.preflight import heldout
+
+    if files is None or not files.get("val") or not files.get("train"):
+        if cfg.eval.select is not None:
+            r.not_run("selection", "not run: the data files were not given")
+        return
+    heldout.check(r, cfg, heldout=files.get("heldout"), val=Path(files["val"]),
+                  train=Path(files["train"]))
+
+
 def _ref_kl_zero(r: _Rules, eff: Mapping[str, Any]) -> None:
     if (truthy(eff.get("actor_rollout_ref.actor.use_kl_loss"))
             and to_float(eff.get("actor_rollout_ref.actor.kl_loss_coef")) == 0.0
@@ -870,11 +900,13 @@ def check_rules(cfg: Config, res: Resolution, eff: Mapping[str, Any],
                 bridge: Mapping[str, Any] | None, bridge_path: Path | None,
                 environ: Mapping[str, str] | None = None,
                 identity: dict[str, Any] | None = None,
+                data_files: Mapping[str, Path | None] | None = None,
                 ) -> tuple[list[RuleResult], dict]:
     """Every rule on the composed values, verl's own checks (``verl_checks``) and the bridge
     check's report (``bridge``, read from ``bridge_path``; None when absent); returns the
     results and the checkpoint facts. ``environ`` (default: this process's) is the
-    environment the training job inherits."""
+    environment the training job inherits. ``data_files``: the ``train``, ``val`` and
+    ``heldout`` parquet files (the selection rule; not run without them)."""
     r = _Rules()
     s = Shape.of(cfg.cluster, eff)
     _numbers(r, eff)
@@ -899,6 +931,8 @@ def check_rules(cfg: Config, res: Resolution, eff: Mapping[str, Any],
     if s.gpu and beyond:
         r.error("eval_steps_kept", f"eval.steps {beyond}: beyond train.total_training_steps "
                 f"= {cfg.train.total_training_steps}, no such checkpoint will exist")
+    _eval_steps_saved(r, cfg, eff, s.gpu)
+    _selection(r, cfg, data_files)
     _ref_kl_zero(r, eff)
     _val_on_resume(r, eff, facts, s)
     _prompts_over_max(r, facts, s)

@@ -25,6 +25,7 @@ from hy3rl.layout import REPORT_FILES, Layout
 from hy3rl.redact import make_redactor
 from hy3rl.report.figures import (
     fig_eval_checkpoints,
+    fig_eval_curves,
     fig_extra,
     fig_heatmap,
     fig_notice,
@@ -32,7 +33,14 @@ from hy3rl.report.figures import (
     fig_step_time,
 )
 from hy3rl.report.page import render, training_notice, training_reason
-from hy3rl.report.read import ReportInputError, gather, pick_key, resume_points, series
+from hy3rl.report.read import (
+    ReportInputError,
+    gather,
+    pick_key,
+    resume_points,
+    selection_view,
+    series,
+)
 from hy3rl.settings import Config
 
 __all__ = ["ReportInputError", "build", "fig_published", "gather", "pick_key",
@@ -62,7 +70,10 @@ def build(cfg: Config, results: Layout, env: Mapping[str, str]) -> dict[str, byt
         figs["fig_step_time.png"] = fig_step_time(found, redact, opts.dpi, reason)
     figs["fig_eval_checkpoints.png"] = fig_eval_checkpoints(found, redact, opts.dpi, eval_reason)
     figs["fig_eval_heatmap.png"] = fig_heatmap(found, redact, opts.dpi, eval_reason)
-    files = {**figs, **render(found, redact, env, figs, panel_keys)}
+    selection = selection_view(found)
+    figs["fig_eval_curves.png"] = fig_eval_curves(found, selection, redact, opts.dpi,
+                                                  eval_reason)
+    files = {**figs, **render(found, redact, env, figs, panel_keys, selection)}
     for name, blob in files.items():
         redact.check_bytes(name, blob)
     return files

@@ -236,3 +236,97 @@ def fig_heatmap(found: Found, redact: Redactor, dpi: int, reason: str) -> bytes:
         _empty(ax, redact.text(f"no per-problem results\n{reason}"))
         ax.set_title("Per-problem accuracy")
     return _png(fig, redact, dpi)
+
+
+def _curve(ax: Any, points: list[tuple[float, float, list[float] | None]], label: str,
+           color: str) -> None:
+    """One series with its intervals as error bars (points: step, value, [low, high])."""
+    pts = sorted(points)
+    x = np.array([p[0] for p in pts], dtype=float)
+    y = np.array([p[1] for p in pts], dtype=float)
+    lo = np.array([p[1] - p[2][0] if p[2] else 0.0 for p in pts])
+    hi = np.array([p[2][1] - p[1] if p[2] else 0.0 for p in pts])
+    ax.errorbar(x, y, yerr=np.vstack([np.maximum(lo, 0), np.maximum(hi, 0)]), fmt="o-",
+                color=color, lw=1.3, capsize=3, label=label)
+
+
+def fig_eval_curves(found: Found, view: dict[str, Any], redact: Redactor, dpi: int,
+                    reason: str) -> bytes:
+    """Accuracy against the training step: the test set's avg@n (primary grader) and the
+    held-out set's selection metric (the rule's; without a rule its avg@n), each with its
+    problem-bootstrap interval, base as a horizontal line, the selected step marked."""
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8), layout="constrained")
+    doc = view.get("doc") or {}
+    chosen = doc.get("selected") or {}
+    sel_step = chosen.get("step")
+
+    def finish(ax: Any, title: str, base: float | None, base_iv: list[float] | None,
+               has: bool, empty: str) -> None:
+        if base is not None:
+            ax.axhline(base, color="0.35", ls="--", lw=1.2, label=f"base {base:.3g}")
+            if base_iv:
+                ax.axhspan(*base_iv, color="0.5", alpha=0.12)
+        if sel_step is not None and has:
+            ax.axvline(sel_step, color="tab:green", lw=2, alpha=0.6,
+                       label=redact.text(f"selected: {chosen.get('tag')} (step {sel_step})"))
+        if not has:
+            _empty(ax, redact.text(empty))
+        ax.set_title(redact.text(title), fontsize=10)
+        ax.set_xlabel("training step")
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7, loc="best")
+
+    # the test set
+    ax = axes[0]
+    grader = next((e.primary_grader for e in found.evals if e.primary_grader), "math_dapo")
+    pts, base, base_iv = [], None, None
+    for e in found.evals:
+        g = next((g for g in e.graders if g.grader == grader), None)
+        if g is None or g.avg is None:
+            continue
+        if e.tag == "base":
+            base, base_iv = g.avg, g.bootstrap_ci
+        elif e.step is not None:
+            pts.append((float(e.step), g.avg, g.bootstrap_ci))
+    if pts:
+        _curve(ax, pts, f"{grader} avg@n", "tab:blue")
+    ax.set_ylabel("accuracy (avg@n)")
+    finish(ax, f"AIME-2024 (test set): {grader} avg@n", base, base_iv, bool(pts),
+           f"no checkpoint evaluated on the test set\n{reason or 'no step or final tag yet'}")
+
+    # the held-out set
+    ax = axes[1]
+    rule = view.get("rule")
+    pts, base, base_iv = [], None, None
+    if doc.get("candidates") is not None:
+        key = (doc.get("rule") or {}).get("key") or (rule or {}).get("key", "")
+        title = f"held-out set {(rule or {}).get('set')}: {key} (the selection metric)"
+        for c in doc["candidates"]:
+            if c.get("value") is not None and c.get("step") is not None:
+                pts.append((float(c["step"]), c["value"], c.get("interval")))
+        hb = doc.get("heldout_base") or {}
+        base, base_iv = hb.get("value"), hb.get("interval")
+        label = key
+    else:
+        hgrader = next((e.primary_grader for e in found.heldout if e.primary_grader),
+                       "math_dapo")
+        title = f"held-out set: {hgrader} avg@n (no selection rule configured)"
+        for e in found.heldout:
+            g = next((g for g in e.graders if g.grader == hgrader), None)
+            if g is None or g.avg is None:
+                continue
+            if e.tag.endswith("/base"):
+                base, base_iv = g.avg, g.bootstrap_ci
+            elif e.step is not None:
+                pts.append((float(e.step), g.avg, g.bootstrap_ci))
+        label = f"{hgrader} avg@n"
+    if pts:
+        _curve(ax, pts, label, "tab:purple")
+    ax.set_ylabel("held-out value")
+    none = ("no held-out set configured (data.heldout)" if found.cfg.data.heldout is None
+            else "no checkpoint evaluated on the held-out set yet")
+    finish(ax, title, base, base_iv, bool(pts), none)
+    fig.suptitle("Accuracy across training steps (bars: problem bootstrap 95% interval; "
+                 "dashed: base)", fontsize=11)
+    return _png(fig, redact, dpi)

@@ -33,6 +33,7 @@ from hy3rl.report.read import (
     per_problem_matrix,
     pick_key,
     resume_points,
+    selection_view,
     series,
 )
 
@@ -50,6 +51,10 @@ EVAL_HTML_HEADER = ["tag", "step", "n", "grader", "avg@n", "bootstrap_95", "samp
                     "pass@n", "maj@n", "grader_failures", "format_failure_rate",
                     "truncation_rate", "mean_response_tokens"]
 PAIRED_HEADER = ["grader", "base_avg", "final_avg", "diff", "paired_interval", "source"]
+SELECT_CAND_HEADER = ["tag", "step", "value", "interval", "n"]
+SELECT_TEST_HEADER = ["role", "tag", "step", "grader", "avg@n", "bootstrap_95", "n"]
+SELECT_PAIRED_HEADER = ["grader", "selected_avg", "final_avg", "diff", "paired_interval",
+                        "excludes_0"]
 SETTINGS_HEADER = ["tag", "step", "model", "backend", "preset", "temperature", "top_p", "n",
                    "max_tokens", "seed", "math_dapo", "math_verify"]
 
@@ -365,6 +370,43 @@ def paired_rows(found: Found) -> list[dict[str, Any]]:
     return rows
 
 
+def selection_tables(found: Found, view: Mapping[str, Any]) -> dict[str, Any]:
+    """The selection section's tables from :func:`~hy3rl.report.read.selection_view`: the
+    candidates (held-out value and interval; base for reference), the test set's rows of
+    base, selected and final per grader, and the paired selected - final comparison."""
+    doc = view.get("doc") or {}
+    cands = [{"tag": c["tag"], "step": c.get("step"), "value": c.get("value"),
+              "interval": _fmt_iv(c.get("interval")), "n": c.get("n")}
+             for c in doc.get("candidates") or []]
+    hb = doc.get("heldout_base")
+    if hb and hb.get("value") is not None:
+        cands.append({"tag": "base (reference, never a candidate)", "step": None,
+                      "value": hb["value"], "interval": _fmt_iv(hb.get("interval")),
+                      "n": hb.get("n")})
+    test = (doc.get("test") or {}).get("rows") or []
+    graders = sorted({k.removesuffix("_avg") for r in test for k in r if k.endswith("_avg")})
+    test_rows = [{"role": r["role"], "tag": r.get("tag"), "step": r.get("step"), "grader": g,
+                  "avg@n": r.get(f"{g}_avg"), "bootstrap_95": _fmt_iv(r.get(f"{g}_ci")),
+                  "n": r.get("n")} for r in test for g in graders]
+    by_role = {r["role"]: r for r in test}
+    paired = []
+    for g, d in (doc.get("selected_vs_final") or {}).items():
+        ci = d.get("paired_bootstrap_ci") or {}
+        paired.append({
+            "grader": g, "selected_avg": by_role.get("selected", {}).get(f"{g}_avg"),
+            "final_avg": by_role.get("final", {}).get(f"{g}_avg"), "diff": d.get("mean_diff"),
+            "paired_interval": _fmt_iv([ci["low"], ci["high"]]) if "low" in ci else "",
+            "excludes_0": "yes" if ci and (ci["low"] > 0 or ci["high"] < 0) else "no"})
+    show_curves = (any(e.tag != "base" and e.step is not None for e in found.evals)
+                   or any(c["value"] is not None for c in cands)
+                   or any(not e.tag.endswith("/base") for e in found.heldout))
+    return {"candidates": cands, "test": test_rows, "paired": paired,
+            "selected": doc.get("selected"), "verdict": doc.get("verdict"),
+            "key": (doc.get("rule") or view.get("rule") or {}).get("key"),
+            "test_missing": (doc.get("test") or {}).get("missing") or [],
+            "show_curves": show_curves}
+
+
 # ---- provenance ----
 
 
@@ -523,9 +565,12 @@ def provenance_rows(found: Found, env: Mapping[str, str]) -> list[dict[str, Any]
 
 
 def render(found: Found, redact: Redactor, env: Mapping[str, str], figs: Mapping[str, bytes],
-           panel_keys: list[str]) -> dict[str, bytes]:
-    """The CSV tables, ``config.resolved.yaml`` and ``index.html``: {file name: bytes}."""
+           panel_keys: list[str], selection: Mapping[str, Any] | None = None
+           ) -> dict[str, bytes]:
+    """The CSV tables, ``config.resolved.yaml`` and ``index.html``: {file name: bytes}.
+    ``selection``: :func:`~hy3rl.report.read.selection_view` (computed when None)."""
     opts = found.cfg.report
+    selection = selection_view(found) if selection is None else selection
     notice = training_notice(found)
     eval_reason = found.stage("evaluate").detail
     stage_rows = [asdict(s) for s in found.stages]
@@ -589,6 +634,11 @@ def render(found: Found, redact: Redactor, env: Mapping[str, str], figs: Mapping
         settings_header=SETTINGS_HEADER,
         at_k_header=at_k_header,
         at_k=at_k_rows,
+        selection=selection,
+        sel=selection_tables(found, selection),
+        sel_cand_header=SELECT_CAND_HEADER,
+        sel_test_header=SELECT_TEST_HEADER,
+        sel_paired_header=SELECT_PAIRED_HEADER,
         prov=prov,
         config_yaml=cfg_yaml,
         config_hash=found.cfg.hash,

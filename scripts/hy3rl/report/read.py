@@ -22,7 +22,7 @@ import numpy as np
 
 from hy3rl import timefmt
 from hy3rl.errors import StageError
-from hy3rl.layout import ATTEMPT_METRICS_RE, ATTEMPT_RE, Layout
+from hy3rl.layout import ATTEMPT_METRICS_RE, ATTEMPT_RE, HELDOUT_PREFIX, Layout, heldout_tag
 from hy3rl.settings import Config
 from hy3rl.verl_log import attempt_logs, merge_metrics, read_metrics
 
@@ -431,6 +431,9 @@ class Found:
     # <checkpoint_dir>/hy3rl-run-identity.json (hy3rl.ckptdir), None when absent
     identity: dict[str, Any] | None = None
     identity_notes: list[str] = field(default_factory=list)
+    # the held-out set's evaluations (eval/heldout/<tag>/metrics.json; tag heldout/<tag>)
+    heldout: list[EvalRecord] = field(default_factory=list)
+    first_attempt: int = 1  # the lineage's first attempt (run_identity)
 
     def rel(self, path: str | Path) -> str:
         return _rel(self.layout, path)
@@ -456,12 +459,49 @@ def _not_there(rel: str, cfg: Config, gpu_stage: bool) -> tuple[str, str]:
     return ("missing", f"{rel} not found: the stage has not run for this run (or it failed)")
 
 
-def _eval_tags(layout: Layout) -> list[str]:
-    """The tag folders under eval/, in checkpoint order."""
-    eval_dir = Path(layout.eval_dir)
+def _eval_tags(layout: Layout, heldout: bool = False) -> list[str]:
+    """The tag folders under eval/ (the test set's; ``heldout``: those under eval/heldout/,
+    as ``heldout/<tag>``), in checkpoint order."""
+    held = HELDOUT_PREFIX.rstrip("/")
+    eval_dir = Path(layout.eval_dir) / (held if heldout else "")
     if not eval_dir.is_dir():
         return []
-    return sorted((d.name for d in eval_dir.iterdir() if d.is_dir()), key=tag_key)
+    names = sorted((d.name for d in eval_dir.iterdir() if d.is_dir() and d.name != held),
+                   key=tag_key)
+    return [heldout_tag(n) for n in names] if heldout else names
+
+
+def _read_evals(layout: Layout, tags: list[str], listed: Any, summary_key: str,
+                done: Any, notes: list[str]) -> list[EvalRecord]:
+    """The metrics.json (and samples.meta.json) of ``tags``; a tag the summary does not
+    list (``listed``: its ``tags``, when it has them) is ignored, with a note."""
+    evals = []
+    for tag in tags:
+        p = Path(layout.eval_metrics(tag))
+        if not p.exists():
+            continue
+        if isinstance(listed, list) and tag not in listed:
+            notes.append(f"{_rel(layout, p)} ignored: tag not in "
+                         f"{_rel(layout, layout.eval_summary)}{summary_key} (left over from "
+                         "an earlier configuration)")
+            continue
+        e = read_eval(p, tag)
+        meta = read_json(layout.eval_samples_meta(tag))
+        e.samples_meta = meta if isinstance(meta, dict) else {}
+        model = tag.removeprefix(HELDOUT_PREFIX)
+        # The step is what was evaluated (samples.meta.json), never what training reached
+        # since: a final tag evaluated before an extension keeps its own step.
+        if e.samples_meta.get("step") is not None:
+            e.step = _int_or_none(e.samples_meta.get("step"))
+        elif model == "final" and e.step is None and isinstance(done, dict):
+            e.step = _int_or_none(done.get("final_step"))
+        if model == "final" and isinstance(done, dict) and e.step is not None \
+                and e.step != _int_or_none(done.get("final_step")):
+            notes.append(f"eval/{tag} evaluated step {e.step}, but training's final step is "
+                         f"{done.get('final_step')} ({_rel(layout, layout.train_done)}): "
+                         "rerun the workflow to evaluate it")
+        evals.append(e)
+    return evals
 
 
 def gather(cfg: Config, layout: Layout) -> Found:
@@ -574,34 +614,17 @@ def gather(cfg: Config, layout: Layout) -> Found:
         status, detail = _not_there(rel(layout.train_done), cfg, True)
         stages.append(Stage("train", status, detail, rel(layout.train_done)))
 
-    # evaluation: the tags eval/summary.json lists, each tag's metrics and samples' meta
-    evals: list[EvalRecord] = []
+    # evaluation: the tags eval/summary.json lists, each tag's metrics and samples' meta;
+    # the held-out set's (summary key heldout) apart; the selection (eval/selected.json)
     summary = read_json(layout.eval_summary)
     listed = summary.get("tags") if isinstance(summary, dict) else None
     tags = _eval_tags(layout)
-    for tag in tags:
-        p = Path(layout.eval_metrics(tag))
-        if not p.exists():
-            continue
-        if isinstance(listed, list) and tag not in listed:
-            notes.append(f"{rel(p)} ignored: tag not in {rel(layout.eval_summary)} "
-                         "(left over from an earlier configuration)")
-            continue
-        e = read_eval(p, tag)
-        meta = read_json(layout.eval_samples_meta(tag))
-        e.samples_meta = meta if isinstance(meta, dict) else {}
-        # The step is what was evaluated (samples.meta.json), never what training reached
-        # since: a final tag evaluated before an extension keeps its own step.
-        if e.samples_meta.get("step") is not None:
-            e.step = _int_or_none(e.samples_meta.get("step"))
-        elif e.tag == "final" and e.step is None and isinstance(done, dict):
-            e.step = _int_or_none(done.get("final_step"))
-        if e.tag == "final" and isinstance(done, dict) and e.step is not None \
-                and e.step != _int_or_none(done.get("final_step")):
-            notes.append(f"eval/final evaluated step {e.step}, but training's final step is "
-                         f"{done.get('final_step')} ({rel(layout.train_done)}): rerun the "
-                         "workflow to evaluate it")
-        evals.append(e)
+    evals = _read_evals(layout, tags, listed, "", done, notes)
+    held = summary.get("heldout") if isinstance(summary, dict) else None
+    heldout = _read_evals(layout, _eval_tags(layout, heldout=True),
+                          held.get("tags") if isinstance(held, dict) else None, " (heldout)",
+                          done, notes)
+    doc("selected", layout.eval_selected)
     eval_rel = rel(layout.eval_metrics("<tag>"))
     if evals:
         stages.append(Stage("evaluate", "done", "tags: " + ", ".join(e.tag for e in evals),
@@ -618,7 +641,8 @@ def gather(cfg: Config, layout: Layout) -> Found:
                 break
         stages.append(Stage("evaluate", status, detail, eval_rel))
     return Found(cfg, layout, stages, docs, doc_paths, attempts, logs, metrics, source, notes,
-                 evals, identity=identity, identity_notes=identity_notes)
+                 evals, identity=identity, identity_notes=identity_notes, heldout=heldout,
+                 first_attempt=first)
 
 
 # ---- views of what was read: series, resume points, the per-problem matrix ----
@@ -735,3 +759,53 @@ def per_problem_matrix(found: Found) -> tuple[list[str], list[str], np.ndarray, 
             for i, p in enumerate(problems):
                 mat[i, j] = g.per_problem.get(p, np.nan)
     return problems, tags, mat, grader
+
+
+def selection_view(found: Found) -> dict[str, Any]:
+    """The checkpoint selection as the page shows it: the rule as the plan holds it
+    (``selection``; a plan without that key: ``eval.select`` of the config, said so),
+    whether it changed after training started (against ``selection`` of the lineage's first
+    attempt record that has the key; None when none has), and the selection:
+    eval/selected.json, or mid-run (none yet) :func:`hy3rl.selection.so_far` over the
+    held-out results that exist. ``configured`` False: no rule."""
+    from hy3rl import selection
+
+    plan = found.docs.get("plan")
+    if isinstance(plan, dict) and "selection" in plan:
+        rule, source = plan["selection"], found.doc_paths["plan"]
+    else:
+        rule = selection.as_rule(found.cfg.eval.select)
+        source = (f"the config's eval.select ({found.doc_paths['plan']} holds no selection: "
+                  "written before the rule existed, or missing)")
+    first = next((a for a in found.attempts
+                  if a.attempt >= found.first_attempt and "selection" in a.raw), None)
+    changed = None
+    if first is not None and first.raw["selection"] != rule:
+        was, now = selection.describe(first.raw["selection"]), selection.describe(rule)
+        if was == now:  # the same description: name the keys that differ
+            old, new = first.raw["selection"] or {}, rule or {}
+            keys = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+            was = ", ".join(f"{k} {json.dumps(old.get(k))}" for k in keys)
+            now = ", ".join(f"{k} {json.dumps(new.get(k))}" for k in keys)
+        changed = {"attempt": first.attempt, "was": was, "now": now,
+                   "record": found.rel(found.layout.attempt_record(first.attempt))}
+    view: dict[str, Any] = {"configured": rule is not None, "rule": rule,
+                            "rule_text": selection.describe(rule), "rule_source": source,
+                            "tie": selection.TIE_RULE, "changed": changed, "doc": None,
+                            "label": "", "final": False, "note": ""}
+    if rule is None:
+        return view
+    done = found.docs.get("selected")
+    if isinstance(done, dict) and isinstance(done.get("selected"), Mapping):
+        view.update(doc=done, final=True, label="Selection",
+                    source=found.doc_paths["selected"])
+        return view
+    try:
+        doc = selection.so_far(found.layout, found.cfg, rule)
+    except (KeyError, TypeError, ValueError, StageError) as exc:
+        view["note"] = f"the selection so far could not be computed: {exc}"
+        return view
+    view.update(doc=doc, label=doc["progress"]["label"],
+                source=f"computed here from the files that exist (no "
+                       f"{found.rel(found.layout.eval_selected)} yet)")
+    return view

@@ -1,0 +1,241 @@
+"""Evaluation beside training: the wait for an evaluation step's checkpoint, the records of
+what an evaluation has read, and what retention must keep for evaluation.
+
+- :func:`wait` (rule ``eval_checkpoint``, one local job per evaluation step): looks at the
+  checkpoint directory every ``eval.wait_poll_s`` until ``global_step_N`` is complete (verl's
+  manifest written last, :func:`hy3rl.ckptdir.check_complete`) under the run identity of the
+  plan, then writes ``eval/step<N>/checkpoint.json`` and ends, so that the step's
+  generations start while training goes on. It fails, naming the step and the training
+  state, when training ended before step N (``train/done.json`` of this trajectory and
+  total) or when this workflow's controller stopped resubmitting the training job
+  (``train/state.json``, written by ``rules/common.smk``'s ``train_slurm_extra``).
+- :func:`mark_read`: written into ``global_step_N/.hy3rl-eval/`` by a generation once it has
+  read the weights, with the sha256 of the request it served.
+- :func:`protected_steps`: what retention (hy3rl.ckptdir.prune) keeps for evaluation, read
+  from the files each time (so a restarted training job sees the same): with
+  ``train.keep_eval_checkpoints: all`` every ``eval.steps`` step; with ``selected`` an
+  evaluation step until every evaluation of it has read it under the current request, and
+  the selection so far (hy3rl.selection.so_far).
+
+Formats: docs/formats/eval.md. Standard library only, but for the selection.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hy3rl.atomic import write_json_atomic
+from hy3rl.ckptdir import CheckpointDirError, check_complete, read_identity, read_tracker, scan
+from hy3rl.errors import StageError
+from hy3rl.layout import Layout, heldout_tag
+from hy3rl.timefmt import utc_now
+
+log = logging.getLogger("hy3rl.evalckpt")
+
+READ_DIR = ".hy3rl-eval"
+
+
+class WaitFailed(StageError):
+    """Training ended, or was given up, without the step's checkpoint."""
+
+
+# --------------------------------------------------------------------------- the training state
+
+
+def write_train_state(layout: Layout, state: str, reason: str) -> None:
+    """``train/state.json``: written by the controller (this process) when it stops
+    resubmitting a training job; waits of this controller's evaluation steps then fail."""
+    write_json_atomic(Path(layout.train_state), {
+        "state": state, "reason": reason, "at": utc_now(), "host": socket.gethostname(),
+        "controller_pid": os.getpid()})
+
+
+def _ancestors(pid: int | None = None) -> set[int]:
+    """This process's pid and its ancestors' (from /proc)."""
+    out, pid = set(), pid or os.getpid()
+    while pid and pid not in out:
+        out.add(pid)
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            break
+        pid = int(stat.rsplit(")", 1)[1].split()[1])
+    return out
+
+
+def my_controller_state(layout: Layout) -> dict[str, Any] | None:
+    """``train/state.json`` when the Snakemake controller that wrote it is one of this
+    process's ancestors (the wait runs as its local job); one from an earlier invocation
+    is history and None."""
+    try:
+        doc = json.loads(Path(layout.train_state).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(doc, dict) or doc.get("host") != socket.gethostname():
+        return None
+    return doc if doc.get("controller_pid") in _ancestors() else None
+
+
+# --------------------------------------------------------------------------- the wait
+
+
+@dataclass
+class Look:
+    state: str  # ready | wait | failed
+    message: str
+    record: dict[str, Any] | None = None
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _training_state(layout: Layout) -> str:
+    ckpt = layout.checkpoint_dir
+    try:
+        tracker = read_tracker(ckpt)
+    except CheckpointDirError as exc:
+        return str(exc)
+    done = [c.step for c in scan(ckpt) if c.complete]
+    return (f"verl's tracker at step {tracker if tracker is not None else 'none'}, newest "
+            f"complete checkpoint {f'step {done[-1]}' if done else 'none'}")
+
+
+def look(layout: Layout, plan: dict[str, Any], step: int) -> Look:
+    """One look at step ``step``'s checkpoint and the training state (module doc)."""
+    traj = str(plan["identity"]["trajectory"]["id"])
+    total = int(plan["identity"].get("total_training_steps") or 0) or None
+    ckpt = layout.checkpoint_dir
+    try:
+        ident = read_identity(ckpt)
+    except CheckpointDirError as exc:
+        return Look("failed", f"step {step}: {exc}")
+    ours = ident is not None and str(ident["trajectory"].get("id")) == traj
+    step_dir = ckpt / f"global_step_{step}"
+    ok, why = check_complete(step_dir, step)
+    if ours and ok:
+        manifest = step_dir / "actor" / "ckpt_contents.json"
+        return Look("ready", f"step {step}: checkpoint complete", {
+            "step": step, "checkpoint": str(step_dir),
+            "hf_model": str(layout.checkpoint_hf_model(step)),
+            "trajectory_id": traj, "lineage": ident.get("lineage"),
+            "complete_at": time.strftime("%Y-%m-%dT%H:%M:%S+00:00",
+                                         time.gmtime(manifest.stat().st_mtime)),
+            "seen_at": utc_now()})
+    done = _read_json(Path(layout.train_done))
+    if isinstance(done, dict) and str(done.get("trajectory_id")) == traj and (
+            total is None or done.get("total_training_steps") == total):
+        final = int(done.get("final_step") or 0)
+        if final < step:
+            return Look("failed", f"step {step}: training ended at step {final} before "
+                        f"step {step} ({layout.train_done}); raise train.total_training_steps "
+                        "or drop the step from eval.steps")
+        return Look("failed", f"step {step}: training finished (step {final}) but "
+                    f"{step_dir} is not a complete checkpoint of this run ("
+                    f"{why or 'made by another configuration'}): it was not saved, or "
+                    "retention removed it before it was an evaluation step")
+    state = my_controller_state(layout)
+    if state is not None and state.get("state") == "stopped":
+        return Look("failed", f"step {step}: training stopped before step {step}: "
+                    f"{state.get('reason')} ({_training_state(layout)}); a later invocation "
+                    "that resumes training waits again")
+    if not ours:
+        where = ("no run identity yet" if ident is None
+                 else f"made by trajectory {str(ident['trajectory'].get('id'))[:12]}")
+        return Look("wait", f"step {step}: waiting for training to start on {ckpt} ({where})")
+    return Look("wait", f"step {step}: waiting ({_training_state(layout)}; step {step}: {why})")
+
+
+def wait(layout: Layout, plan_path: Path, step: int, out: Path, poll_s: float, *,
+         sleep: Callable[[float], None] = time.sleep,
+         clock: Callable[[], float] = time.monotonic) -> dict[str, Any]:
+    """Rule eval_checkpoint: wait for step ``step`` (module doc), then write ``out``
+    (eval/step<N>/checkpoint.json). Raises :class:`WaitFailed` naming the step and the
+    training state."""
+    plan = _read_json(Path(plan_path))
+    if not isinstance(plan, dict) or not (plan.get("identity") or {}).get("trajectory"):
+        raise StageError(f"{plan_path}: no run identity (identity.trajectory)")
+    t0, last = clock(), None
+    while True:
+        seen = look(layout, plan, step)
+        if seen.state == "ready":
+            rec = {**(seen.record or {}), "waited_s": round(clock() - t0, 1)}
+            write_json_atomic(Path(out), rec, indent=1)
+            log.info("%s after %.0f s -> %s", seen.message, clock() - t0, out)
+            return rec
+        if seen.state == "failed":
+            raise WaitFailed(seen.message)
+        if seen.message != last:
+            log.info("%s", seen.message)
+            last = seen.message
+        sleep(poll_s)
+
+
+# --------------------------------------------------------------------------- read records
+
+
+def file_sha256(path: Path) -> str | None:
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except OSError:
+        return None
+
+
+def _read_name(tag: str) -> str:
+    return tag.replace("/", "-") + ".json"
+
+
+def mark_read(step_dir: Path, tag: str, request: Path) -> None:
+    """Record in ``step_dir``/.hy3rl-eval/ that evaluation ``tag`` has read the weights
+    under ``request`` (its sha256): retention may then let the checkpoint go."""
+    write_json_atomic(Path(step_dir) / READ_DIR / _read_name(tag), {
+        "tag": tag, "request_sha256": file_sha256(request), "read_at": utc_now()})
+
+
+def has_read(step_dir: Path, tag: str, request: Path) -> bool:
+    """Whether evaluation ``tag`` read ``step_dir`` under the current ``request``."""
+    doc = _read_json(Path(step_dir) / READ_DIR / _read_name(tag))
+    want = file_sha256(request)
+    return isinstance(doc, dict) and want is not None and doc.get("request_sha256") == want
+
+
+# --------------------------------------------------------------------------- retention
+
+
+def protected_steps(cfg: Any, layout: Layout) -> list[int]:
+    """The steps retention keeps for evaluation now (module doc)."""
+    steps = sorted(cfg.eval.steps) if cfg.cluster.gpu else []
+    if cfg.train.keep_eval_checkpoints == "all":
+        return steps
+    keep = set()
+    for step in steps:
+        tags = [f"step{step}"] + ([heldout_tag(f"step{step}")] if cfg.data.heldout else [])
+        step_dir = layout.checkpoint_dir / f"global_step_{step}"
+        if not all(has_read(step_dir, t, Path(layout.eval_request(t))) for t in tags):
+            keep.add(step)
+    if cfg.eval.select is not None:
+        from hy3rl import selection
+
+        plan = _read_json(Path(layout.train_plan))
+        rule = (plan or {}).get("selection") if isinstance(plan, dict) else None
+        sofar = selection.so_far(layout, cfg, rule) if rule else None
+        if sofar and isinstance(sofar.get("step"), int):
+            keep.add(sofar["step"])
+    return sorted(keep)
+
+
+def protector(cfg: Any, layout: Layout) -> Callable[[], Iterable[int]]:
+    """:func:`protected_steps` as retention's callable (evaluated at every pass)."""
+    return lambda: protected_steps(cfg, layout)

@@ -1,0 +1,138 @@
+"""Preflight's checks of the held-out set and the selection rule (issue 20), and the rule's
+record in plan.json (``selection``), written before the first training step.
+
+A selection set must be held out twice: from the reported test set (data.val, AIME-2024),
+or the winner is picked on the test set itself, and from the training set. Problems are
+compared by their text (the last user message, the DAPO instruction around it removed,
+case and whitespace folded), so that the same problem under another id, row order or file
+still counts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+
+from hy3rl.settings import Config
+
+TIE_RULE = "earliest step"
+
+
+def problem_text(prompt: Any) -> str:
+    """The normalised problem text of one verl ``prompt`` (a list of messages)."""
+    from hy3rl.data import DAPO_PREFIX, DAPO_SUFFIX
+
+    content = ""
+    for msg in prompt or []:
+        if isinstance(msg, Mapping) and msg.get("role") == "user":
+            content = str(msg.get("content") or "")
+    for cut in (DAPO_PREFIX, DAPO_SUFFIX):
+        content = content.replace(cut, " ")
+    return re.sub(r"\s+", " ", content).strip().lower()
+
+
+def problems(path: Path) -> dict[str, str]:
+    """normalised problem text -> problem id (extra_info.index, else the row) of a verl
+    parquet file; the first row of a repeated problem names it."""
+    out: dict[str, str] = {}
+    row = 0
+    for batch in pq.ParquetFile(path).iter_batches(batch_size=65536,
+                                                   columns=["prompt", "extra_info"]):
+        for prompt, extra in zip(batch.column("prompt").to_pylist(),
+                                 batch.column("extra_info").to_pylist(), strict=True):
+            pid = (extra or {}).get("index") if isinstance(extra, Mapping) else None
+            out.setdefault(problem_text(prompt), str(pid if pid is not None else f"row {row}"))
+            row += 1
+    return out
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def resolved_k(cfg: Config) -> int:
+    """eval.select.k, or the samples per problem when null."""
+    from hy3rl.evaluate import resolve_sampling
+
+    n = resolve_sampling(cfg.eval).n_samples
+    sel = cfg.eval.select
+    return int(sel.k) if sel is not None and sel.k is not None else int(n)
+
+
+def selection_record(cfg: Config, heldout: Path | None) -> dict[str, Any] | None:
+    """plan.json ``selection``: the rule as it will be applied (k resolved), with the
+    held-out file's sha256; None without eval.select."""
+    sel = cfg.eval.select
+    if sel is None:
+        return None
+    k = resolved_k(cfg)
+    key = f"{sel.grader} avg@{k}" if sel.metric == "avg" else f"{sel.grader} {sel.metric}@{k}"
+    have = heldout is not None and Path(heldout).is_file()
+    return {"set": sel.set, "grader": sel.grader, "metric": sel.metric, "k": k, "key": key,
+            "tie": TIE_RULE, "candidates": "eval.steps and final",
+            "set_file": str(heldout) if have else None,
+            "set_sha256": sha256_file(Path(heldout)) if have else None}
+
+
+def check(r: Any, cfg: Config, *, heldout: Path | None, val: Path, train: Path) -> None:
+    """Rule ``selection`` (and ``eval_steps_saved`` is in rules.py): the set named by
+    eval.select exists, is not the test set, shares no problem with it nor with the
+    training set, and k fits the samples per problem."""
+    sel, ho = cfg.eval.select, cfg.data.heldout
+    name = "selection"
+    if ho is not None and heldout is not None and Path(heldout).is_file():
+        _overlaps(r, name, Path(heldout), val, train, ho.name)
+    if sel is None:
+        return
+    if ho is None:
+        r.error(name, f"eval.select.set: names {sel.set!r} but no held-out set is configured "
+                "(data.heldout is null): add one, or set eval.select: null")
+        return
+    if sel.set != ho.name:
+        r.error(name, f"eval.select.set: no held-out set named {sel.set!r} (data.heldout.name "
+                f"is {ho.name!r}); the test set (data.val) never selects")
+        return
+    if heldout is None or not Path(heldout).is_file():
+        r.error(name, f"eval.select.set: {sel.set!r}: its file {heldout} is missing (rule data)")
+        return
+    from hy3rl.evaluate import resolve_sampling
+    from hy3rl.metrics import ks_for
+
+    n = int(resolve_sampling(cfg.eval).n_samples)
+    k = resolved_k(cfg)
+    if sel.metric == "avg" and k != n:
+        r.error(name, f"eval.select.k = {k}: avg is over every sample (avg@n, n = {n}); set "
+                "k to null")
+    elif sel.metric != "avg" and k not in ks_for(n):
+        r.error(name, f"eval.select.k = {k}: {sel.metric}@k is recorded for k in "
+                f"{ks_for(n)} (n = eval samples per problem)")
+
+
+def _overlaps(r: Any, name: str, heldout: Path, val: Path, train: Path, set_name: str) -> None:
+    if sha256_file(heldout) == sha256_file(val):
+        r.error(name, f"eval.select.set / data.heldout {set_name!r}: {heldout} has the same "
+                f"content as the test set {val}: the selection would pick the winner on the "
+                "test set itself")
+        return
+    held = problems(heldout)
+    for what, other in (("the test set (data.val)", val), ("the training set", train)):
+        theirs = problems(other)
+        common = [k for k in held if k in theirs]
+        if not common:
+            continue
+        same = len(common) == len(held) and len(held) == len(theirs)
+        shown = ", ".join(f"{held[k]} = {what.split(' (')[0]} {theirs[k]}" for k in common[:3])
+        r.error(name, f"data.heldout {set_name!r}: {'the same problems as' if same else ''}"
+                f"{'' if same else f'{len(common)} of its {len(held)} problems are also in'} "
+                f"{what} ({other}){': ' + shown if shown else ''}"
+                f"{' ...' if len(common) > 3 else ''}: a held-out set shares no problem with "
+                "it")

@@ -1,0 +1,179 @@
+"""Evaluation beside training (hy3rl.evalckpt): the wait for an evaluation step's checkpoint
+on real checkpoint directories written by the trainer double's own writer, the training
+state the controller records, and retention keeping what an evaluation has not read."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from fixtures.common import make_config
+from fixtures.trainer_double import partial_checkpoint
+from hy3rl import ckptdir, evalckpt
+from hy3rl.layout import Layout, heldout_tag
+
+TRAJ = {"id": "a" * 64, "values": {"k": 1}, "origins": {}}
+
+
+def plan(total: int = 6) -> dict:
+    return {"identity": {"trajectory": TRAJ, "total_training_steps": total}}
+
+
+def own(ckpt: Path, traj: dict = TRAJ) -> None:
+    """The checkpoint directory's identity, as a training attempt writes it."""
+    d = ckptdir.decide_identity(ckpt, traj, 6, "refuse")
+    ckptdir.apply_identity(ckpt, d, traj, 6, 0, attempt=1)
+
+
+@pytest.fixture
+def layout(tmp_path: Path) -> Layout:
+    return Layout(str(tmp_path / "results"), "run", str(tmp_path / "ckpt"))
+
+
+class Clock:
+    """A simulated clock: sleep advances it and lets ``on_sleep`` act (the trainer)."""
+
+    def __init__(self, on_sleep=None):
+        self.t, self.on_sleep, self.sleeps = 0.0, on_sleep, 0
+
+    def __call__(self) -> float:
+        return self.t
+
+    def sleep(self, s: float) -> None:
+        self.t += s
+        self.sleeps += 1
+        if self.on_sleep:
+            self.on_sleep(self)
+
+
+def test_wait_ends_when_the_step_is_complete_under_this_identity(layout, ckpt_writer,
+                                                                 tmp_path) -> None:
+    ckpt = layout.checkpoint_dir
+    plan_path = tmp_path / "plan.json"
+    plan_path.write_text(json.dumps(plan()))
+    out = tmp_path / "eval" / "step4" / "checkpoint.json"
+
+    def trainer(clock: Clock) -> None:  # saves step 2 at t=60 s, step 4 at t=3 h (paper pace)
+        if clock.t >= 60 and not (ckpt / "global_step_2").exists():
+            own(ckpt)
+            ckpt_writer(ckpt, 2)
+        if clock.t >= 3 * 3600 and not (ckpt / "global_step_4").exists():
+            partial_checkpoint(ckpt, 4)  # a multi-TB save under way: not complete yet
+        if clock.t >= 3 * 3600 + 50 * 60:
+            ckpt_writer(ckpt, 4)
+
+    clock = Clock(trainer)
+    rec = evalckpt.wait(layout, plan_path, 4, out, 30, sleep=clock.sleep, clock=clock)
+    assert rec["step"] == 4 and rec["trajectory_id"] == TRAJ["id"]
+    assert rec["waited_s"] >= 3 * 3600 + 50 * 60
+    assert json.loads(out.read_text())["hf_model"].endswith(
+        "global_step_4/actor/model/huggingface")
+
+
+def test_a_checkpoint_of_another_configuration_is_not_taken(layout, ckpt_writer) -> None:
+    """Before a `fresh` start moves them aside, the old run's checkpoints are there: the
+    wait keeps waiting for this run's."""
+    ckpt = layout.checkpoint_dir
+    own(ckpt, {"id": "b" * 64, "values": {"k": 2}, "origins": {}})
+    ckpt_writer(ckpt, 2)
+    seen = evalckpt.look(layout, plan(), 2)
+    assert seen.state == "wait" and "trajectory bbbbbbbbbbbb" in seen.message
+
+
+def test_training_that_ended_before_the_step_fails_the_wait(layout, ckpt_writer,
+                                                             tmp_path) -> None:
+    ckpt = layout.checkpoint_dir
+    own(ckpt)
+    ckpt_writer(ckpt, 2)
+    done = Path(layout.train_done)
+    done.parent.mkdir(parents=True)
+    done.write_text(json.dumps({"final_step": 2, "trajectory_id": TRAJ["id"],
+                                "total_training_steps": 6}))
+    seen = evalckpt.look(layout, plan(), 4)
+    assert seen.state == "failed"
+    assert "step 4: training ended at step 2 before step 4" in seen.message
+    # a done.json of a shorter total is an old one: this invocation extends, so wait
+    assert evalckpt.look(layout, plan(total=8), 4).state == "wait"
+    plan_path = tmp_path / "plan.json"
+    plan_path.write_text(json.dumps(plan()))
+    with pytest.raises(evalckpt.WaitFailed, match="step 4: training ended at step 2"):
+        evalckpt.wait(layout, plan_path, 4, tmp_path / "out.json", 1, sleep=lambda s: None)
+    assert not (tmp_path / "out.json").exists()
+
+
+def test_a_stop_by_this_controller_fails_the_wait_an_old_one_does_not(layout, ckpt_writer
+                                                                      ) -> None:
+    ckpt = layout.checkpoint_dir
+    own(ckpt)
+    ckpt_writer(ckpt, 2)
+    # written by this process: an ancestor of the look (as the controller of its wait)
+    evalckpt.write_train_state(layout, "stopped", "a crash loop; not resubmitted")
+    seen = evalckpt.look(layout, plan(), 4)
+    assert seen.state == "failed", seen
+    assert seen.message.startswith("step 4: training stopped before step 4: a crash loop")
+    assert "newest complete checkpoint step 2" in seen.message
+    # the same record from a controller that is not an ancestor (an earlier invocation)
+    doc = json.loads(Path(layout.train_state).read_text())
+    other = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                           capture_output=True, text=True).stdout.strip()
+    Path(layout.train_state).write_text(json.dumps({**doc, "controller_pid": int(other)}))
+    assert evalckpt.look(layout, plan(), 4).state == "wait"
+    Path(layout.train_state).write_text(json.dumps({**doc, "host": "elsewhere"}))
+    assert evalckpt.look(layout, plan(), 4).state == "wait"
+    assert doc["host"] == socket.gethostname() and doc["controller_pid"] == os.getpid()
+
+
+def _cfg(keep_eval: str, steps=(2, 4)):
+    return make_config(cluster={"gpu": True}, eval={"steps": list(steps)},
+                       train={"keep_eval_checkpoints": keep_eval, "checkpoint_keep": 1})
+
+
+def _request(layout: Layout, tag: str, text: str = "r1") -> Path:
+    p = Path(layout.eval_request(tag))
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(text)
+    return p
+
+
+def test_retention_keeps_a_checkpoint_until_every_evaluation_read_it(layout, ckpt_writer
+                                                                      ) -> None:
+    """checkpoint_keep 1 and keep_eval_checkpoints selected: step 2 stays while its
+    evaluations (test set and held-out set) have not read it, also for a pruner started
+    afresh (a restarted training job), and goes once both read it."""
+    cfg = _cfg("selected")
+    assert cfg.data.heldout is not None  # the embedded default's held-out set
+    ckpt = layout.checkpoint_dir
+    for step in (2, 4, 6):
+        ckpt_writer(ckpt, step)
+    tags = ["step2", heldout_tag("step2")]
+    reqs = {t: _request(layout, t) for t in tags}
+    protect = evalckpt.protector(cfg, layout)
+    assert ckptdir.prune(ckpt, 1, protect) == []  # 2 and 4 unread: kept, nothing else old
+    assert sorted(c.step for c in ckptdir.scan(ckpt)) == [2, 4, 6]
+    evalckpt.mark_read(ckpt / "global_step_2", tags[0], reqs[tags[0]])
+    # one of its two evaluations is still reading: a fresh pruner (restart) keeps it too
+    assert ckptdir.prune(ckpt, 1, evalckpt.protector(cfg, layout)) == []
+    # a request that changed since (a re-evaluation is coming): its old read does not count
+    _request(layout, tags[0], "r2")
+    evalckpt.mark_read(ckpt / "global_step_2", tags[1], reqs[tags[1]])
+    assert evalckpt.protected_steps(cfg, layout) == [2, 4]
+    evalckpt.mark_read(ckpt / "global_step_2", tags[0], reqs[tags[0]])
+    assert evalckpt.protected_steps(cfg, layout) == [4]
+    assert ckptdir.prune(ckpt, 1, protect) == [2]
+    assert sorted(c.step for c in ckptdir.scan(ckpt)) == [4, 6]
+
+
+def test_retention_all_keeps_every_evaluation_step(layout, ckpt_writer) -> None:
+    cfg = _cfg("all")
+    ckpt = layout.checkpoint_dir
+    for step in (2, 4, 6):
+        ckpt_writer(ckpt, step)
+    for tag in ("step2", heldout_tag("step2")):
+        evalckpt.mark_read(ckpt / "global_step_2", tag, _request(layout, tag))
+    assert evalckpt.protected_steps(cfg, layout) == [2, 4]
+    assert ckptdir.prune(ckpt, 1, evalckpt.protector(cfg, layout)) == []
