@@ -304,8 +304,8 @@ def eval_val(tag):
 
 def eval_generate_inputs(wildcards):
     """The tag's problems (eval_val) and request; the tag's model: the model's manifest for
-    base (the weights are CFG.model.path); for step<N> the step's wait (rule
-    eval_checkpoint: the checkpoint is complete, so the generation runs while training
+    base (the weights are CFG.model.path); for step<N> the step's wait (the output of
+    eval_checkpoint, once the checkpoint is complete, so the generation runs while training
     goes on); for final train/done.json (ancient: the checkpoints are not outputs, and a
     finished training that is rerun re-evaluates nothing; hy3rl.evaluate.model_for_tag
     finds the weights); for vLLM, the Ray runtime env written by deps (a multi-node engine
@@ -423,15 +423,18 @@ def selection_enabled():
     """Rule eval_select is in the DAG: eval.select is set and checkpoints are evaluated."""
     from hy3rl.selection import candidate_tags
 
-    return CFG.eval.select is not None and CFG.data.heldout is not None and bool(
-        candidate_tags(CFG)
+    return (
+        CFG.eval.select is not None
+        and CFG.data.heldout is not None
+        and bool(candidate_tags(CFG))
     )
 
 
 def eval_select_inputs(wildcards):
     """The held-out metrics of every candidate (the selection) and the test set's metrics of
     base, the candidates (the selected one's AIME-2024 figures, selected vs final), and the
-    plan holding the rule fixed before training (ancient: as the training jobs read it)."""
+    plan holding the selection fixed before training (ancient, as the training jobs read it).
+    """
     from hy3rl.layout import heldout_tag
     from hy3rl.selection import candidate_tags
 

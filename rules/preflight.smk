@@ -19,11 +19,11 @@ localrules:
 # a bridge check that is `not run` or `fail` stops the launch unless `preflight.waive: [bridge]`.
 rule preflight:
     input:
+        **heldout_input(),
         lock=LAYOUT.deps_lock,
         summary=LAYOUT.data_summary,
         train=LAYOUT.data_train,
         val=LAYOUT.data_val,
-        **heldout_input(),
         checkpoint_check=LAYOUT.checks_checkpoint,
         bridge_check=bridge_check_input(),
         model_manifest=model_manifest(),

@@ -435,11 +435,17 @@ def test_snakemake_evaluate_on_embedded_default(tmp_path, tiny_hy3_copy):
 def test_tags_and_their_models(tmp_path):
     from hy3rl.settings import Config
 
-    assert evaluate.eval_tags(make_config()) == ["base"]  # no training in the embedded default
+    # no training in the embedded default; every tag on the held-out set too
+    assert evaluate.eval_tags(make_config()) == ["base", "heldout/base"]
+    assert evaluate.eval_tags(make_config(data={"heldout": None})) == ["base"]
     paper = Config.load(REPO_ROOT / "config/config.yaml", REPO_ROOT / "config/paper.yaml")
-    assert evaluate.eval_tags(paper) == ["base", "step20", "step100", "step180", "final"]
+    tags = ["base", "step20", "step100", "step180", "final"]
+    assert evaluate.eval_tags(paper) == tags + [f"heldout/{t}" for t in tags]
+    assert evaluate.eval_tags(paper, heldout=False) == tags
     no_final = dataclasses.replace(paper, eval=dataclasses.replace(paper.eval, final=False))
-    assert evaluate.eval_tags(no_final)[-1] == "step180"
+    assert evaluate.eval_tags(no_final, heldout=False)[-1] == "step180"
+    assert evaluate.model_for_tag(paper, "heldout/step20") == evaluate.model_for_tag(
+        paper, "step20")
 
     def with_root(root: str) -> Config:
         return Config.from_dict(deep_merge(paper.raw, {"train": {"checkpoint_root": root}}))

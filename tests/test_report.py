@@ -287,6 +287,127 @@ def test_report_reads_what_train_and_evaluate_really_write(tmp_path: Path):
         assert paired[g]["paired_interval"] == f"[{ci['low']:.4g}, {ci['high']:.4g}]"
 
 
+def _heldout_and_selection(results: Path, values: dict[str, float],
+                           select: bool = True) -> dict | None:
+    """The held-out set's metrics.json per tag (hy3rl.metrics on synthetic scores: every
+    problem right with probability ``values[tag]``), eval/selected.json (hy3rl.selection,
+    the default rule) and summary.json with both (hy3rl.metrics.run_summary), over the
+    test set's files _real_eval wrote."""
+    from hy3rl import metrics as mmod
+    from hy3rl import selection
+
+    rng = np.random.default_rng(11)
+    boot = {"resamples": 500, "level": 0.95, "seed": 3}
+    paths, base = {}, None
+    for tag, p in values.items():
+        rows = [{"problem_id": str(pid), "sample_index": k, "ground_truth": "7",
+                 "finish_reason": "stop", "num_tokens": 10,
+                 "math_dapo": {"status": "ok", "acc": (ok := bool(rng.random() < p)),
+                               "score": 1.0, "pred": "7" if ok else "1"},
+                 "math_verify": {"status": "ok", "acc": ok, "pred": "7" if ok else "1"}}
+                for pid in range(30) for k in range(8)]
+        step = {"base": None, "final": 40}[tag] if tag in ("base", "final") else int(tag[4:])
+        m = mmod.compute_metrics(rows, f"heldout/{tag}", {}, boot, base, step=step)
+        base = base or rows
+        paths[tag] = results / "eval" / "heldout" / tag / "metrics.json"
+        mmod.write_json_atomic(paths[tag], m, indent=1)
+    test = {t: results / "eval" / t / "metrics.json" for t in ("base", "step20", "final")}
+    doc = None
+    if select:
+        doc = selection.run({"set": "dapo_heldout", "grader": "math_dapo", "metric": "avg",
+                             "k": None}, heldout=paths, test=test,
+                            out=results / "eval" / "selected.json", boot=boot)
+    mmod.run_summary(metrics=list(test.values()), heldout=list(paths.values()),
+                     selected=results / "eval" / "selected.json" if select else None,
+                     out=results / "eval" / "summary.json")
+    return doc
+
+
+def test_the_checkpoint_selection_section_and_the_curves(tmp_path: Path):
+    """Held-out results and eval/selected.json: the rule as the plan holds it, a change
+    since training started, the candidates, the selected step, AIME-2024 of base, selected
+    and final with the paired comparison and the verdict, the curves figure; the held-out
+    tags stay out of the test set's tables. Mid-run (no selected.json yet): the selection
+    so far over what exists."""
+    results = tmp_path / "results" / "r"
+    _real_training(results)
+    _real_eval(results, ("base", "step20", "final"))
+    write_cpu_stages(results, "r")
+    doc = _heldout_and_selection(results, {"base": 0.2, "step20": 0.8, "final": 0.4})
+    plan_path = results / "preflight" / "plan.json"
+    plan = json.loads(plan_path.read_text())
+    plan["selection"] = {**doc["rule"], "set_sha256": "ab" * 32}
+    plan_path.write_text(json.dumps(plan))
+    first = results / "train" / "attempts" / "attempt-1.json"
+    rec = json.loads(first.read_text())
+    rec["selection"] = {**plan["selection"], "metric": "pass", "key": "math_dapo pass@8"}
+    first.write_text(json.dumps(rec))
+    cfg = _config(eval={"steps": [20]})
+    files = _build(results, cfg)
+    html = files["index.html"].decode()
+    section = html.split('<h2 id="selection">', 1)[1].split('<h2 id="provenance">', 1)[0]
+    assert "highest math_dapo avg@8 on held-out set dapo_heldout (sha256 abababababab)" in \
+        section and "preflight/plan.json" in section
+    assert "The rule changed after training started</strong>: was highest math_dapo pass@8" \
+        in section and "now highest math_dapo avg@8" in section
+    cands = section.split('id="selection-candidates"', 1)[1].split("</table>", 1)[0]
+    assert [c["tag"] for c in doc["candidates"]] == ["step20", "final"]
+    for c in doc["candidates"]:
+        assert f"<td>{c['tag']}</td><td>{c['step']}</td><td>{c['value']:.4g}</td>" \
+               f"<td>[{c['interval'][0]:.4g}, {c['interval'][1]:.4g}]</td>" in cands
+    assert "base (reference, never a candidate)" in cands
+    assert "Selected: <strong>step20</strong> (step 20)" in section
+    test = section.split('id="selection-test"', 1)[1].split("</table>", 1)[0]
+    assert [r["role"] for r in doc["test"]["rows"]] == ["base", "selected", "final"]
+    sel_row = doc["test"]["rows"][1]
+    assert f"<td>selected</td><td>step20</td><td>20</td><td>math_dapo</td>" \
+           f"<td>{sel_row['math_dapo_avg']:.4g}</td>" in test
+    paired = section.split('id="selection-paired"', 1)[1].split("</table>", 1)[0]
+    d = doc["selected_vs_final"]["math_dapo"]
+    assert f"<td>math_dapo</td><td>{sel_row['math_dapo_avg']:.4g}</td>" in paired
+    assert f"<td>{d['mean_diff']:.4g}</td>" in paired
+    assert doc["verdict"] in section.replace("&#39;", "'")
+    assert 'id="fig-eval-curves"' in section
+    img = mpimg.imread(io.BytesIO(files["fig_eval_curves.png"]), format="png")
+    assert img.shape[0] > 200 and float(np.std(img[..., :3])) > 0.05
+    # the held-out tags are not test-set rows
+    assert {r["tag"] for r in _csv(files["eval_headline.csv"])} == {"base", "step20", "final"}
+    assert list(_csv(files["eval_per_problem.csv"])[0]) == ["problem", "base", "step20",
+                                                             "final"]
+    found = _gather(results, cfg)
+    assert [e.tag for e in found.heldout] == ["heldout/base", "heldout/step20", "heldout/final"]
+    assert [e.step for e in found.heldout] == [None, 20, 40]
+
+    # mid-run: final not evaluated on the held-out set yet, no selected.json
+    (results / "eval" / "selected.json").unlink()
+    (results / "eval" / "heldout" / "final" / "metrics.json").unlink()
+    (results / "eval" / "summary.json").unlink()
+    html = _build(results, cfg)["index.html"].decode()
+    section = html.split('<h2 id="selection">', 1)[1].split('<h2 id="provenance">', 1)[0]
+    assert "selection so far (1 of 2 steps evaluated)" in section
+    assert "Selected: <strong>step20</strong>" in section
+    assert "Not evaluated on the held-out set yet: final." in section
+
+
+def test_a_report_without_a_selection_rule(tmp_path: Path, report_run_factory):
+    """eval.select null (and a plan that says so): the section says so, and the curves
+    figure still has the test set's steps and the held-out set's avg@n."""
+    results = report_run_factory()
+    _heldout_and_selection(results, {"base": 0.3, "step20": 0.5, "final": 0.6}, select=False)
+    plan_path = results / "preflight" / "plan.json"
+    plan_path.write_text(json.dumps({**json.loads(plan_path.read_text()), "selection": None}))
+    files = _build(results, _config(eval={"select": None}))
+    html = files["index.html"].decode()
+    section = html.split('<h2 id="selection">', 1)[1].split('<h2 id="provenance">', 1)[0]
+    assert 'id="selection-none"' in section and "No selection rule configured" in section
+    assert 'id="fig-eval-curves"' in section and 'id="selection-candidates"' not in section
+    assert {r["tag"] for r in _csv(files["eval_headline.csv"])} == {"base", "step20", "final"}
+    # neither a held-out set nor a rule (no held-out files): the page renders all the same
+    cfg = _config(data={"heldout": None}, eval={"select": None})
+    assert "No selection rule configured" in _build(
+        report_run_factory(RunSpec(eval_tags=("base",)), run="plain"), cfg)["index.html"].decode()
+
+
 def test_bad_log_line_names_file_and_line(tmp_path: Path, report_run_factory):
     """In-process a StageError naming file and line; `hy3rl report` prints it and exits 1,
     writing nothing."""
@@ -324,7 +445,7 @@ def test_the_console_script_writes_every_file(tmp_path: Path, report_run_factory
          str(REPO_ROOT / "config/config.yaml"), "--configfile", str(site)],
         cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "report: wrote 14 files" in proc.stdout
+    assert f"report: wrote {len(OUTPUTS)} files" in proc.stdout
     assert sorted(p.name for p in (results / "report").iterdir()) == OUTPUTS
 
 
@@ -677,7 +798,7 @@ def test_snakemake_report_rule_and_snakemake_report(gpu: bool, tmp_path: Path):
     html = (out / "index.html").read_text()
     assert ('id="training-not-run"' in html) != gpu
     log = (results / "logs" / "report.log").read_text()
-    assert "report: wrote 14 files" in log and "run.name=" in log  # the triggers
+    assert f"report: wrote {len(OUTPUTS)} files" in log and "run.name=" in log  # the triggers
     assert SECRET_SK not in log
     if not gpu:
         return  # one `snakemake --report` (below) is enough

@@ -6,8 +6,8 @@ from hy3rl.layout import Layout
 from hy3rl.smk import rule_job
 
 with rule_job(snakemake) as cfg:
-    inp = snakemake.input
-    train.run(cfg.train, cfg.cluster, Layout.from_config(cfg), keep_steps=evalckpt.protector(cfg, Layout.from_config(cfg)),
+    inp, layout = snakemake.input, Layout.from_config(cfg)
+    train.run(cfg.train, cfg.cluster, layout, keep_steps=evalckpt.protector(cfg, layout),
               plan=Path(inp.plan), launch_script=Path(inp.launch),
               runtime_env=Path(inp.runtime_env), sentinel=Path(snakemake.output.done),
               metrics=Path(snakemake.output.metrics))

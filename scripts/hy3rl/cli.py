@@ -86,7 +86,8 @@ def _preflight(cfg: Config, layout: Layout, args: argparse.Namespace) -> None:
                   checkpoint_check=Path(layout.checks_checkpoint),
                   bridge_check=Path(layout.checks_bridge) if cfg.cluster.gpu else None,
                   plan=Path(layout.preflight_plan), launch=Path(layout.preflight_launch),
-                  reward_fn=Path(layout.preflight_reward_fn))
+                  reward_fn=Path(layout.preflight_reward_fn),
+                  heldout=Path(layout.data_heldout) if cfg.data.heldout else None)
 
 
 def _cluster_probe(cfg: Config, layout: Layout, args: argparse.Namespace) -> None:
@@ -127,7 +128,6 @@ def _score(cfg: Config, layout: Layout, args: argparse.Namespace) -> None:
 
 def _metrics(cfg: Config, layout: Layout, args: argparse.Namespace) -> None:
     from hy3rl import metrics
-
     from hy3rl.layout import heldout_tag, split_tag
 
     t = args.tag

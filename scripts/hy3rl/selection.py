@@ -283,6 +283,8 @@ def selection_doc(rule: Mapping[str, Any], heldout: Mapping[str, Mapping[str, An
         "metrics": sources.get(heldout_tag("base"))}
 
     sel_tag = chosen["tag"]
+    final_doc, sel_doc = test.get("final"), test.get(sel_tag) if sel_tag else None
+    final_at = tag_step("final", final_doc, heldout.get("final"), {"step": final_step})
     rows, test_missing = [], []
     for role, tag in (("base", "base"), ("selected", sel_tag), ("final", "final")):
         if tag is None:
@@ -291,10 +293,8 @@ def selection_doc(rule: Mapping[str, Any], heldout: Mapping[str, Mapping[str, An
         if doc is None:
             test_missing.append(tag)
             continue
-        rows.append({"role": role, "step": tag_step(tag, doc, {"step": final_step}),
-                     **summarize([doc])["rows"][0]})
-    final_doc, sel_doc = test.get("final"), test.get(sel_tag) if sel_tag else None
-    final_at = tag_step("final", final_doc, heldout.get("final"), {"step": final_step})
+        step = final_at if tag == "final" else tag_step(tag, doc, heldout.get(tag))
+        rows.append({"role": role, "step": step, **summarize([doc])["rows"][0]})
     comparison, differ = None, None
     g = rule["grader"]
     if sel_tag is None:

@@ -89,32 +89,36 @@ def check(r: Any, cfg: Config, *, heldout: Path | None, val: Path, train: Path) 
     training set, and k fits the samples per problem."""
     sel, ho = cfg.eval.select, cfg.data.heldout
     name = "selection"
-    if ho is not None and heldout is not None and Path(heldout).is_file():
-        _overlaps(r, name, Path(heldout), val, train, ho.name)
-    if sel is None:
-        return
-    if ho is None:
-        r.error(name, f"eval.select.set: names {sel.set!r} but no held-out set is configured "
-                "(data.heldout is null): add one, or set eval.select: null")
-        return
-    if sel.set != ho.name:
-        r.error(name, f"eval.select.set: no held-out set named {sel.set!r} (data.heldout.name "
-                f"is {ho.name!r}); the test set (data.val) never selects")
-        return
-    if heldout is None or not Path(heldout).is_file():
-        r.error(name, f"eval.select.set: {sel.set!r}: its file {heldout} is missing (rule data)")
-        return
-    from hy3rl.evaluate import resolve_sampling
-    from hy3rl.metrics import ks_for
+    if sel is not None:
+        if ho is None:
+            r.error(name, f"eval.select.set: names {sel.set!r} but no held-out set is "
+                    "configured (data.heldout is null): add one, or set eval.select: null")
+            return
+        if sel.set != ho.name:
+            r.error(name, f"eval.select.set: no held-out set named {sel.set!r} "
+                    f"(data.heldout.name is {ho.name!r}); the test set (data.val) never "
+                    "selects")
+            return
+        from hy3rl.evaluate import resolve_sampling
+        from hy3rl.metrics import ks_for
 
-    n = int(resolve_sampling(cfg.eval).n_samples)
-    k = resolved_k(cfg)
-    if sel.metric == "avg" and k != n:
-        r.error(name, f"eval.select.k = {k}: avg is over every sample (avg@n, n = {n}); set "
-                "k to null")
-    elif sel.metric != "avg" and k not in ks_for(n):
-        r.error(name, f"eval.select.k = {k}: {sel.metric}@k is recorded for k in "
-                f"{ks_for(n)} (n = eval samples per problem)")
+        n = int(resolve_sampling(cfg.eval).n_samples)
+        k = resolved_k(cfg)
+        if sel.metric == "avg" and k != n:
+            r.error(name, f"eval.select.k = {k}: avg is over every sample (avg@n, n = {n}); "
+                    "set k to null")
+        elif sel.metric != "avg" and k not in ks_for(n):
+            r.error(name, f"eval.select.k = {k}: {sel.metric}@k is recorded for k in "
+                    f"{ks_for(n)} (n = eval samples per problem)")
+    if ho is None:
+        return
+    if heldout is None:
+        r.not_run(name, "not run: the held-out file (data/heldout.parquet) was not given")
+        return
+    if not Path(heldout).is_file():
+        r.error(name, f"data.heldout {ho.name!r}: {heldout} is missing (rule data writes it)")
+        return
+    _overlaps(r, name, Path(heldout), val, train, ho.name)
 
 
 def _overlaps(r: Any, name: str, heldout: Path, val: Path, train: Path, set_name: str) -> None:

@@ -267,11 +267,14 @@ def fig_eval_curves(found: Found, view: dict[str, Any], redact: Redactor, dpi: i
             if base_iv:
                 ax.axhspan(*base_iv, color="0.5", alpha=0.12)
         if sel_step is not None and has:
-            ax.axvline(sel_step, color="tab:green", lw=2, alpha=0.6,
+            ax.axvline(sel_step, color="tab:green", lw=2, alpha=0.5, ls=":", zorder=0,
                        label=redact.text(f"selected: {chosen.get('tag')} (step {sel_step})"))
         if not has:
             _empty(ax, redact.text(empty))
         ax.set_title(redact.text(title), fontsize=10)
+        if has:
+            ax.set_xlim(left=0, right=ax.get_xlim()[1])
+            ax.xaxis.get_major_locator().set_params(integer=True)
         ax.set_xlabel("training step")
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
