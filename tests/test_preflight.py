@@ -818,6 +818,7 @@ def test_prompts_over_max_from_data_summary(verl, tmp_path):
 
 def test_cli_lists_all_errors_and_refuses_bad_inputs(verl, tmp_path, capsys):
     cfg = _set(paper_cfg(tmp_path), env={"ROLLOUT_MAX_MODEL_LEN": 9000, "SAVE_FREQ": -1})
+    cfg["data"]["heldout"] = cfg["eval"]["select"] = None  # no held-out file written here
     layout = Layout.from_config(cfg)
     rc = hy3rl_preflight(cfg, tmp_path, verl.lock)
     captured = capsys.readouterr()
@@ -1056,7 +1057,8 @@ def test_preflight_errors_stop_the_workflow_on_the_slurm_cluster(
     site = tmp_path / "site.yaml"
     train = {"checkpoint_root": str(tmp_path / "ckpt"),
              "env": {"ROLLOUT_MAX_MODEL_LEN": 100, "SAVE_FREQ": 50, "ACTOR_PP": 3}}
-    site.write_text(json.dumps({"train": train, "model": {"source": str(model)}}))
+    site.write_text(json.dumps({"train": train, "model": {"source": str(model)},
+                                "data": {"heldout": None}, "eval": {"select": None}}))
     args = ["results/tiny-default/preflight/plan.json", *slurm_profile_args, str(site),
             "--allowed-rules", "preflight"]
 

@@ -284,3 +284,24 @@ def test_so_far_lists_the_steps_not_evaluated_yet(tmp_path: Path):
                                "label": "selection so far (2 of 3 steps evaluated)"}
     assert doc["test"]["missing"] == ["step20", "final"]
     assert "not evaluated on the test set (yet)" in doc["verdict"]
+
+
+def test_metrics_run_records_the_step_of_the_samples(tmp_path: Path):
+    """metrics.json's optional `step` (what final's candidate step is read from): from the
+    samples' meta when given, else scores.meta.json's, else null."""
+    scores = tmp_path / "scores.jsonl"
+    scores.write_text("".join(json.dumps(s) + "\n" for s in _scores(np.full(3, 0.5), 4, 0)))
+    meta = tmp_path / "scores.meta.json"
+    meta.write_text(json.dumps({"graders": {}}))
+    smeta = tmp_path / "samples.meta.json"
+    smeta.write_text(json.dumps({"tag": "final", "step": 40}))
+    boot = make_config().eval.bootstrap
+    out = tmp_path / "m.json"
+    metrics.run(boot, tag="final", scores=scores, scores_meta=meta, out=out, samples_meta=smeta)
+    assert json.loads(out.read_text())["step"] == 40
+    metrics.run(boot, tag="base", scores=scores, scores_meta=meta, out=out)
+    assert json.loads(out.read_text())["step"] is None
+    smeta.write_text(json.dumps({"step": "forty"}))
+    with pytest.raises(metrics.MetricsError, match=r"samples.meta.json: 'step' is not an int"):
+        metrics.run(boot, tag="final", scores=scores, scores_meta=meta, out=out,
+                    samples_meta=smeta)

@@ -37,7 +37,14 @@ from typing import Any
 from hy3rl.atomic import write_json_atomic
 from hy3rl.errors import StageError
 from hy3rl.layout import Layout, heldout_tag, split_tag
-from hy3rl.metrics import GRADERS, bootstrap_ci, paired_difference, pass_at_k, summarize
+from hy3rl.metrics import (
+    GRADERS,
+    MetricsError,
+    bootstrap_ci,
+    paired_difference,
+    pass_at_k,
+    summarize,
+)
 from hy3rl.settings import Bootstrap, Config, Select
 
 TIE_RULE = "earliest step"
@@ -247,9 +254,10 @@ def _boot(boot: Bootstrap | Mapping[str, Any]) -> dict[str, Any]:
 
 
 def selection_doc(rule: Mapping[str, Any], heldout: Mapping[str, Mapping[str, Any] | None],
-             test: Mapping[str, Mapping[str, Any] | None], boot: Bootstrap | Mapping[str, Any],
-             *, sources: Mapping[str, str] | None = None,
-             final_step: int | None = None) -> dict[str, Any]:
+                  test: Mapping[str, Mapping[str, Any] | None],
+                  boot: Bootstrap | Mapping[str, Any], *,
+                  sources: Mapping[str, str] | None = None,
+                  final_step: int | None = None) -> dict[str, Any]:
     """The selected.json document (docs/formats/eval.md) from documents already read:
     ``heldout`` {model tag: held-out metrics.json or None (not evaluated)} of the candidate
     tags (and ``base``, shown for reference, never a candidate), ``test`` {model tag: the
@@ -308,10 +316,14 @@ def selection_doc(rule: Mapping[str, Any], heldout: Mapping[str, Mapping[str, An
                    "evaluated on the test set (yet): no comparison with final.")
     else:
         comparison = {}
+        where = f"{sources.get(sel_tag, sel_tag)} against {sources.get('final', 'final')}"
         for grader in GRADERS:
-            d = paired_difference(
-                _acc(sel_doc, grader, sources.get(sel_tag, sel_tag)),
-                _acc(final_doc, grader, sources.get("final", "final")), boot, "final")
+            try:
+                d = paired_difference(
+                    _acc(sel_doc, grader, sources.get(sel_tag, sel_tag)),
+                    _acc(final_doc, grader, sources.get("final", "final")), boot, "final")
+            except MetricsError as exc:
+                raise SelectionError(f"{where}: {exc}") from exc
             d["per_problem"] = [{"problem_id": r["problem_id"], "selected": r["this"],
                                  "final": r["base"], "diff": r["diff"]}
                                 for r in d["per_problem"]]

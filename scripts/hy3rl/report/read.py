@@ -775,8 +775,8 @@ def selection_view(found: Found) -> dict[str, Any]:
         rule, source = plan["selection"], found.doc_paths["plan"]
     else:
         rule = selection.as_rule(found.cfg.eval.select)
-        source = (f"the config's eval.select ({found.doc_paths['plan']} holds no selection: "
-                  "written before the rule existed, or missing)")
+        source = (f"the config's eval.select: {found.doc_paths['plan']} holds no selection "
+                  "(written before the rule existed, or missing)")
     first = next((a for a in found.attempts
                   if a.attempt >= found.first_attempt and "selection" in a.raw), None)
     changed = None
