@@ -389,8 +389,8 @@ def eval_generate_resources():
 
 
 def eval_metrics_inputs(wildcards):
-    """The tag's scores and their meta; a checkpoint tag also its set's base scores
-    (vs_base)."""
+    """The tag's scores and their meta, its samples' meta (the step a checkpoint tag
+    evaluated); a checkpoint tag also its set's base scores (vs_base)."""
     from hy3rl.layout import heldout_tag, split_tag
 
     tag = wildcards.tag
@@ -398,6 +398,7 @@ def eval_metrics_inputs(wildcards):
     inputs = {
         "scores": LAYOUT.eval_scores(tag),
         "meta": LAYOUT.eval_scores_meta(tag),
+        "samples_meta": LAYOUT.eval_samples_meta(tag),
     }
     if model != "base":
         inputs["base"] = LAYOUT.eval_scores(heldout_tag("base") if held else "base")

@@ -1057,8 +1057,8 @@ def test_preflight_errors_stop_the_workflow_on_the_slurm_cluster(
     site = tmp_path / "site.yaml"
     train = {"checkpoint_root": str(tmp_path / "ckpt"),
              "env": {"ROLLOUT_MAX_MODEL_LEN": 100, "SAVE_FREQ": 50, "ACTOR_PP": 3}}
-    site.write_text(json.dumps({"train": train, "model": {"source": str(model)},
-                                "data": {"heldout": None}, "eval": {"select": None}}))
+    no_heldout = {"data": {"heldout": None}, "eval": {"select": None}}  # no file written here
+    site.write_text(json.dumps({"train": train, "model": {"source": str(model)}, **no_heldout}))
     args = ["results/tiny-default/preflight/plan.json", *slurm_profile_args, str(site),
             "--allowed-rules", "preflight"]
 
@@ -1077,7 +1077,7 @@ def test_preflight_errors_stop_the_workflow_on_the_slurm_cluster(
     assert not (res / "preflight" / "launch.sh").exists()
 
     train["env"] = {}
-    site.write_text(json.dumps({"train": train, "model": {"source": str(model)}}))
+    site.write_text(json.dumps({"train": train, "model": {"source": str(model)}, **no_heldout}))
     good = run_snakemake(args, work, check=False, timeout=600)
     out = good.stdout + good.stderr
     assert good.returncode == 0, out[-4000:]

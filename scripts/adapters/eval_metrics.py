@@ -9,4 +9,5 @@ with rule_job(snakemake) as cfg:
     base = snakemake.input.get("base")
     metrics.run(cfg.eval.bootstrap, tag=snakemake.wildcards.tag,
                 scores=Path(snakemake.input.scores), scores_meta=Path(snakemake.input.meta),
-                base_scores=Path(base) if base else None, out=Path(snakemake.output.metrics))
+                base_scores=Path(base) if base else None, out=Path(snakemake.output.metrics),
+                samples_meta=Path(snakemake.input.samples_meta))

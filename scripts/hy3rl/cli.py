@@ -133,6 +133,7 @@ def _metrics(cfg: Config, layout: Layout, args: argparse.Namespace) -> None:
     t = args.tag
     metrics.run(cfg.eval.bootstrap, tag=t, scores=Path(layout.eval_scores(t)),
                 scores_meta=Path(layout.eval_scores_meta(t)), out=Path(layout.eval_metrics(t)),
+                samples_meta=Path(layout.eval_samples_meta(t)),
                 base_scores=None if split_tag(t)[0] == "base"
                 else Path(layout.eval_scores(heldout_tag("base") if split_tag(t)[1] else "base")))
 
