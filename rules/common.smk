@@ -297,9 +297,7 @@ def eval_wait_resources():
 
 def eval_val(tag):
     """The problems of a tag: the held-out set for ``heldout/<tag>``, else data.val."""
-    from hy3rl.layout import split_tag
-
-    return LAYOUT.data_heldout if split_tag(tag)[1] else LAYOUT.data_val
+    return LAYOUT.eval_problems(tag)
 
 
 def eval_generate_inputs(wildcards):

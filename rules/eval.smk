@@ -71,7 +71,7 @@ rule eval_generate:
 rule eval_score:
     input:
         samples=LAYOUT.eval_samples("{tag}"),
-        val=LAYOUT.data_val,
+        val=lambda wildcards: eval_val(wildcards.tag),
         lock=LAYOUT.deps_lock,
     output:
         scores=LAYOUT.eval_scores("{tag}"),

@@ -50,8 +50,10 @@ def _override(tmp: Path) -> Path:
         },
         "eval": {"n_samples": 2, "max_tokens": 4, "num_problems": 3, "steps": [2, 6],
                  "final": False, "wait_poll_s": 1, "bootstrap": {"resamples": 200}},
+        # the bridge check (not run without a GPU) as a job the test cluster can hold
+        "checks": {"bridge": {"cpus": 1, "mem_mb": 1000, "runtime_min": 10}},
         "preflight": {"waive": ["bridge"]},
-        "report": {"dpi": 40},
+        "report": {"dpi": 50},
     }
     override["data"]["heldout"] = {"limit": 6}
     path = tmp / "override.yaml"

@@ -110,7 +110,7 @@ def _evaluate(cfg: Config, layout: Layout, args: argparse.Namespace) -> None:
 
     t = args.tag
     evaluate.run(cfg.eval, tag=t, model=evaluate.model_for_tag(cfg, t, layout.train_done),
-                 val=Path(layout.data_val), samples=Path(layout.eval_samples(t)),
+                 val=Path(layout.eval_problems(t)), samples=Path(layout.eval_samples(t)),
                  meta=Path(layout.eval_samples_meta(t)),
                  runtime_env=Path(layout.deps_runtime_env), ray_dir=Path(layout.eval_ray_dir(t)),
                  cpus_per_node=cfg.cluster.cpus_per_node, runtime=cfg.train.runtime,
@@ -122,7 +122,7 @@ def _score(cfg: Config, layout: Layout, args: argparse.Namespace) -> None:
 
     t = args.tag
     graders.run(cfg.eval.graders, samples=Path(layout.eval_samples(t)),
-                val=Path(layout.data_val), lock=Path(layout.deps_lock),
+                val=Path(layout.eval_problems(t)), lock=Path(layout.deps_lock),
                 out=Path(layout.eval_scores(t)), meta=Path(layout.eval_scores_meta(t)))
 
 

@@ -294,6 +294,11 @@ class Layout:
     def eval_summary(self) -> str:
         return self._p("eval/summary.json")
 
+    def eval_problems(self, tag: str) -> str:
+        """The problems tag ``tag`` is evaluated on: data/heldout.parquet for
+        ``heldout/<tag>``, else data/val.parquet (the test set)."""
+        return self.data_heldout if split_tag(tag)[1] else self.data_val
+
     def eval_ready(self, tag: str) -> str:
         """``eval/<step tag>/checkpoint.json``: the step's checkpoint is complete and made by
         this run's configuration (rule eval_checkpoint); an input of its generations."""

@@ -223,11 +223,11 @@ def wandb_runs(found: Found) -> list[dict[str, Any]]:
 
 def running_now(found: Found) -> list[str]:
     """What the records say is still running: training attempts whose record is open
-    (``exit_reason`` ``running``; a job killed without closing it reads the same until the
-    next job closes it as ``killed``)."""
+    (``outcome`` and ``exit_reason`` ``running``, as hy3rl.train opens it; a job killed
+    without closing it reads the same until the next job closes it as ``killed``)."""
     out = []
     for a in found.attempts:
-        if a.outcome is None and a.exit_reason == "running":
+        if a.outcome in (None, "running") and a.exit_reason == "running":
             out.append(f"training attempt {a.attempt} (job {a.slurm_job_id or 'local'}, "
                        f"started {a.started or 'n/a'}) is running: its record is open; the "
                        f"curves hold the steps logged so far")
