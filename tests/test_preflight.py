@@ -1086,3 +1086,87 @@ def test_preflight_errors_stop_the_workflow_on_the_slurm_cluster(
     assert plan["effective"]["trainer.nnodes"] == 2
     assert plan["effective"]["trainer.n_gpus_per_node"] == 2
     assert "WARNING ref_kl_zero:" in (res / "logs" / "preflight.log").read_text()
+
+
+# ---- the held-out set and the selection rule (issue 20) ----
+
+
+def _selection(cfg: dict, heldout: Path | None, val: Path, train: Path):
+    from hy3rl.preflight import heldout as ho
+    from hy3rl.preflight.rules import _Rules
+
+    r = _Rules()
+    ho.check(r, Config.from_dict(cfg), heldout=heldout, val=val, train=train)
+    return r.results.get("selection")
+
+
+def test_selection_set_must_be_held_out_from_the_test_and_training_sets(tmp_path):
+    from fixtures.data import aime_rows, dapo_rows, write_parquet
+
+    cfg = cfgmod.load(REPO / "config/config.yaml")
+    val = write_parquet(tmp_path / "val.parquet", aime_rows(repeats=2))
+    train = write_parquet(tmp_path / "train.parquet", dapo_rows(20)[2:])
+    held = write_parquet(tmp_path / "held.parquet", dapo_rows(20)[:2])  # carved: not in train
+    assert _selection(cfg, held, val, train) is None  # no error, no warning
+    # the test set itself (same bytes), or the same problems in another file and order
+    same = _selection(cfg, val, val, train)
+    assert same.status == "error" and "same content as the test set" in same.messages[0]
+    shuffled = write_parquet(tmp_path / "shuffled.parquet", aime_rows(repeats=1)[::-1])
+    res = _selection(cfg, shuffled, val, train)
+    assert res.status == "error" and "the same problems as the test set" in res.messages[0]
+    # one problem shared with the test set (another id, case and spacing changed), one with
+    # the training set: both named
+    rows = dapo_rows(20)[:2]
+    aime = aime_rows(repeats=1)[0]
+    text = aime["extra_info"]["raw_problem"]
+    rows.append({**aime, "prompt": [{"role": "user", "content": "  " + text.upper() + " "}],
+                 "extra_info": {"index": "h-1"}})
+    rows.append(dapo_rows(20)[5])
+    mixed = write_parquet(tmp_path / "mixed.parquet", rows)
+    res = _selection(cfg, mixed, val, train)
+    msgs = " | ".join(res.messages)
+    assert res.status == "error" and len(res.messages) == 2, msgs
+    assert "1 of its 4 problems are also in the test set" in msgs
+    assert f"h-1 = the test set {aime['extra_info']['index']}" in msgs
+    assert "1 of its 4 problems are also in the training set" in msgs
+
+
+def test_selection_keys_are_checked_by_name(tmp_path):
+    from fixtures.data import aime_rows, dapo_rows, write_parquet
+
+    val = write_parquet(tmp_path / "val.parquet", aime_rows(repeats=2))
+    train = write_parquet(tmp_path / "train.parquet", dapo_rows(20)[2:])
+    held = write_parquet(tmp_path / "held.parquet", dapo_rows(20)[:2])
+    cfg = cfgmod.load(REPO / "config/config.yaml")
+    cfg["eval"]["select"]["set"] = "aime2025"
+    res = _selection(cfg, held, val, train)
+    assert res.status == "error" and res.messages[0].startswith(
+        "eval.select.set: no held-out set named 'aime2025' (data.heldout.name is "
+        "'dapo_heldout')")
+    cfg = cfgmod.load(REPO / "config/config.yaml")
+    cfg["data"]["heldout"] = None
+    res = _selection(cfg, None, val, train)
+    assert res.status == "error" and "eval.select.set: names 'dapo_heldout' but no held-out " \
+        "set is configured" in res.messages[0]
+    cfg = cfgmod.load(REPO / "config/config.yaml")
+    cfg["eval"]["select"].update(metric="pass", k=3)  # n = 4: pass@k for k in 1, 2, 4
+    res = _selection(cfg, held, val, train)
+    assert res.status == "error" and res.messages[0].startswith("eval.select.k = 3: pass@k")
+    cfg["eval"]["select"]["k"] = 2
+    assert _selection(cfg, held, val, train) is None
+    cfg = cfgmod.load(REPO / "config/config.yaml")
+    assert _selection(cfg, tmp_path / "absent.parquet", val, train).messages[0].startswith(
+        "data.heldout 'dapo_heldout': ")
+    assert _selection(cfg, None, val, train).status == "not run"
+
+
+def test_an_evaluation_step_that_is_not_a_save_step_is_refused(verl, tmp_path):
+    cfg = paper_cfg(tmp_path)  # SAVE_FREQ 20, total 200
+    cfg["eval"]["steps"] = [20, 30]
+    plan = plan_for(cfg, verl, tmp_path)
+    res = rule(plan, "eval_steps_saved")
+    assert res.status == "error", plan.errors
+    assert res.messages[0].startswith("eval.steps [30]: verl saves no checkpoint at this step "
+                                      "(trainer.save_freq = 20")
+    assert plan.selection["key"] == "math_dapo avg@32" and plan.selection["tie"] == \
+        "earliest step"
