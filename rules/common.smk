@@ -482,10 +482,24 @@ onstart:
     # refuse while a live trainer holds the checkpoint directory's lock (a relaunch after
     # the controller was killed), and watch the attempt records for train.notify_command.
     # Jobs' own Snakemake runs with --no-hooks.
-    if gpu_enabled() and any(
+    # The evaluation steps' waits read train/state.json: whether this invocation trains.
+    training = gpu_enabled() and any(
         job.rule.name in ("train", "train_segment")
         for job in workflow.dag.needrun_jobs()
-    ):
+    )
+    if gpu_enabled():
+        from hy3rl.evalckpt import write_train_state
+
+        write_train_state(
+            LAYOUT,
+            "scheduled" if training else "not_scheduled",
+            (
+                "a training job is part of this invocation"
+                if training
+                else "no training job in this invocation"
+            ),
+        )
+    if training:
         from hy3rl.ckptdir import LockHeld, check_lock_free
 
         try:

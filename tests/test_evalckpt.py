@@ -177,3 +177,26 @@ def test_retention_all_keeps_every_evaluation_step(layout, ckpt_writer) -> None:
         evalckpt.mark_read(ckpt / "global_step_2", tag, _request(layout, tag))
     assert evalckpt.protected_steps(cfg, layout) == [2, 4]
     assert ckptdir.prune(ckpt, 1, evalckpt.protector(cfg, layout)) == []
+
+
+def test_no_training_in_this_invocation_fails_the_wait_unless_a_trainer_lives(
+        layout, ckpt_writer) -> None:
+    """An invocation without a training job (e.g. only an evaluation target asked for)
+    must not wait forever for a step nobody trains; another invocation's live trainer
+    (the directory's lock held by a live process) is waited for."""
+    ckpt = layout.checkpoint_dir
+    own(ckpt)
+    ckpt_writer(ckpt, 2)
+    evalckpt.write_train_state(layout, "not_scheduled", "no training job in this invocation")
+    seen = evalckpt.look(layout, plan(), 4)
+    assert seen.state == "failed", seen
+    assert seen.message.startswith("step 4: no training job is part of this invocation")
+    me = ckptdir.my_lock_info(attempt=1)
+    ckptdir.acquire_lock(ckpt, me)
+    try:
+        assert evalckpt.look(layout, plan(), 4).state == "wait"
+    finally:
+        ckptdir.release_lock(ckpt, me)
+    evalckpt.write_train_state(layout, "scheduled", "a training job is part of this invocation")
+    assert evalckpt.look(layout, plan(), 4).state == "wait"
+    assert evalckpt.look(layout, plan(), 2).state == "ready"

@@ -52,8 +52,11 @@ class WaitFailed(StageError):
 
 
 def write_train_state(layout: Layout, state: str, reason: str) -> None:
-    """``train/state.json``: written by the controller (this process) when it stops
-    resubmitting a training job; waits of this controller's evaluation steps then fail."""
+    """``train/state.json``, written by the controller (this process): at its start,
+    ``scheduled`` or ``not_scheduled`` (whether a training job is part of this invocation);
+    ``stopped`` when it stops resubmitting a training job. Waits of this controller's
+    evaluation steps fail on ``stopped``, and on ``not_scheduled`` unless a live trainer of
+    another invocation holds the checkpoint directory."""
     write_json_atomic(Path(layout.train_state), {
         "state": state, "reason": reason, "at": utc_now(), "host": socket.gethostname(),
         "controller_pid": os.getpid()})
@@ -113,6 +116,17 @@ def _training_state(layout: Layout) -> str:
             f"complete checkpoint {f'step {done[-1]}' if done else 'none'}")
 
 
+def _trainer_alive(ckpt: Path) -> bool:
+    """A live trainer holds the checkpoint directory's lock (another invocation's job)."""
+    from hy3rl.ckptdir import LOCK_NAME, lock_holder_alive, read_lock
+
+    try:
+        holder = read_lock(Path(ckpt) / LOCK_NAME)
+        return holder is not None and lock_holder_alive(holder)
+    except (CheckpointDirError, OSError):
+        return True  # cannot tell: keep waiting rather than fail a running job's step
+
+
 def look(layout: Layout, plan: dict[str, Any], step: int) -> Look:
     """One look at step ``step``'s checkpoint and the training state (module doc)."""
     traj = str(plan["identity"]["trajectory"]["id"])
@@ -151,6 +165,10 @@ def look(layout: Layout, plan: dict[str, Any], step: int) -> Look:
         return Look("failed", f"step {step}: training stopped before step {step}: "
                     f"{state.get('reason')} ({_training_state(layout)}); a later invocation "
                     "that resumes training waits again")
+    if state is not None and state.get("state") == "not_scheduled" and not _trainer_alive(ckpt):
+        return Look("failed", f"step {step}: no training job is part of this invocation and "
+                    f"none holds {ckpt} ({_training_state(layout)}): run the workflow with its "
+                    f"training (the default target) to reach step {step}")
     if not ours:
         where = ("no run identity yet" if ident is None
                  else f"made by trajectory {str(ident['trajectory'].get('id'))[:12]}")
