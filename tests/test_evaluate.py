@@ -373,6 +373,8 @@ def test_snakemake_evaluate_on_embedded_default(tmp_path, tiny_hy3_copy):
     # rule model's manifest of the local model, older than the data put in place
     hub.run(str(model), None, "", manifest=res / "model" / "manifest.json", progress=False)
     make_val_parquet(res / "data" / "val.parquet", copies=32)
+    # the held-out set of the embedded default (data.heldout), small: base is evaluated on it
+    make_val_parquet(res / "data" / "heldout.parquet", n_problems=3, copies=1, seed=2)
     lock = {"schema_version": 1, "repos": {}}
     mirror = Path("/work/.mirror/verl-project+verl/repo")
     pin = "220e9039902c6db56860e2afd659803dc34ec005"
@@ -401,7 +403,9 @@ def test_snakemake_evaluate_on_embedded_default(tmp_path, tiny_hy3_copy):
     expected = "pinned verl file" if pinned.returncode == 0 else "hy3rl reimplementation"
     assert m["graders"]["math_dapo"]["implementation"] == expected
     summary = json.loads((ev / "summary.json").read_text())
-    assert summary["tags"] == ["base"]
+    assert summary["tags"] == ["base"] and summary["heldout"]["tags"] == ["heldout/base"]
+    held = json.loads((ev / "heldout" / "base" / "metrics.json").read_text())
+    assert held["num_problems"] == 3 and held["n"] == 4
     # the report reads what this chain wrote: the page's numbers are metrics.json's
     from hy3rl import config as cfgmod
     from hy3rl import report
