@@ -231,7 +231,8 @@ def test_paper_dry_run_shows_the_training_shape(tmp_path):
     node, exclusive; every job gets the site's partition/account."""
     site = tmp_path / "site.yaml"  # paper.yaml's site placeholders: model, checkpoints, runtime
     site.write_text(yaml.safe_dump({"model": {"revision": "a" * 40,
-                                              "dir": str(tmp_path / "models")}, "train": {
+                                              "dir": str(tmp_path / "models")},
+                                    "data": {"heldout": {"revision": "b" * 40}}, "train": {
         "checkpoint_root": str(tmp_path / "ckpt"),
         "runtime": {"prefix": "apptainer exec --nv --bind /shared docker://verl:x"}}}))
     proc = run_snakemake(["-n", "--profile", str(PROFILE), "--profile", str(SITE_PROFILE),
