@@ -205,20 +205,51 @@ def train_retries():
     controller retries: the job's own Snakemake (exec mode remote, inside the allocation)
     gets 0, or it would rerun the rule in the same allocation, bypassing
     train.restarts_per_job, the guard and the time limit."""
-    from hy3rl.resubmit import PLANNED_CAP
+    from hy3rl.resubmit import PLANNED_CAP, Retries
 
     if not workflow.is_main_process:
         return 0
-    return CFG.train.max_submissions - 1 + PLANNED_CAP
+    return Retries(CFG.train.max_submissions - 1 + PLANNED_CAP, train_resubmit)
+
+
+# Decisions made when Snakemake asked whether to resubmit (train_resubmit), by submission
+# number; train_slurm_extra applies the newest one's node exclusions.
+RESUBMIT_DECISIONS = {}
+
+
+def train_resubmit(attempt):
+    """Whether the failed training job is resubmitted as submission `attempt`
+    (hy3rl.resubmit.Retries asks it when the job fails): hy3rl.resubmit.decide on the
+    failed job's records. A stop (a crash loop, a refused job, the budget spent) is written
+    to train/state.json (the evaluation waits read it) and logged with its reason; the job
+    then fails as any job does, before sbatch, so no GPU node is allocated."""
+    from snakemake.logging import logger
+    from hy3rl.evalckpt import write_train_state
+    from hy3rl.resubmit import ResubmitError, decide
+
+    try:
+        decision = decide(
+            LAYOUT, attempt, CONTROLLER_STARTED, max_failed=CFG.train.max_submissions
+        )
+    except ResubmitError as exc:
+        stop = str(exc)
+    else:
+        RESUBMIT_DECISIONS[attempt] = decision
+        stop = f"{decision.stop}; not resubmitted" if decision.stop else None
+    if stop:
+        write_train_state(LAYOUT, "stopped", stop)
+        logger.error(f"Training job not resubmitted: {stop}")
+        return False
+    return True
 
 
 def train_slurm_extra(wildcards, attempt):
     """slurm_extra of submission `attempt` of a training job. Snakemake evaluates it when it
     selects the job (never while building the DAG nor in a dry run, where attempt is 1),
     again before each resubmission. Attempt 1: gpu_job_resources' flags. Later: the same
-    plus `--exclude=<nodes>` when hy3rl.resubmit.decide names nodes, or a WorkflowError with
-    its message when resubmitting cannot help (a crash loop, a refused job): the workflow
-    stops before sbatch, so no GPU node is allocated. The job's own Snakemake (exec mode
+    plus `--exclude=<nodes>` when the decision train_resubmit made names nodes. (Should
+    Snakemake not have asked train_resubmit, the decision is made here, and a stop is a
+    WorkflowError: the workflow stops before sbatch, so no GPU node is allocated.) The job's own Snakemake (exec mode
     remote, on the compute node) decides nothing and gets the flags."""
     c = CFG.cluster
     base = gpu_job_resources(c.nodes, c.gpus_per_node, c.train_time_min)["slurm_extra"]
@@ -227,6 +258,9 @@ def train_slurm_extra(wildcards, attempt):
     from hy3rl.evalckpt import write_train_state
     from hy3rl.resubmit import ResubmitError, decide, with_exclude
 
+    decision = RESUBMIT_DECISIONS.get(attempt) if attempt >= 2 else None
+    if decision is not None and not decision.stop:
+        return with_exclude(base, decision.exclude)
     try:
         decision = decide(
             LAYOUT, attempt, CONTROLLER_STARTED, max_failed=CFG.train.max_submissions

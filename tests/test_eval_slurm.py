@@ -137,6 +137,8 @@ def test_step_evaluated_while_training_runs_failure_keep_going_then_resume(
     assert "step 6: training stopped before step 6" in wait_log, wait_log[-2000:]
     assert "newest complete checkpoint step 4" in wait_log, wait_log[-2000:]
     assert "Error in rule eval_checkpoint" in out1, out1[-4000:]
+    # the controller's stop was an ordinary job failure: the scheduler went on (--keep-going)
+    assert "Training job not resubmitted: " in out1 and "InputFunctionException" not in out1
     for tag in ("base", "heldout/base", "step2", "heldout/step2"):
         assert (res / "eval" / tag / "metrics.json").is_file(), tag
     assert not (res / "eval" / "step6" / "checkpoint.json").exists()

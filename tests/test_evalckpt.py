@@ -200,3 +200,34 @@ def test_no_training_in_this_invocation_fails_the_wait_unless_a_trainer_lives(
     evalckpt.write_train_state(layout, "scheduled", "a training job is part of this invocation")
     assert evalckpt.look(layout, plan(), 4).state == "wait"
     assert evalckpt.look(layout, plan(), 2).state == "ready"
+
+
+def test_a_wait_whose_workflow_ended_writes_nothing(layout, ckpt_writer, tmp_path,
+                                                    monkeypatch) -> None:
+    """The controller that started the wait has exited (interrupted, or stopped at once by an
+    error): a wait that kept going would write an output Snakemake never records (read as
+    incomplete by the next invocation) or wait forever. It ends without writing."""
+    ckpt = layout.checkpoint_dir
+    own(ckpt)
+    ckpt_writer(ckpt, 2)
+    plan_path = tmp_path / "plan.json"
+    plan_path.write_text(json.dumps(plan()))
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5)"])
+    start = evalckpt._stat(child.pid)[1]
+    child.wait()
+    assert evalckpt.gone({child.pid: start}) == [child.pid]
+    assert evalckpt.gone(evalckpt.lineage()) == []
+    real = evalckpt.lineage()
+    monkeypatch.setattr(evalckpt, "lineage", lambda: {**real, child.pid: start})
+    out = tmp_path / "eval" / "step2" / "checkpoint.json"
+    with pytest.raises(evalckpt.WaitFailed, match=rf"step 2: the workflow that started this "
+                       rf"wait has ended \(process {child.pid} is gone"):
+        evalckpt.wait(layout, plan_path, 2, out, 1, sleep=lambda s: None)
+    assert not out.exists()
+    # the controller's own stop record still names the cause after it has exited
+    evalckpt.write_train_state(layout, "stopped", "a crash loop; not resubmitted")
+    doc = json.loads(Path(layout.train_state).read_text())
+    Path(layout.train_state).write_text(json.dumps({**doc, "controller_pid": child.pid}))
+    with pytest.raises(evalckpt.WaitFailed, match="step 4: training stopped before step 4: "
+                       "a crash loop"):
+        evalckpt.wait(layout, plan_path, 4, out, 1, sleep=lambda s: None)

@@ -485,6 +485,12 @@ def test_snakemake_stops_a_crash_loop_before_resubmitting(tmp_path: Path):
     assert out.count("Error in rule train:") == 1, out  # the loop's job; none after it
     assert f"{message}; not resubmitted" in out, out
     assert [ln["stop"] for ln in _decisions(work, layout)] == [message]
+    # an ordinary job failure (hy3rl.resubmit.Retries), not an exception that aborts the
+    # scheduler and cancels the other jobs: with --keep-going the rest of the DAG goes on
+    assert "InputFunctionException" not in out, out
+    assert "Exiting because a job execution failed" in out, out
+    state = json.loads((work / layout.train_state).read_text())
+    assert state["state"] == "stopped" and state["reason"] == f"{message}; not resubmitted"
 
 
 def test_dry_run_and_the_jobs_own_snakemake_decide_nothing(tmp_path: Path):

@@ -72,6 +72,7 @@ def test_paper_config_dry_run_with_slurm_profile(tmp_path: Path, tiny_hy3_dir: P
     site.write_text(yaml.safe_dump({
         # a local copy: clears the paper file's hub revision and download dir placeholders
         "model": {"source": str(tiny_hy3_dir), "revision": None, "dir": ""},
+        "data": {"heldout": {"revision": "b" * 40}},  # the held-out set's pin (AIME-2025)
         "train": {"checkpoint_root": str(tmp_path / "ckpt"), "runtime": {
             "prefix": "apptainer exec --nv --bind /shared docker://verlai/verl:vllm023.dev1"}},
     }))
@@ -84,7 +85,8 @@ def test_paper_config_dry_run_with_slurm_profile(tmp_path: Path, tiny_hy3_dir: P
     )
     out = proc.stdout + proc.stderr
     for rule in ["deps", "data", "model", "check_checkpoint", "check_bridge", "preflight", "train",
-                 "eval_generate", "eval_score", "eval_metrics", "evaluate", "report"]:
+                 "eval_checkpoint", "eval_generate", "eval_score", "eval_metrics", "eval_select",
+                 "evaluate", "report"]:
         assert f"rule {rule}:" in out or f"localrule {rule}:" in out, f"{rule} not in DAG"
     assert "rule tiny_model:" not in out  # model.source is an existing checkpoint
     # Both checkpoint checks gate preflight (and so the 128-GPU job).

@@ -62,30 +62,45 @@ def write_train_state(layout: Layout, state: str, reason: str) -> None:
         "controller_pid": os.getpid()})
 
 
-def _ancestors(pid: int | None = None) -> set[int]:
-    """This process's pid and its ancestors' (from /proc)."""
-    out, pid = set(), pid or os.getpid()
-    while pid and pid not in out:
-        out.add(pid)
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-        except OSError:
-            break
-        pid = int(stat.rsplit(")", 1)[1].split()[1])
+def _stat(pid: int) -> tuple[int, str] | None:
+    """(parent pid, start time) of ``pid`` from /proc, None when it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return int(fields[1]), fields[19]
+
+
+def lineage() -> dict[int, str]:
+    """This process and its ancestors: pid -> start time (a recycled pid is another
+    process)."""
+    out: dict[int, str] = {}
+    pid = os.getpid()
+    while pid and pid not in out and (st := _stat(pid)) is not None:
+        out[pid] = st[1]
+        pid = st[0]
     return out
 
 
-def my_controller_state(layout: Layout) -> dict[str, Any] | None:
+def gone(ancestors: dict[int, str]) -> list[int]:
+    """The pids of ``ancestors`` (from :func:`lineage`) no longer alive as themselves."""
+    return [pid for pid, start in ancestors.items()
+            if pid > 1 and ((st := _stat(pid)) is None or st[1] != start)]
+
+
+def my_controller_state(layout: Layout, ancestors: dict[int, str] | None = None
+                        ) -> dict[str, Any] | None:
     """``train/state.json`` when the Snakemake controller that wrote it is one of this
-    process's ancestors (the wait runs as its local job); one from an earlier invocation
-    is history and None."""
+    process's ancestors (the wait runs as its local job; ``ancestors``: as recorded when
+    the wait started, so a controller that has exited since still counts); one from an
+    earlier invocation is history and None."""
     try:
         doc = json.loads(Path(layout.train_state).read_text())
     except (OSError, ValueError):
         return None
     if not isinstance(doc, dict) or doc.get("host") != socket.gethostname():
         return None
-    return doc if doc.get("controller_pid") in _ancestors() else None
+    return doc if doc.get("controller_pid") in (ancestors or lineage()) else None
 
 
 # --------------------------------------------------------------------------- the wait
@@ -127,8 +142,10 @@ def _trainer_alive(ckpt: Path) -> bool:
         return True  # cannot tell: keep waiting rather than fail a running job's step
 
 
-def look(layout: Layout, plan: dict[str, Any], step: int) -> Look:
-    """One look at step ``step``'s checkpoint and the training state (module doc)."""
+def look(layout: Layout, plan: dict[str, Any], step: int,
+         ancestors: dict[int, str] | None = None) -> Look:
+    """One look at step ``step``'s checkpoint and the training state (module doc);
+    ``ancestors``: the waiting process's, recorded when it started (:func:`lineage`)."""
     traj = str(plan["identity"]["trajectory"]["id"])
     total = int(plan["identity"].get("total_training_steps") or 0) or None
     ckpt = layout.checkpoint_dir
@@ -160,7 +177,7 @@ def look(layout: Layout, plan: dict[str, Any], step: int) -> Look:
                     f"{step_dir} is not a complete checkpoint of this run ("
                     f"{why or 'made by another configuration'}): it was not saved, or "
                     "retention removed it before it was an evaluation step")
-    state = my_controller_state(layout)
+    state = my_controller_state(layout, ancestors)
     if state is not None and state.get("state") == "stopped":
         return Look("failed", f"step {step}: training stopped before step {step}: "
                     f"{state.get('reason')} ({_training_state(layout)}); a later invocation "
@@ -186,8 +203,17 @@ def wait(layout: Layout, plan_path: Path, step: int, out: Path, poll_s: float, *
     if not isinstance(plan, dict) or not (plan.get("identity") or {}).get("trajectory"):
         raise StageError(f"{plan_path}: no run identity (identity.trajectory)")
     t0, last = clock(), None
+    ancestors = lineage()
     while True:
-        seen = look(layout, plan, step)
+        seen = look(layout, plan, step, ancestors)
+        dead = gone(ancestors)
+        if dead and seen.state != "failed":
+            # The workflow that started this wait has ended (interrupted, or stopped at
+            # once by an error): it would never record this output, which would then read
+            # as incomplete. End without writing it; the next invocation waits again.
+            raise WaitFailed(f"step {step}: the workflow that started this wait has ended "
+                             f"(process {dead[-1]} is gone; last look: {seen.message}): "
+                             "nothing written, a later invocation waits again")
         if seen.state == "ready":
             rec = {**(seen.record or {}), "waited_s": round(clock() - t0, 1)}
             write_json_atomic(Path(out), rec, indent=1)

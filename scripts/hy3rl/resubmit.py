@@ -496,3 +496,28 @@ def with_exclude(slurm_extra: str, exclude: Sequence[str]) -> str:
     so it replaces the one snakemake-executor-plugin-slurm adds after a NODE_FAIL, which
     names every node of the failed job)."""
     return f"{slurm_extra} --exclude={','.join(exclude)}" if exclude else slurm_extra
+
+
+class Retries(int):
+    """``retries`` of the training rules that decides each resubmission when Snakemake asks
+    for it. Snakemake 9.27.1 retries a failed job while ``rule.restart_times > attempt - 1``
+    (``JobScheduler._handle_error``, its one use of it); this int answers that comparison with
+    ``resubmit(attempt)`` (the submission it would make), so that a stop is an ordinary job
+    failure: with ``--keep-going`` the rest of the DAG goes on, without it the workflow
+    waits for its running jobs and stops cleanly. (A WorkflowError raised from the job's
+    resources instead aborts the scheduler at once, even with --keep-going, and cancels the
+    other jobs.) Every other use is a plain int."""
+
+    def __new__(cls, value: int, resubmit: Callable[[int], bool]) -> Retries:
+        obj = super().__new__(cls, value)
+        obj.resubmit = resubmit
+        return obj
+
+    def __gt__(self, restarts: object) -> bool:
+        # ``restarts`` = attempt - 1 of the job that failed: the next submission is
+        # attempt + 1 = restarts + 2.
+        if not isinstance(restarts, int):
+            return NotImplemented
+        if int(self) <= restarts:
+            return False
+        return bool(self.resubmit(restarts + 2))
