@@ -518,3 +518,23 @@ def test_a_start_that_hangs_is_tried_on_other_nodes_before_it_is_a_loop():
     assert crash_loop([a, b]) is None
     c = record(3, "hung", 0, None, nodes=("gpu03", "gpu04"), started=80)
     assert crash_loop([a, b, c]).startswith("crash loop at step 1: attempts 2 and 3")
+
+
+def test_retries_decide_the_next_submission_when_snakemake_asks():
+    """Snakemake 9.27.1 retries while `restart_times > attempt - 1`: Retries answers with
+    the decision for submission attempt + 1, only while retries are left; it is an int
+    everywhere else."""
+    from hy3rl.resubmit import Retries
+
+    asked: list[int] = []
+
+    def resubmit(attempt: int) -> bool:
+        asked.append(attempt)
+        return attempt < 3
+
+    r = Retries(4, resubmit)
+    assert isinstance(r, int) and r == 4 and r + 1 == 5 and not r < 0
+    assert (r > 1 - 1) is True and asked == [2]  # attempt 1 failed: submission 2 is made
+    assert (r > 2 - 1) is False and asked == [2, 3]  # attempt 2 failed: the decision stops
+    asked.clear()
+    assert (r > 4) is False and asked == []  # no retry left: the decision is not asked
