@@ -128,8 +128,10 @@ def write_override(run: Run, steps: int) -> Path:
         "eval": {"n_samples": 2, "max_tokens": 4, "num_problems": 3,
                  "steps": run.eval_steps, "final": False, "wait_poll_s": 1,
                  "bootstrap": {"resamples": 200}},
+        # the bridge check (not run without a GPU) as a job the test cluster can hold
+        "checks": {"bridge": {"cpus": 1, "mem_mb": 1000, "runtime_min": 10}},
         "preflight": {"waive": ["bridge"]},
-        "report": {"dpi": 40},
+        "report": {"dpi": 50},
     }
     override["data"]["heldout"] = {"limit": 6}
     path = run.tmp / "override.yaml"
