@@ -22,7 +22,6 @@ Formats: docs/formats/eval.md. Standard library only, but for the selection.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -231,8 +230,11 @@ def wait(layout: Layout, plan_path: Path, step: int, out: Path, poll_s: float, *
 
 
 def file_sha256(path: Path) -> str | None:
+    """hy3rl.runtime_id.sha256_file, None for a file that cannot be read."""
+    from hy3rl.runtime_id import sha256_file
+
     try:
-        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+        return sha256_file(Path(path))
     except OSError:
         return None
 

@@ -10,7 +10,6 @@ still counts.
 
 from __future__ import annotations
 
-import hashlib
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -18,6 +17,7 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
+from hy3rl.runtime_id import sha256_file
 from hy3rl.settings import Config
 
 TIE_RULE = "earliest step"
@@ -49,14 +49,6 @@ def problems(path: Path) -> dict[str, str]:
             out.setdefault(problem_text(prompt), str(pid if pid is not None else f"row {row}"))
             row += 1
     return out
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def resolved_k(cfg: Config) -> int:
