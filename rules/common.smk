@@ -278,13 +278,18 @@ def train_slurm_extra(wildcards, attempt):
 def train_base_inputs(stretch):
     """Inputs of every training job (ancient: a re-rendered but unchanged plan never
     retrains), and the job's keys from train_keys (not ancient; what should retrain).
+    With the rehearsal on, its record (ancient: a rehearsal re-run for a new runtime
+    retrains nothing, but a training job to run waits for it).
     """
-    return {
+    inputs = {
         "train_keys": LAYOUT.train_keys(stretch),
         "plan": ancient(LAYOUT.train_plan),
         "launch": ancient(LAYOUT.train_launch),
         "runtime_env": ancient(LAYOUT.deps_runtime_env),
     }
+    if rehearsal_enabled():
+        inputs["rehearsal"] = ancient(LAYOUT.rehearsal_record)
+    return inputs
 
 
 def train_segment_ends():
@@ -309,6 +314,33 @@ def train_segment_inputs(wildcards):
     if previous > 0:
         inputs["previous"] = LAYOUT.segment_sentinel(previous)
     return inputs
+
+
+# ---- rehearsal ----
+REHEARSAL_LAYOUT = LAYOUT.rehearsal_layout()
+
+
+def rehearsal_enabled():
+    """The one-node rehearsal runs in GPU runs unless preflight.waive names it."""
+    return gpu_enabled() and "rehearsal" not in CFG.preflight.waive
+
+
+def rehearsal_targets():
+    """The rehearsal's record when it is enabled."""
+    return [LAYOUT.rehearsal_record] if rehearsal_enabled() else []
+
+
+def rehearsal_fingerprint(wildcards):
+    """The training runtime as seen without running it (hy3rl.rehearsal)."""
+    from hy3rl.rehearsal import runtime_fingerprint
+
+    return runtime_fingerprint(CFG.train.runtime)
+
+
+def rehearsal_job_resources():
+    """One node of the training partition, its GPUs, rehearsal.runtime_min."""
+    c = CFG.cluster
+    return gpu_job_resources(1, c.gpus_per_node, CFG.rehearsal.runtime_min)
 
 
 # ---- eval ----

@@ -246,6 +246,10 @@ def test_paper_dry_run_shows_the_training_shape(tmp_path):
         assert res["cpus_per_task"] == "96" and res["mem_mb"] == "1800000", (rule, res)
         assert res["runtime"] == runtime, (rule, res)
         assert "gpu" not in res  # never the plugin's per-job GPU total
+    # the rehearsal: one node of the same shape, exclusive, its own time limit
+    res = resources_line(out, "rehearsal")
+    assert (res["nodes"], res["gres"], res["runtime"]) == ("1", "gpu:h20:8", "90"), res
+    assert res["slurm_extra"] == "--ntasks-per-node=1 --exclusive", res
     for line in re.findall(r"    resources: (.*)", out):
         assert "slurm_partition=hy3rl" in line, line
         assert "slurm_account=hy3rl-test" in line, line

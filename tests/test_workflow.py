@@ -84,7 +84,8 @@ def test_paper_config_dry_run_with_slurm_profile(tmp_path: Path, tiny_hy3_dir: P
         tmp_path,
     )
     out = proc.stdout + proc.stderr
-    for rule in ["deps", "data", "model", "check_checkpoint", "check_bridge", "preflight", "train",
+    for rule in ["deps", "data", "model", "check_checkpoint", "check_bridge", "preflight",
+                 "rehearsal_model", "rehearsal_runtime", "rehearsal_plan", "rehearsal", "train",
                  "eval_checkpoint", "eval_generate", "eval_score", "eval_metrics", "eval_select",
                  "evaluate", "report"]:
         assert f"rule {rule}:" in out or f"localrule {rule}:" in out, f"{rule} not in DAG"
@@ -94,3 +95,6 @@ def test_paper_config_dry_run_with_slurm_profile(tmp_path: Path, tiny_hy3_dir: P
     assert preflight_inputs.strip().startswith("input:"), preflight_inputs
     for report in ("checks/checkpoint.json", "checks/bridge.json"):
         assert f"results/hy3-grpo-paper/{report}" in preflight_inputs, preflight_inputs
+    # The training job waits for the rehearsal's record (the gate).
+    train_inputs = out.split("rule train:", 1)[1].split("\n", 2)[1]
+    assert "results/hy3-grpo-paper/rehearsal/rehearsal.json" in train_inputs, train_inputs

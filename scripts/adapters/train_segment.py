@@ -2,7 +2,7 @@
 # step. `snakemake` is Snakemake's object.
 from pathlib import Path
 
-from hy3rl import evalckpt, train
+from hy3rl import evalckpt, rehearsal, train
 from hy3rl.layout import Layout
 from hy3rl.smk import rule_job
 
@@ -10,5 +10,7 @@ with rule_job(snakemake) as cfg:
     inp, layout = snakemake.input, Layout.from_config(cfg)
     train.run(cfg.train, cfg.cluster, layout, keep_steps=evalckpt.protector(cfg, layout),
               plan=Path(inp.plan), launch_script=Path(inp.launch),
-              runtime_env=Path(inp.runtime_env), sentinel=Path(snakemake.output.sentinel),
+              runtime_env=Path(inp.runtime_env),
+              rehearsed=rehearsal.passed_identity(inp.get("rehearsal")),
+              sentinel=Path(snakemake.output.sentinel),
               metrics=Path(layout.train_metrics), until=int(snakemake.wildcards.end))

@@ -72,6 +72,7 @@ class Layout:
     results_root: str
     run: str
     checkpoint_root: str = ""
+    checkpoint_name: str = ""  # the checkpoint directory's name, when not ``run``
 
     @classmethod
     def from_config(cls, cfg: Any) -> Layout:
@@ -254,12 +255,49 @@ class Layout:
         this is computed: preflight renders it as verl's ``trainer.default_local_dir``,
         train locks and resumes from it, evaluation reads checkpoints from it."""
         root = self.checkpoint_root
-        path = Path(root) / self.run if root else Path(self.results) / "checkpoints"
+        name = self.checkpoint_name or self.run
+        path = Path(root) / name if root else Path(self.results) / "checkpoints"
         return Path(os.path.abspath(path))
 
     def checkpoint_hf_model(self, step: int) -> Path:
         """The HF weights verl saves with a checkpoint (docs/formats/train.md)."""
         return self.checkpoint_dir / f"global_step_{step}" / "actor" / "model" / "huggingface"
+
+    # ---- rehearsal
+    @property
+    def rehearsal_dir(self) -> str:
+        """``rehearsal/``: the one-node rehearsal (rules/rehearsal.smk), itself laid out as a
+        run (:meth:`rehearsal_layout`)."""
+        return self._p("rehearsal")
+
+    @property
+    def rehearsal_model(self) -> str:
+        """``rehearsal/model``: the small Hy3 the rehearsal trains (rule rehearsal_model)."""
+        return self._p("rehearsal/model")
+
+    @property
+    def rehearsal_checks(self) -> str:
+        """``rehearsal/checks.json``: every check of the last rehearsal, passed or not (not
+        a rule output: a failed rehearsal keeps it)."""
+        return self._p("rehearsal/checks.json")
+
+    @property
+    def rehearsal_runtime(self) -> str:
+        """``rehearsal/runtime.json``: the training runtime as the DAG sees it (rule
+        rehearsal_runtime); its change re-runs the rehearsal."""
+        return self._p("rehearsal/runtime.json")
+
+    @property
+    def rehearsal_record(self) -> str:
+        """``rehearsal/rehearsal.json``: rule rehearsal's output, written only when every
+        check passed; the train jobs' input (the gate)."""
+        return self._p("rehearsal/rehearsal.json")
+
+    def rehearsal_layout(self) -> Layout:
+        """The rehearsal's own run layout: its preflight, train and eval files under
+        ``rehearsal/``, its checkpoints in ``<train.checkpoint_root>/<run>-rehearsal``."""
+        return Layout(self.results, "rehearsal", self.checkpoint_root,
+                      f"{self.run}-rehearsal" if self.checkpoint_root else "")
 
     # ---- eval
     @property

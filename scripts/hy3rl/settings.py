@@ -344,6 +344,33 @@ class Eval:
 
 
 @dataclass(frozen=True)
+class RehearsalModel(TinyModel):
+    """The tiny model's sizes plus the shapes the tiny model fixes (hy3rl.model.TinySpec)."""
+
+    head_dim: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    moe_intermediate_size: int
+
+
+@dataclass(frozen=True)
+class RehearsalEval:
+    num_problems: int
+    n_samples: int
+    max_tokens: int
+
+
+@dataclass(frozen=True)
+class Rehearsal:
+    model: RehearsalModel
+    env: dict[str, Any]
+    verl_overrides: dict[str, Any]
+    eval: RehearsalEval
+    runtime_min: int
+
+
+@dataclass(frozen=True)
 class Report:
     reference_curves: bool
     drift_threshold: float
@@ -367,6 +394,7 @@ class Config:
     cluster: Cluster
     preflight: Preflight
     train: Train
+    rehearsal: Rehearsal
     eval: Eval
     report: Report
     raw: dict[str, Any] = dataclasses.field(repr=False, compare=False, hash=False)

@@ -272,6 +272,8 @@ def after_attempt(rec: Mapping[str, Any], records: Sequence[Mapping[str, Any]], 
 
     outcome, reason = rec.get("outcome"), str(rec.get("exit_reason"))
     exclude = sorted(set(lost))
+    if outcome == "killed":  # the rehearsal's planned kill: its resume is the point
+        return JobStep(True, True, reason, exclude)
     if rec.get("disk_full"):
         return JobStep(False, False, f"{reason}: {rec['disk_full']}", exclude)
     if outcome in ("stopped_for_time_limit", "time_limit", "preempted"):
@@ -450,7 +452,8 @@ def stage_launch(plan: Path, launch: Path, out_plan: Path, out_launch: Path) -> 
 
 def run(train: Train, cluster: Cluster, layout: Layout, *, keep_steps: Protected,
         plan: Path, launch_script: Path, runtime_env: Path, sentinel: Path,
-        metrics: Path, until: int | None = None) -> None:
+        metrics: Path, until: int | None = None, kill_after: int | None = None,
+        rehearsed: Mapping[str, Any] | None = None) -> None:
     """The training job (see the module doc) of run ``layout.run`` on the checkpoint
     directory ``layout.checkpoint_dir``, its records under ``layout.train_attempts``: one
     attempt, then restarts in this allocation after a failure (``train.restarts_per_job``;
@@ -473,7 +476,12 @@ def run(train: Train, cluster: Cluster, layout: Layout, *, keep_steps: Protected
 
     Raises :class:`LockHeld` while another live trainer holds the checkpoint directory,
     :class:`TrainFailed` when the job ended early (the records say why), and
-    :class:`TrainError` for a bad input."""
+    :class:`TrainError` for a bad input.
+
+    ``kill_after`` (the rehearsal, hy3rl.rehearsal): the first attempt is killed once step
+    ``kill_after``'s checkpoint is complete, and the next attempt resumes from it.
+    ``rehearsed``: the runtime identity the rehearsal passed in (rehearsal.json); a job
+    whose runtime identity differs refuses to start the trainer (TrainError)."""
     # Absolute paths: the Ray job runs in the verl clone, the node steps wherever srun puts
     # them.
     layout = dataclasses.replace(layout, results_root=os.path.abspath(layout.results_root))
@@ -498,7 +506,8 @@ def run(train: Train, cluster: Cluster, layout: Layout, *, keep_steps: Protected
     job = Job(train, cluster, layout, plan_doc, target=total if until is None
               else min(int(until), total), total=total, keep_steps=keep_steps,
               launch_script=Path(launch_script).resolve(),
-              runtime_env=Path(runtime_env).resolve(), metrics=metrics)
+              runtime_env=Path(runtime_env).resolve(), metrics=metrics,
+              kill_after=kill_after, rehearsed=rehearsed)
     k = (attempt_numbers(layout) or [0])[-1] + 1
     me = my_lock_info(k)
     job.lock_actions = acquire_lock(ckpt, me)
@@ -568,6 +577,8 @@ class Job:
     rec: dict[str, Any] = field(default_factory=dict)  # the attempt running now
     end_step: int | None = None
     identity_action: str | None = None  # the last attempt's hy3rl.ckptdir decision
+    kill_after: int | None = None  # the rehearsal's planned kill (first attempt only)
+    rehearsed: Mapping[str, Any] | None = None  # the runtime identity the rehearsal passed in
 
     @property
     def identity(self) -> dict[str, Any]:
@@ -655,6 +666,7 @@ class Job:
                                                       cache=Path(layout.runtime_id_cache))
             runtime["ray"] = None  # filled once the Ray head runs (launch.Launcher.check_ray)
             self.runtime = runtime
+            self.check_rehearsed(runtime["identity"])
             self.excluded = sbatch_excluded(me.job_id)
             restarts = os.environ.get("SLURM_RESTART_COUNT", "0")
             if restarts not in ("", "0"):
@@ -690,7 +702,9 @@ class Job:
                               wd.stall_factor, wd.stall_floor_min * 60, wd.stall_cap_min * 60),
             margin_s=train.time_limit_margin_min * 60,
             is_saved=lambda s: check_complete(ckpt / f"global_step_{s}", s)[0],
-            deadline=Deadline(lambda: time_left(me.job_id)), ckpt_dir=ckpt, start_step=start)
+            deadline=Deadline(lambda: time_left(me.job_id)), ckpt_dir=ckpt, start_step=start,
+            kill_after=self.kill_after)
+        self.kill_after = None  # planned for the first attempt only
         spec = launch.LaunchSpec(
             submission_id=sub_id, launch_script=self.launch_script,
             runtime_env=self.runtime_env, log_dir=log_dir,
@@ -737,6 +751,18 @@ class Job:
             raise TrainError(f"the trainer exited 0 but the newest complete checkpoint is "
                              f"{self.end_step}, not step {self.target}")
         return rec
+
+    def check_rehearsed(self, identity: Mapping[str, Any]) -> None:
+        """The gate's last word, on the job's own host before the trainer starts: the runtime
+        this job runs in is the one the rehearsal passed in (rehearsal.json)."""
+        if self.rehearsed is None:
+            return
+        if identity.get("id") != self.rehearsed.get("id"):
+            raise TrainError(
+                f"runtime identity {identity.get('id')!r} differs from the one the rehearsal "
+                f"passed in ({self.rehearsed.get('id')!r}, {self.layout.rehearsal_record}): "
+                "the runtime changed since; rerun the rehearsal (snakemake --forcerun "
+                "rehearsal) or set preflight.waive: [rehearsal]")
 
     def describe(self, rec: dict[str, Any], outcome: str, result: Any, log_dir: Path) -> None:
         """The record's outcome fields (docs/formats/train.md)."""

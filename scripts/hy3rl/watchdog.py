@@ -347,6 +347,8 @@ class Monitor:
     bytes_walked_at: float | None = None
     phase: str = "startup"
     startup_hung_s: float | None = None
+    kill_after: int | None = None  # the rehearsal: stop once this step's save is complete
+
 
     def start(self) -> None:
         """The Ray job was submitted: the startup clock runs from now; the deadline is
@@ -380,6 +382,9 @@ class Monitor:
             if self.first_line_at is None:
                 self.first_line_at = now
         self.watch_save(now)
+        killed = self.planned_kill()
+        if killed is not None:
+            return killed
         saved = self.after_save()
         if saved is not None:
             return saved
@@ -449,6 +454,18 @@ class Monitor:
                                f"{_minutes(allow)})", step)
         return StopRequest("hung", f"hung after the final step {step} (no exit for "
                            f"{_minutes(waited)}; its checkpoint is not complete)", step, True)
+
+    def planned_kill(self) -> StopRequest | None:
+        """The rehearsal (hy3rl.rehearsal): once the line of step ``kill_after`` is logged and
+        its checkpoint is complete, the trainer is killed (its Ray job stopped) wherever it
+        is, so that the next attempt must resume from that checkpoint."""
+        if self.kill_after is None or not self.lines:
+            return None
+        step = self.lines[-1]["step"]
+        if step < self.kill_after or not self.is_saved(self.kill_after):
+            return None
+        return StopRequest("killed", f"killed after the save of step {self.kill_after} (the "
+                           f"rehearsal's planned kill; last logged step {step})", step)
 
     def after_save(self) -> StopRequest | None:
         """After the newest logged save step: stop when the work until the next save does

@@ -164,7 +164,7 @@ def run_identity(cfg: Config, res: Any, lock_doc: Mapping[str, Any],
 def run(cfg: Config, *, lock: Path, data_summary: Path | None, train_files: Path,
         val_files: Path, checkpoint_check: Path | None, bridge_check: Path | None,
         plan: Path, launch: Path, reward_fn: Path, model_manifest: Path | None = None,
-        heldout: Path | None = None) -> Plan:
+        heldout: Path | None = None, checkpoint_dir: Path | None = None) -> Plan:
     """Resolve, compose, check; write ``plan`` (plan.json), ``launch`` (launch.sh) and, with
     ``train.reward_function.path``, its copy at ``reward_fn``. ``data_summary`` and
     ``checkpoint_check`` may be None or absent (their rules are then `not run`).
@@ -173,7 +173,8 @@ def run(cfg: Config, *, lock: Path, data_summary: Path | None, train_files: Path
     layout's; the eval steps retention keeps are ``cfg.eval_keep_steps``. Returns the plan;
     raises :class:`RulesFailed` (plan written) when a rule is in error. ``heldout``:
     data/heldout.parquet (data.heldout), checked against the test and training sets and
-    hashed into the selection rule (plan ``selection``)."""
+    hashed into the selection rule (plan ``selection``). ``checkpoint_dir``: where the
+    launch saves (default: the run layout's; the rehearsal passes its own)."""
     lock_doc = read_json(lock, "deps lock")
     if lock_doc is None:
         raise PreflightError(f"{lock}: missing (run rule deps)")
@@ -186,7 +187,8 @@ def run(cfg: Config, *, lock: Path, data_summary: Path | None, train_files: Path
     bridge = read_json(bridge_check, "bridge checks") if cfg.cluster.gpu else None
     res = resolve(cfg, verl_dir, train_files=train_files.absolute(),
                   val_files=val_files.absolute(), val_n=facts.get("val_n"),
-                  checkpoint_dir=Layout.from_config(cfg).checkpoint_dir, reward_fn=reward_fn)
+                  checkpoint_dir=checkpoint_dir or Layout.from_config(cfg).checkpoint_dir,
+                  reward_fn=reward_fn)
     head = git_head(verl_dir)
     weights, weights_from = model_bytes(cfg)
 

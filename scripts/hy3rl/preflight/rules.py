@@ -78,6 +78,8 @@ RULES: dict[str, str] = {
     "runtime_tag": "warning: train.runtime.prefix names a docker:// image by tag (it can move)",
     "wandb": "GPU runs with wandb in trainer.logger: W&B can start in the training job (a key "
              "in WANDB_API_KEY or the netrc file, or WANDB_MODE offline/disabled)",
+    "rehearsal": "GPU runs: the train job starts only after the one-node rehearsal (rule "
+                 "rehearsal) passed in the same runtime identity; waive it to go without",
 }
 NOT_WAIVABLE = {"compose", "run_identity"}
 
@@ -938,7 +940,19 @@ def check_rules(cfg: Config, res: Resolution, eff: Mapping[str, Any],
     _prompts_over_max(r, facts, s)
     _runtime_tag(r, cfg.train.runtime.prefix)
     _wandb(r, res.loggers, s.gpu, os.environ if environ is None else environ)
+    _rehearsal(r, s.gpu, cfg.preflight.waive)
     return _with_waivers(r, cfg.preflight.waive), ck
+
+
+def _rehearsal(r: _Rules, gpu: bool, waive: list[str]) -> None:
+    """The gate is on unless waived: a waiver is the knowing choice to spend the allocation
+    on a stack nothing ran before (the rule shows `waived` in the plan)."""
+    if not gpu:
+        r.not_run("rehearsal", NO_GPU)
+    elif "rehearsal" in waive:
+        r.error("rehearsal", "the train job starts without the one-node rehearsal: vLLM, "
+                "the reward, a step, a save and a resume in the training runtime run first "
+                "on the whole allocation")
 
 
 def not_composed(res: Resolution) -> list[RuleResult]:

@@ -1,0 +1,601 @@
+"""The one-node rehearsal of the real stack before the training allocation (rules
+rehearsal_model, rehearsal_plan, rehearsal; docs/formats/rehearsal.md).
+
+What preflight cannot prove on a CPU (vLLM starting ``hy_v3``, the Ray workers, the reward
+importing and scoring inside the image, a GRPO step end to end, a Megatron save and above
+all a resume by the real verl, the evaluation backend) is run once on one node of the
+training partition, in ``train.runtime``, through the training launcher itself
+(:func:`hy3rl.train.run`: the same Ray bring-up, ``ray job submit``, attempt records,
+watchdog):
+
+1. :func:`derive`: the run's own config scaled to one node and a small Hy3 of the real layer
+   kinds (``rehearsal.model``, built by rule rehearsal_model): ``cluster.nodes`` 1,
+   ``rehearsal.env`` over ``train.env`` and ``rehearsal.verl_overrides`` over
+   ``train.verl_overrides``, :data:`TOTAL` steps saved at every step;
+2. :func:`plan` (rule rehearsal_plan): preflight itself on that config, verl's validators and
+   every rule included, into ``rehearsal/preflight/``; the plan lists each reduction against
+   the run's own plan (``rehearsal.reductions``);
+3. :func:`run` (rule rehearsal, one node): trains steps 1 and 2 with a save at each, kills
+   the trainer once step 2's checkpoint is complete (the watchdog's planned kill), resumes
+   in a new attempt for step 3, then generates with ``eval.backend`` in the training
+   runtime on step 3's HF weights; then :func:`check_records` checks the records, not the
+   exit codes: ``rehearsal/checks.json`` always, ``rehearsal/rehearsal.json`` (the gate of
+   the train jobs) only when every check passed.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import logging
+import math
+import os
+import re
+import shlex
+import shutil
+import subprocess
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hy3rl.atomic import write_json_atomic
+from hy3rl.errors import StageError
+from hy3rl.layout import Layout
+from hy3rl.settings import Config, Runtime
+from hy3rl.timefmt import utc_now
+
+log = logging.getLogger("hy3rl.rehearsal")
+
+TOTAL = 3  # steps: two, the kill, one more after the resume
+KILL_AFTER = 2
+POLL_S = 1.0  # the watchdog looks every second: the kill must land before step 3 is saved
+WATCHDOG_MIN = 30.0  # startup / first step limits: a rehearsal fails within minutes
+# The paper's per-step metric keys (the published curves and the reward), verl@220e903's v1
+# trainer names; a validation key of the published form is needed at least once.
+STEP_KEYS = ("critic/score/mean", "critic/rewards/mean", "response_length/mean",
+             "training/rollout_probs_diff_mean", "rollout_corr/k3_kl", "timing_s/step")
+VAL_KEY = re.compile(r"^val-core/.+/acc/mean@\d+$")
+# A reward or grader error in the trainer's output (the reward function runs inside it).
+REWARD_ERROR = re.compile(
+    r"(reward|compute_score|math_dapo|grader|score_fn)[^\n]{0,200}(Error|Exception|Traceback)"
+    r"|(Error|Exception)[^\n]{0,200}(reward|compute_score|math_dapo|grader)", re.I)
+PASS, FAIL, NOT_RUN = "pass", "fail", "not run"
+CHECKS = ("plan", "trained", "steps_logged", "checkpoints", "killed", "resumed", "reward",
+          "evaluation", "phases")
+
+
+class RehearsalError(StageError):
+    """An input of the rehearsal is unusable."""
+
+
+class RehearsalFailed(StageError):
+    """A rehearsal check failed; the message names each failed check and, when the trainer
+    died, the phase and its error line. ``rehearsal/checks.json`` is written."""
+
+
+# --------------------------------------------------------------------------- the config
+
+
+def derive(cfg: Config, layout: Layout) -> Config:
+    """The rehearsal's config: ``cfg`` scaled to one node (module doc, step 1). Checked by
+    the schema like any config."""
+    raw = copy.deepcopy(cfg.raw)
+    reh = cfg.rehearsal
+    rl = layout.rehearsal_layout()
+    raw["run"]["name"] = f"{cfg.run.name}-rehearsal"
+    raw["cluster"]["nodes"] = 1
+    raw["cluster"]["train_time_min"] = reh.runtime_min
+    raw["model"]["source"] = os.path.abspath(layout.rehearsal_model)
+    raw["model"]["revision"] = None
+    raw["model"]["dir"] = ""
+    tr = raw["train"]
+    tr["env"] = {**tr["env"], **reh.env, "SAVE_FREQ": 1}
+    tr["verl_overrides"] = {**tr["verl_overrides"], **reh.verl_overrides}
+    tr["total_training_steps"] = TOTAL
+    tr["segment_steps"] = 0
+    tr["checkpoint_keep"] = TOTAL
+    tr["checkpoint_root"] = str(rl.checkpoint_dir.parent) if cfg.train.checkpoint_root else ""
+    tr["on_config_change"] = "fresh"  # disposable checkpoints of a random model
+    tr["restarts_per_job"] = 0  # the planned kill restarts; any other failure ends it
+    tr["max_submissions"] = 1
+    wd = tr["watchdog"]
+    wd["poll_s"] = min(float(wd["poll_s"]), POLL_S)
+    wd["startup_min"] = min(float(wd["startup_min"]), WATCHDOG_MIN)
+    wd["first_step_min"] = min(float(wd["first_step_min"]), WATCHDOG_MIN)
+    ev = raw["eval"]
+    ev.update(num_problems=reh.eval.num_problems, n_samples=reh.eval.n_samples,
+              max_tokens=reh.eval.max_tokens, steps=[], final=True, select=None,
+              batch_size=reh.eval.num_problems * reh.eval.n_samples)
+    ev["vllm"].update(tensor_parallel_size=1, data_parallel_size=1, nodes=1, gpus_per_node=1,
+                      max_model_len=None)
+    raw["data"]["heldout"] = None
+    raw["preflight"]["waive"] = [w for w in raw["preflight"]["waive"] if w != "rehearsal"]
+    rcfg = Config.from_dict(raw)
+    # The checkpoint directory is the rehearsal layout's (Layout.from_config would name it
+    # after the derived run): callers pass rl.checkpoint_dir explicitly.
+    return rcfg
+
+
+def runtime_fingerprint(runtime: Runtime) -> str:
+    """What the rehearsal's rerun trigger sees of the training runtime without running it
+    (stat calls only, as a DAG build may): the declared prefix and python, plus a local
+    SIF's size and mtime, or the site-packages folders' mtimes of a python found on this
+    host. A change there reruns the rehearsal in the same invocation; a change it cannot
+    see (inside a registry image by tag, behind a wrapper) is caught by the train job, which
+    compares the full identity (hy3rl.runtime_id) with the rehearsal's and refuses."""
+    from hy3rl.runtime_id import IMAGE_URI, SIF_SUFFIXES, container_image
+
+    parts = [f"prefix={runtime.prefix!r}", f"python={runtime.python!r}"]
+    try:
+        tokens = shlex.split(runtime.prefix)
+    except ValueError:
+        return " ".join(parts)
+    image = container_image(tokens)
+    if image is not None and not IMAGE_URI.match(image) and image.endswith(SIF_SUFFIXES):
+        try:
+            st = os.stat(image)
+            parts.append(f"sif size={st.st_size} mtime_ns={st.st_mtime_ns}")
+        except OSError:
+            parts.append("sif absent on this host")
+    elif image is None and not tokens:
+        exe = shutil.which(runtime.python) if runtime.python else None
+        if exe:
+            env = Path(os.path.abspath(exe)).parent.parent
+            for sp in sorted(env.glob("lib/python*/site-packages")):
+                parts.append(f"{sp.name}@{sp.parent.name} mtime_ns={sp.stat().st_mtime_ns}")
+    return " ".join(parts)
+
+
+# --------------------------------------------------------------------------- the plan
+
+
+def reductions(main: Mapping[str, Any], rehearsal: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Every resolved verl value of the rehearsal plan that differs from the run's plan
+    (``plan.json`` ``resolved``), with both values; keys only one plan has are listed too."""
+    a, b = main.get("resolved") or {}, rehearsal.get("resolved") or {}
+    out = []
+    for key in sorted(set(a) | set(b)):
+        va, vb = (a.get(key) or {}).get("value"), (b.get(key) or {}).get("value")
+        if va != vb:
+            out.append({"key": key, "run": va, "rehearsal": vb})
+    return out
+
+
+def plan(cfg: Config, layout: Layout, *, lock: Path, data_summary: Path, train_files: Path,
+         val_files: Path, checkpoint_check: Path | None, bridge_check: Path | None,
+         main_plan: Path, model_manifest: Path | None = None) -> None:
+    """Rule rehearsal_plan: preflight (hy3rl.preflight.run, every rule and verl's own
+    checks) on :func:`derive`'s config into ``rehearsal/preflight/``; then the plan gets
+    ``rehearsal``: the reductions against ``main_plan`` (the run's preflight/plan.json),
+    the steps and the planned kill. Raises preflight's errors as they are."""
+    from hy3rl import preflight
+    from hy3rl.runtime_id import sha256_file
+
+    rl = layout.rehearsal_layout()
+    rcfg = derive(cfg, layout)
+    try:
+        main = json.loads(Path(main_plan).read_text())
+    except (OSError, ValueError) as exc:
+        raise RehearsalError(f"{main_plan}: the run's plan is unreadable ({exc})") from None
+    out = Path(rl.preflight_plan)
+    preflight.run(rcfg, lock=lock, data_summary=data_summary, train_files=train_files,
+                  val_files=val_files, checkpoint_check=checkpoint_check,
+                  bridge_check=bridge_check, plan=out, launch=Path(rl.preflight_launch),
+                  reward_fn=Path(rl.preflight_reward_fn), model_manifest=model_manifest,
+                  checkpoint_dir=rl.checkpoint_dir)
+    doc = json.loads(out.read_text())
+    doc["rehearsal"] = {
+        "of_plan": str(main_plan), "of_plan_sha256": sha256_file(Path(main_plan)),
+        "model": asdict(cfg.rehearsal.model), "nodes": 1,
+        "gpus_per_node": cfg.cluster.gpus_per_node, "total_training_steps": TOTAL,
+        "save_freq": 1, "kill_after": KILL_AFTER,
+        "reductions": reductions(main, doc),
+    }
+    write_json_atomic(out, doc)
+    log.info("rehearsal plan %s: %d reductions against %s", out,
+             len(doc["rehearsal"]["reductions"]), main_plan)
+
+
+# --------------------------------------------------------------------------- the job
+
+
+@dataclass
+class Check:
+    name: str
+    status: str
+    detail: str
+
+    @classmethod
+    def of(cls, name: str, problems: Sequence[str], ok: str) -> Check:
+        return cls(name, FAIL, "; ".join(problems)) if problems else cls(name, PASS, ok)
+
+
+@dataclass
+class Records:
+    """What the rehearsal left (read back from disk; every check reads these only)."""
+
+    plan: dict[str, Any]
+    attempts: list[dict[str, Any]]
+    attempt_lines: dict[int, list[dict[str, Any]]]
+    merged: list[dict[str, Any]]
+    done: dict[str, Any] | None
+    complete: dict[int, tuple[bool, str]]
+    driver_logs: dict[int, str]
+    samples: list[dict[str, Any]] | None
+    samples_meta: dict[str, Any] | None
+    expected_samples: int
+    failure: dict[str, Any] | None = None  # the phase and error a run ended on
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def read(cls, rl: Layout, expected_samples: int,
+             failure: dict[str, Any] | None = None) -> Records:
+        from hy3rl.ckptdir import check_complete
+        from hy3rl.train import attempt_numbers, load_attempt
+        from hy3rl.verl_log import read_metrics
+
+        def jload(path: str | Path) -> Any:
+            try:
+                return json.loads(Path(path).read_text())
+            except (OSError, ValueError):
+                return None
+
+        ks = attempt_numbers(rl)
+        attempts = [load_attempt(rl, k) for k in ks]
+        lines = {}
+        for k in ks:
+            try:
+                lines[k] = read_metrics(Path(rl.attempt_metrics(k)))
+            except StageError as exc:
+                lines[k] = []
+                log.warning("%s", exc)
+        logs = {}
+        for k in ks:
+            p = Path(rl.attempt_logs(k)) / "driver.log"
+            logs[k] = p.read_text(errors="replace")[-2**20:] if p.is_file() else ""
+        ckpt = rl.checkpoint_dir
+        complete = {s: check_complete(ckpt / f"global_step_{s}", s) for s in range(1, TOTAL + 1)}
+        samples = None
+        spath = Path(rl.eval_samples("final"))
+        if spath.is_file():
+            samples = [json.loads(ln) for ln in spath.read_text().splitlines() if ln.strip()]
+        try:
+            merged = read_metrics(Path(rl.train_metrics))
+        except StageError:
+            merged = []
+        return cls(plan=jload(rl.preflight_plan) or {}, attempts=attempts, attempt_lines=lines,
+                   merged=merged, done=jload(rl.train_done), complete=complete,
+                   driver_logs=logs, samples=samples,
+                   samples_meta=jload(rl.eval_samples_meta("final")),
+                   expected_samples=expected_samples, failure=failure)
+
+
+def _num(v: Any) -> float | None:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) \
+        and math.isfinite(float(v)) else None
+
+
+def _train_lines(lines: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """Lines of training steps (a validation-only line, e.g. before training, has no
+    ``timing_s/step``)."""
+    return [ln for ln in lines if "timing_s/step" in (ln.get("data") or {})]
+
+
+def phase_times(rec: Records) -> dict[str, float | None]:
+    """Seconds of each phase (docs/formats/rehearsal.md): ``startup`` (submission to the
+    first line, attempt 1), ``step`` (the slowest step without its save), ``save`` (the
+    slowest save), ``resume`` (submission to the first line after the kill: Ray, the model
+    loads and the checkpoint load), ``evaluation`` (the generation), ``total``."""
+    def startup(a: Mapping[str, Any] | None) -> float | None:
+        return _num(((a or {}).get("timing") or {}).get("startup_s"))
+
+    first = rec.attempts[0] if rec.attempts else None
+    second = rec.attempts[1] if len(rec.attempts) > 1 else None
+    steps, saves = [], []
+    for ln in _train_lines(rec.merged):
+        d = ln["data"]
+        save = _num(d.get("timing_s/save_checkpoint"))
+        step = _num(d.get("timing_s/step"))
+        if save is not None:
+            saves.append(save)
+        if step is not None:
+            steps.append(step - (save or 0.0))
+    meta = rec.samples_meta or {}
+    return {"startup": startup(first), "step": max(steps) if steps else None,
+            "save": max(saves) if saves else None, "resume": startup(second),
+            "evaluation": _num(meta.get("seconds")),
+            "total": rec.extra.get("total_s")}
+
+
+def check_records(rec: Records) -> list[Check]:
+    """Every check of the rehearsal on its records (module doc; docs/formats/rehearsal.md)."""
+    out: list[Check] = []
+    rp = rec.plan.get("rehearsal") or {}
+    out.append(Check.of("plan", [] if rp and rec.plan.get("ok") else
+                        ["the rehearsal plan is missing, not ok, or lacks its reductions"],
+                        f"{len(rp.get('reductions') or [])} reductions listed"))
+    done = rec.done or {}
+    out.append(Check.of("trained", [] if done.get("final_step") == TOTAL else
+                        [f"training did not reach step {TOTAL} (done.json: "
+                         f"{done.get('final_step') if rec.done else 'absent'})"],
+                        f"steps 1-{TOTAL} trained, done.json written"))
+
+    by_step: dict[int, Mapping[str, Any]] = {ln["step"]: ln["data"]
+                                             for ln in _train_lines(rec.merged)}
+    problems = []
+    for s in range(1, TOTAL + 1):
+        if s not in by_step:
+            problems.append(f"step {s} not logged")
+            continue
+        missing = [k for k in STEP_KEYS if _num(by_step[s].get(k)) is None]
+        if missing:
+            problems.append(f"step {s} lacks {', '.join(missing)}")
+    if not any(VAL_KEY.match(k) for ln in rec.merged for k in (ln.get("data") or {})):
+        problems.append("no validation metric val-core/<source>/acc/mean@<n> logged")
+    out.append(Check.of("steps_logged", problems,
+                        f"steps 1-{TOTAL} logged with {', '.join(STEP_KEYS)} and a "
+                        "validation accuracy"))
+
+    problems = [f"global_step_{s}: {why}" for s in (KILL_AFTER, TOTAL)
+                for ok, why in [rec.complete.get(s, (False, "not checked"))] if not ok]
+    out.append(Check.of("checkpoints", problems,
+                        f"global_step_{KILL_AFTER} and global_step_{TOTAL} complete by verl's "
+                        "manifest"))
+
+    first = rec.attempts[0] if rec.attempts else {}
+    problems = []
+    if first.get("outcome") != "killed":
+        problems.append(f"attempt 1 was not killed after step {KILL_AFTER}'s save (outcome "
+                        f"{first.get('outcome')!r}: {first.get('exit_reason')})")
+    elif first.get("end_step") != KILL_AFTER:
+        problems.append(f"attempt 1's newest complete checkpoint at the kill was "
+                        f"{first.get('end_step')}, not {KILL_AFTER}")
+    out.append(Check.of("killed", problems,
+                        f"attempt 1 killed once global_step_{KILL_AFTER} was complete"))
+
+    problems = []
+    second = rec.attempts[1] if len(rec.attempts) > 1 else None
+    if second is None:
+        problems.append("no attempt after the kill")
+    else:
+        if second.get("start_step") != KILL_AFTER:
+            problems.append(f"attempt 2 was prepared from step {second.get('start_step')}, "
+                            f"not {KILL_AFTER}")
+        steps = [ln["step"] for ln in _train_lines(rec.attempt_lines.get(second["attempt"], []))]
+        if not steps:
+            problems.append("attempt 2 logged no training step")
+        elif steps[0] != KILL_AFTER + 1:
+            problems.append(f"attempt 2's first step was {steps[0]}, not {KILL_AFTER + 1}: the "
+                            f"trainer did not resume from global_step_{KILL_AFTER}")
+        if second.get("outcome") != "succeeded":
+            problems.append(f"attempt 2 ended {second.get('outcome')!r}: "
+                            f"{second.get('exit_reason')}")
+    out.append(Check.of("resumed", problems,
+                        f"attempt 2 resumed from global_step_{KILL_AFTER}: first step "
+                        f"{KILL_AFTER + 1}"))
+
+    problems = [f"step {s}: critic/score/mean not a finite number" for s in sorted(by_step)
+                if _num(by_step[s].get("critic/score/mean")) is None]
+    for k, text in sorted(rec.driver_logs.items()):
+        m = REWARD_ERROR.search(text)
+        if m:
+            problems.append(f"attempt {k}'s driver log: {m.group(0)[:200]!r}")
+    if not by_step:
+        problems.append("no step scored")
+    out.append(Check.of("reward", problems,
+                        "every step scored (finite critic/score/mean), no reward or grader "
+                        "error in the trainer's output"))
+
+    meta = rec.samples_meta or {}
+    problems = []
+    if rec.samples is None:
+        problems.append("no samples" + (f" ({meta.get('status')}: {meta.get('reason')})"
+                                        if meta.get("status") else ""))
+    else:
+        if len(rec.samples) != rec.expected_samples:
+            problems.append(f"{len(rec.samples)} samples, expected {rec.expected_samples}")
+        unfinished = sum(1 for s in rec.samples if not s.get("finish_reason"))
+        if unfinished:
+            problems.append(f"{unfinished} sample(s) without a finish reason")
+        if meta.get("status") != "complete":
+            problems.append(f"samples.meta.json status {meta.get('status')!r}")
+    out.append(Check.of("evaluation", problems,
+                        f"{rec.expected_samples} samples with finish reasons "
+                        f"({meta.get('backend')})"))
+
+    times = phase_times(rec)
+    missing = [p for p in ("startup", "step", "save", "resume", "evaluation")
+               if times.get(p) is None]
+    out.append(Check.of("phases", [f"no time recorded for {', '.join(missing)}"] if missing
+                        else [], ", ".join(f"{p} {v:.1f}s" for p, v in times.items()
+                                           if v is not None)))
+    return out
+
+
+def failure_of(rec: Records) -> dict[str, Any] | None:
+    """The phase and error line of the attempt that failed (not the planned kill)."""
+    for a in rec.attempts:
+        if a.get("outcome") in ("succeeded", "killed"):
+            continue
+        phase = ((a.get("timing") or {}).get("phase") or "startup")
+        if a.get("attempt") != (rec.attempts[0].get("attempt")) and phase == "startup":
+            phase = "resume"
+        return {"phase": phase, "attempt": a.get("attempt"),
+                "error": a.get("error") or a.get("exit_reason"),
+                "exit_reason": a.get("exit_reason")}
+    return rec.failure
+
+
+def _clear_previous(rl: Layout) -> list[str]:
+    """A rehearsal starts from nothing: the previous one's records move to
+    ``rehearsal/previous/`` (replacing the one before) and its checkpoint directory (a
+    random model's, disposable) to ``<dir>.previous``."""
+    done = []
+    prev = Path(rl.results) / "previous"
+    shutil.rmtree(prev, ignore_errors=True)
+    for name in ("train", "eval"):
+        src = Path(rl.results) / name
+        if src.exists():
+            prev.mkdir(parents=True, exist_ok=True)
+            os.replace(src, prev / name)
+            done.append(f"moved {src} to {prev / name}")
+    ckpt = rl.checkpoint_dir
+    if ckpt.exists():
+        from hy3rl.ckptdir import check_lock_free
+
+        check_lock_free(ckpt)
+        old = ckpt.with_name(ckpt.name + ".previous")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(ckpt, old)
+        done.append(f"moved {ckpt} to {old}")
+    return done
+
+
+def generate(cfg: Config, rl: Layout, *, model: Path, val: Path) -> None:
+    """The generation on ``model`` with ``eval.backend`` in the training runtime (the
+    runtime's python runs hy3rl.evaluate's entry point on a job file, as a Ray job of a
+    multi-node evaluation does): vLLM has to start ``hy_v3`` inside the image."""
+    from hy3rl.bridge import BridgeCheckFailed, runtime_command
+    from hy3rl.evaluate import EvalError
+    from hy3rl.launch import SCRIPTS_DIR
+
+    samples, meta = Path(rl.eval_samples("final")), Path(rl.eval_samples_meta("final"))
+    job = {"eval": asdict(cfg.eval), "tag": "final", "model": str(model), "val": str(val),
+           "samples": str(samples.resolve()), "meta": str(meta.resolve())}
+    job_file = Path(rl.eval_ray_dir("final")) / "job.json"
+    write_json_atomic(job_file, job, indent=1)
+    try:
+        interpreter = runtime_command(cfg.train.runtime)
+    except BridgeCheckFailed as exc:
+        raise EvalError(str(exc)) from None
+    cmd = [*interpreter, "-m", "hy3rl.evaluate", str(job_file.resolve())]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (str(SCRIPTS_DIR), os.environ.get("PYTHONPATH", "")) if p)}
+    out_log = job_file.parent / "generate.log"
+    print(f"rehearsal: {shlex.join(cmd)} (log {out_log})", flush=True)
+    with open(out_log, "w") as fh:
+        code = subprocess.run(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT).returncode
+    if code != 0:
+        tail = out_log.read_text(errors="replace").strip().splitlines()[-5:]
+        raise EvalError(f"the generation exited {code} in the training runtime "
+                        f"({shlex.join(interpreter)}): {' | '.join(tail)}")
+
+
+def run(cfg: Config, layout: Layout, *, runtime_env: Path, val: Path, out: Path) -> None:
+    """Rule rehearsal (one node; module doc, step 3). Writes ``rehearsal/checks.json``
+    always and ``out`` (rehearsal/rehearsal.json) only when every check passed; raises
+    :class:`RehearsalFailed` naming the failed checks otherwise."""
+    from hy3rl import train
+    from hy3rl.evaluate import EvalError, final_step
+    from hy3rl.runtime_id import identify
+
+    started, t0 = utc_now(), _now()
+    rl = layout.rehearsal_layout()
+    rl = dataclasses.replace(rl, results_root=os.path.abspath(rl.results_root))
+    rcfg = derive(cfg, layout)
+    Path(out).unlink(missing_ok=True)
+    moved = _clear_previous(rl)
+    for line in moved:
+        log.info("rehearsal: %s", line)
+    failure: dict[str, Any] | None = None
+    try:
+        train.run(rcfg.train, rcfg.cluster, rl, keep_steps=range(1, TOTAL + 1),
+                  plan=Path(rl.preflight_plan), launch_script=Path(rl.preflight_launch),
+                  runtime_env=Path(runtime_env), sentinel=Path(rl.train_done),
+                  metrics=Path(rl.train_metrics), kill_after=KILL_AFTER)
+    except StageError as exc:
+        failure = {"phase": "train", "error": str(exc)}
+        log.error("rehearsal: training failed: %s", exc)
+    if failure is None:
+        try:
+            step = final_step(Path(rl.train_done))
+            generate(rcfg, rl, model=rl.checkpoint_hf_model(step), val=Path(val))
+        except EvalError as exc:
+            failure = {"phase": "evaluation", "error": str(exc)}
+            log.error("rehearsal: evaluation failed: %s", exc)
+    expected = rcfg.eval.num_problems * rcfg.eval.n_samples
+    rec = Records.read(rl, expected, failure)
+    rec.extra["total_s"] = round(_now() - t0, 1)
+    if rec.samples is not None:
+        # the test set may hold fewer problems than asked for
+        problems = {s.get("problem_id") for s in rec.samples}
+        rec.expected_samples = min(expected, len(problems) * rcfg.eval.n_samples)
+    checks = check_records(rec)
+    runtime = (rec.attempts[0].get("runtime") or {}) if rec.attempts else {}
+    identity = runtime.get("identity")
+    if not identity:  # no attempt started: name the runtime here, as an attempt would
+        rt = _resolve(rcfg.train.runtime)
+        identity = identify(rt["prefix"], rt["python"], cache=Path(layout.runtime_id_cache))
+    failed = [c for c in checks if c.status != PASS]
+    doc = {
+        "schema_version": 1, "run": cfg.run.name, "ok": not failed,
+        "started": started, "finished": utc_now(),
+        "runtime": {"identity": identity, "ray": runtime.get("ray"),
+                    "prefix": runtime.get("prefix"), "python": runtime.get("python")},
+        "fingerprint": runtime_fingerprint(cfg.train.runtime),
+        "phases_s": phase_times(rec),
+        "failure": failure_of(rec),
+        "checks": [asdict(c) for c in checks],
+        "plan": rl.preflight_plan, "checkpoint_dir": str(rl.checkpoint_dir),
+        "attempts": [{k: a.get(k) for k in ("attempt", "outcome", "start_step", "end_step",
+                                           "exit_reason", "slurm_job_id", "nodes")}
+                     for a in rec.attempts],
+        "evaluation": {k: (rec.samples_meta or {}).get(k) for k in
+                       ("backend", "status", "num_samples", "truncated", "seconds", "reason")},
+        "previous": moved,
+    }
+    write_json_atomic(Path(layout.rehearsal_checks), doc)
+    for c in checks:
+        log.info("rehearsal check %-12s %-7s %s", c.name, c.status, c.detail)
+    if failed:
+        raise RehearsalFailed(failure_message(doc, Path(layout.rehearsal_checks)))
+    write_json_atomic(Path(out), doc)
+
+
+def failure_message(doc: Mapping[str, Any], path: Path) -> str:
+    parts = [f"{c['name']}: {c['detail']}" for c in doc.get("checks") or []
+             if c.get("status") != PASS]
+    fail = doc.get("failure") or {}
+    where = ""
+    if fail:
+        where = (f"; the rehearsal died in phase {fail.get('phase')}"
+                 + (f" (attempt {fail['attempt']})" if fail.get("attempt") else "")
+                 + f": {fail.get('error')}")
+    return (f"rehearsal failed ({path}): {len(parts)} check(s) failed: " + " | ".join(parts)
+            + where + "; the train job is not submitted (fix it and rerun, or set "
+            "preflight.waive: [rehearsal])")
+
+
+def _resolve(runtime: Runtime) -> dict[str, str]:
+    from hy3rl.launch import resolve_runtime
+
+    return resolve_runtime(runtime)
+
+
+def _now() -> float:
+    import time
+
+    return time.monotonic()
+
+
+def passed_identity(path: str | Path | None) -> dict[str, Any] | None:
+    """The runtime identity a passed rehearsal ran in (``rehearsal.json``), for the train
+    job's check; None without a rehearsal (waived). A record that is not a pass raises."""
+    if not path:
+        return None
+    doc = read_record(path)
+    if doc is None or not doc.get("ok"):
+        raise RehearsalError(f"{path}: not a passed rehearsal's record")
+    return ((doc.get("runtime") or {}).get("identity")) or {}
+
+
+def read_record(path: str | Path) -> dict[str, Any] | None:
+    """A rehearsal record (rehearsal.json or checks.json), or None when absent/unreadable."""
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
