@@ -125,13 +125,15 @@ def runtime_fingerprint(runtime: Runtime) -> str:
     host. A change there reruns the rehearsal in the same invocation; a change it cannot
     see (inside a registry image by tag, behind a wrapper) is caught by the train job, which
     compares the full identity (hy3rl.runtime_id) with the rehearsal's and refuses."""
+    from hy3rl.launch import LaunchError, resolve_runtime
     from hy3rl.runtime_id import IMAGE_URI, SIF_SUFFIXES, container_image
 
-    parts = [f"prefix={runtime.prefix!r}", f"python={runtime.python!r}"]
     try:
-        tokens = shlex.split(runtime.prefix)
-    except ValueError:
-        return " ".join(parts)
+        rt = resolve_runtime(runtime)
+    except LaunchError as exc:
+        return f"unusable: {exc}"
+    parts = [f"prefix={rt['prefix']!r}", f"python={rt['python']!r}"]
+    tokens = shlex.split(rt["prefix"])
     image = container_image(tokens)
     if image is not None and not IMAGE_URI.match(image) and image.endswith(SIF_SUFFIXES):
         try:
@@ -139,12 +141,12 @@ def runtime_fingerprint(runtime: Runtime) -> str:
             parts.append(f"sif size={st.st_size} mtime_ns={st.st_mtime_ns}")
         except OSError:
             parts.append("sif absent on this host")
-    elif image is None and not tokens:
-        exe = shutil.which(runtime.python) if runtime.python else None
+    elif not tokens:
+        exe = shutil.which(rt["python"])
         if exe:
             env = Path(os.path.abspath(exe)).parent.parent
             for sp in sorted(env.glob("lib/python*/site-packages")):
-                parts.append(f"{sp.name}@{sp.parent.name} mtime_ns={sp.stat().st_mtime_ns}")
+                parts.append(f"{sp.parent.name}/site-packages mtime_ns={sp.stat().st_mtime_ns}")
     return " ".join(parts)
 
 
@@ -532,7 +534,8 @@ def run(cfg: Config, layout: Layout, *, runtime_env: Path, val: Path, out: Path)
     doc = {
         "schema_version": 1, "run": cfg.run.name, "ok": not failed,
         "started": started, "finished": utc_now(),
-        "runtime": {"identity": identity, "ray": runtime.get("ray"),
+        "runtime": {"identity": {k: v for k, v in identity.items() if k != "freeze"},
+                    "ray": runtime.get("ray"),
                     "prefix": runtime.get("prefix"), "python": runtime.get("python")},
         "fingerprint": runtime_fingerprint(cfg.train.runtime),
         "phases_s": phase_times(rec),

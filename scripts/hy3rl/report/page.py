@@ -33,6 +33,7 @@ from hy3rl.report.read import (
     per_problem_matrix,
     pick_key,
     resume_points,
+    rehearsal_view,
     selection_view,
     series,
 )
@@ -634,6 +635,7 @@ def render(found: Found, redact: Redactor, env: Mapping[str, str], figs: Mapping
         settings_header=SETTINGS_HEADER,
         at_k_header=at_k_header,
         at_k=at_k_rows,
+        rehearsal=rehearsal_view(found),
         selection=selection,
         sel=selection_tables(found, selection),
         sel_cand_header=SELECT_CAND_HEADER,

@@ -459,6 +459,43 @@ def _not_there(rel: str, cfg: Config, gpu_stage: bool) -> tuple[str, str]:
     return ("missing", f"{rel} not found: the stage has not run for this run (or it failed)")
 
 
+def rehearsal_status(cfg: Config, doc: Any) -> tuple[str, str]:
+    """The rehearsal's stage row (rehearsal/checks.json, written pass or fail)."""
+    if not cfg.cluster.gpu:
+        return _not_there("", cfg, True)
+    if "rehearsal" in cfg.preflight.waive:
+        return ("waived", "preflight.waive names rehearsal: the train job did not wait for a "
+                "one-node rehearsal")
+    if not isinstance(doc, dict):
+        return ("missing", "rehearsal/checks.json not found: the rehearsal has not run")
+    checks = doc.get("checks") or []
+    bad = [c.get("name") for c in checks if c.get("status") != "pass"]
+    if bad:
+        return "fail", f"{len(bad)} of {len(checks)} checks failed: {', '.join(map(str, bad))}"
+    return "pass", f"{len(checks)} checks passed"
+
+
+def rehearsal_view(found: Found) -> dict[str, Any]:
+    """The rehearsal section: its stage row, the record (rehearsal/checks.json), the
+    phases' seconds, the runtime identity, and what ran (the rehearsal plan's
+    ``rehearsal``: model, steps, the reductions)."""
+    doc = found.docs.get("rehearsal")
+    stage = found.stage("rehearsal")
+    view: dict[str, Any] = {"status": stage.status, "detail": stage.detail,
+                            "path": stage.path, "doc": doc if isinstance(doc, dict) else None}
+    if view["doc"] is None:
+        return view
+    plan = read_json(found.layout.rehearsal_layout().preflight_plan)
+    ran = (plan or {}).get("rehearsal") if isinstance(plan, dict) else None
+    view["ran"] = ran
+    view["reductions"] = (ran or {}).get("reductions") or []
+    view["phases"] = [{"phase": k, "seconds": v} for k, v in (doc.get("phases_s") or {}).items()]
+    view["identity"] = ((doc.get("runtime") or {}).get("identity") or {}).get("id")
+    view["checks"] = doc.get("checks") or []
+    view["failure"] = doc.get("failure")
+    return view
+
+
 def _eval_tags(layout: Layout, heldout: bool = False) -> list[str]:
     """The tag folders under eval/ (the test set's; ``heldout``: those under eval/heldout/,
     as ``heldout/<tag>``), in checkpoint order."""
@@ -550,6 +587,10 @@ def gather(cfg: Config, layout: Layout) -> Found:
             if isinstance(d, dict) and d.get("status"):
                 status, detail = str(d["status"]), str(d.get("reason") or detail)
         stages.append(Stage(stage, status, detail, rel(path)))
+
+    reh = doc("rehearsal", layout.rehearsal_checks)
+    stages.append(Stage("rehearsal", *rehearsal_status(cfg, reh),
+                        rel(layout.rehearsal_checks)))
 
     # training: attempt records, their verl logs, the train stage's merge, the sentinel
     att_dir = Path(layout.train_attempts)
