@@ -130,7 +130,7 @@ def write_override(run: Run, steps: int) -> Path:
                  "bootstrap": {"resamples": 200}},
         # the bridge check (not run without a GPU) as a job the test cluster can hold
         "checks": {"bridge": {"cpus": 1, "mem_mb": 1000, "runtime_min": 10}},
-        "preflight": {"waive": ["bridge"]},
+        "preflight": {"waive": ["bridge", "rehearsal"]},
         "report": {"dpi": 50},
     }
     override["data"]["heldout"] = {"limit": 6}

@@ -395,11 +395,15 @@ def eval_checkpoint_inputs(wildcards):
     """The wait of step<N>: both its requests (not ancient: a request that changes, e.g.
     after a config change that retrains, waits again for the new run's checkpoint) and the
     plan the training job runs (ancient: a plan re-rendered unchanged waits for nothing;
-    its presence means preflight passed, so a failed preflight never starts a wait)."""
+    its presence means preflight passed, so a failed preflight never starts a wait). With
+    the rehearsal on, its record too (ancient): a failed rehearsal starts no wait for a
+    training job that will not be submitted."""
     from hy3rl.layout import heldout_tag
 
     tag = f"step{wildcards.step}"
     inputs = {"request": LAYOUT.eval_request(tag), "plan": ancient(LAYOUT.train_plan)}
+    if rehearsal_enabled():
+        inputs["rehearsal"] = ancient(LAYOUT.rehearsal_record)
     if CFG.data.heldout:
         inputs["heldout_request"] = LAYOUT.eval_request(heldout_tag(tag))
     return inputs

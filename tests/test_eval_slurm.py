@@ -5,7 +5,13 @@ that rule deps clones for real, evaluation on the other node with the transforme
 on the double's checkpoints (copies of the tiny Hy3), both sets (AIME-like test set and the
 held-out set carved out of the training data), the selection, the report.
 
-One invocation with --keep-going: the double pauses at step 3 (after saving step 2) until
+First the one-node rehearsal (issue 21) fails twice, each time stopping the run before
+the training job is submitted and naming the failed check: the rehearsal's double crashes at
+step 2; then it ignores the checkpoint after the kill (a resume that starts from step 1).
+
+Then one invocation with --keep-going: the rehearsal passes (a one-node SLURM job: two
+steps, the kill, the resume, a transformers generation) and training waits for it; the
+double pauses at step 3 (after saving step 2) until
 the test releases it; meanwhile step 2 is evaluated on both sets and `hy3rl report --out`
 shows that evaluation with training running. Released, the double crashes at step 5: the
 wait for step 6 fails naming the step and the training state; the rest of the DAG goes on
@@ -95,10 +101,9 @@ def test_step_evaluated_while_training_runs_failure_keep_going_then_resume(
     work.mkdir(exist_ok=True)
     res = work / "results" / RUN
     faults, release = tmp_path / "faults.json", tmp_path / "release"
-    faults.write_text(json.dumps({"pause_at": 3, "crash_at": 5}))
     env = {**os.environ, "PATH": VENV_BIN + os.pathsep + os.environ["PATH"],
            "HY3RL_DOUBLE_FAULTS": str(faults), "HY3RL_DOUBLE_RELEASE": str(release),
-           "HY3RL_DOUBLE_STEP_S": "0.5",
+           "HY3RL_DOUBLE_STEP_S": "0.5", "HY3RL_DOUBLE_SLOW_S": "3",
            "HY3RL_DOUBLE_HF_SOURCE": str(work / "resources" / "tiny-hy3"),
            "WANDB_MODE": "offline",
            "PYTHONPATH": str(REPO_ROOT / "scripts")}
@@ -106,6 +111,26 @@ def test_step_evaluated_while_training_runs_failure_keep_going_then_resume(
             str(override)]
     args = [*SNAKEMAKE, "--snakefile", str(REPO_ROOT / "Snakefile"), "--directory", str(work),
             *slurm_profile_args, str(override)]
+
+    # (0) Rehearsals that fail: the run stops before the training job is submitted.
+    for fault, check, says in (
+            ({"crash_at": 2}, "trained", "injected crash at step 2"),
+            ({"ignore_resume": 1}, "resumed", "attempt 2's first step was 1, not 3")):
+        faults.write_text(json.dumps({"rehearsal": fault}))
+        out0 = subprocess.run(args, capture_output=True, text=True, env=env, timeout=600)
+        text = out0.stdout + out0.stderr
+        assert out0.returncode != 0, text[-6000:]
+        log0 = (res / "logs" / "rehearsal" / "rehearsal.log").read_text()
+        assert "rehearsal failed" in log0 and says in log0, log0[-4000:]
+        checks = json.loads((res / "rehearsal" / "checks.json").read_text())
+        failed = {c["name"] for c in checks["checks"] if c["status"] != "pass"}
+        assert check in failed, checks["checks"]
+        assert not (res / "train" / "attempts").exists(), "training was submitted"
+        assert not (res / "rehearsal" / "rehearsal.json").exists()
+    assert checks["failure"] is None and "killed" not in failed, checks  # the second one
+    faults.write_text(json.dumps({"pause_at": 3, "crash_at": 5,
+                                  # the kill lands while step 3 runs
+                                  "rehearsal": {"slow_from": 3}}))
 
     # (1) One invocation; step 2 is evaluated on both sets while the trainer waits at step 3.
     proc = subprocess.Popen([*args, "--keep-going"], stdout=subprocess.PIPE,
@@ -131,6 +156,14 @@ def test_step_evaluated_while_training_runs_failure_keep_going_then_resume(
     assert proc.returncode != 0, out1[-4000:]
     a1 = json.loads((res / "train" / "attempts" / "attempt-1.json").read_text())
     assert a1["exit_reason"].startswith("trainer failed"), a1
+    # the rehearsal passed, as a one-node SLURM job, before the training job started
+    reh = json.loads((res / "rehearsal" / "rehearsal.json").read_text())
+    assert reh["ok"] and [a["outcome"] for a in reh["attempts"]] == ["planned_kill", "succeeded"]
+    assert reh["attempts"][1]["start_step"] == 2 and reh["attempts"][0]["slurm_job_id"]
+    assert len(reh["attempts"][0]["nodes"]) == 1, reh["attempts"]
+    assert all(isinstance(v, float) for v in reh["phases_s"].values()), reh["phases_s"]
+    assert _ts(reh["finished"]) < _ts(a1["started_at"]), (reh["finished"], a1["started_at"])
+    assert reh["runtime"]["identity"]["id"] == a1["runtime"]["identity"]["id"]
     # step 2's evaluation finished while training was still running: before the attempt ended
     assert _ts(finished["finished"]) < _ts(a1["ended_at"]), (finished, a1)
     wait_log = (res / "logs" / "eval" / "step6.wait.log").read_text()
@@ -158,7 +191,7 @@ def test_step_evaluated_while_training_runs_failure_keep_going_then_resume(
     summary = json.loads((res / "eval" / "summary.json").read_text())
     assert summary["heldout"]["tags"] and summary["selected"], summary.keys()
     page = (res / "report" / "index.html").read_text()
-    assert 'id="selection"' in page
+    assert 'id="selection"' in page and 'id="rehearsal-checks"' in page
     # retention (checkpoint_keep 1, keep_eval_checkpoints selected): the evaluation steps
     # were kept until both their evaluations had read them; now only the newest and the
     # selected one remain

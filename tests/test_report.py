@@ -706,7 +706,7 @@ def test_cpu_stages_and_base_eval_only(report_run_factory):
     assert stages == {"deps": "done", "data": "done", "model": "done",
                       "check_checkpoint": "pass (some not run)",
                       "check_bridge": "not run", "cluster_probe": "not run",
-                      "preflight": "pass", "train": "not run",
+                      "preflight": "pass", "rehearsal": "not run", "train": "not run",
                       "evaluate": "done"}
     assert len(_csv(files["eval_per_problem.csv"])) == 30
     assert _csv(files["eval_paired.csv"]) == []

@@ -2,11 +2,12 @@
 GPU DAG (`cluster.gpu: true`) with verl's trainer replaced by the test double, as a user
 changes the config of one run. Each change is ONE invocation:
 
-1. a run of 2 steps (SAVE_FREQ 1);
+1. a run of 2 steps (SAVE_FREQ 1), after the one-node rehearsal passed;
 2. total 2 -> 4: training resumes from global_step_2 to 4, `final` is evaluated at step 4,
    one W&B run id; then a dry run has nothing to do;
 3. eval.steps [1] -> [1, 3]: step 3 is evaluated, nothing trains;
-4. operational changes (watchdog, loggers, retention): a dry run plans no training;
+4. operational changes (watchdog, loggers, retention): a dry run plans no training and no
+   rehearsal; a changed training runtime plans the rehearsal again, and no training;
 5. a learning-rate change: refused by preflight naming the key with both values, no
    training job;
 6. the same change with `on_config_change: resume` and total 5: continued from step 4, the
@@ -63,7 +64,10 @@ class Runner:
             "HY3RL_DOUBLE_STEP_S": "0.1",
             "HY3RL_DOUBLE_HF_SOURCE": str(self.work / "resources" / "tiny-hy3"),
             "CUDA_VISIBLE_DEVICES": "0", "WANDB_MODE": "offline",
+            # the rehearsal's step 3 takes seconds: its planned kill lands during it
+            "HY3RL_DOUBLE_FAULTS": str(tmp / "faults.json"), "HY3RL_DOUBLE_SLOW_S": "3",
         }
+        (tmp / "faults.json").write_text(json.dumps({"rehearsal": {"slow_from": 3}}))
 
     def __call__(self, *extra: str) -> tuple[int, str]:
         override = self.tmp / "override.yaml"
@@ -103,6 +107,8 @@ def test_each_change_is_one_invocation_that_does_the_right_thing(tmp_path: Path,
     assert done["final_step"] == 2 and done["this_job"]["attempts"] == [1], done
     traj = done["trajectory_id"]
     assert traj and run.identity()["trajectory"]["id"] == traj
+    reh = json.loads((run.res / "rehearsal" / "rehearsal.json").read_text())
+    assert reh["ok"] and reh["finished"] < attempt(run.res, 1)["started_at"], reh
     assert run.eval_step("final") == 2
     wandb_id = attempt(run.res, 1)["wandb"]["run_id"]
     assert wandb_id == f"{RUN}-{traj[:8]}"
@@ -144,8 +150,16 @@ def test_each_change_is_one_invocation_that_does_the_right_thing(tmp_path: Path,
     code, out = run("-n")
     assert code == 0, out[-3000:]
     assert not _ran(out, "train") and not _ran(out, "train_keys"), out[-3000:]
+    assert not _ran(out, "rehearsal") and not _ran(out, "rehearsal_runtime"), out[-3000:]
     assert _ran(out, "preflight"), out[-3000:]
     del run.cfg["train"]["env"]
+    # ... but another training runtime is rehearsed again, in the same invocation
+    run.cfg["train"]["runtime"] = {"prefix": "env", "python": sys.executable}
+    code, out = run("-n")
+    assert code == 0, out[-3000:]
+    assert _ran(out, "rehearsal_runtime") and _ran(out, "rehearsal"), out[-3000:]
+    assert not _ran(out, "train") and not _ran(out, "train_keys"), out[-3000:]
+    del run.cfg["train"]["runtime"]
 
     # (5) a learning-rate change on existing checkpoints: refused before any training job
     run.cfg["train"]["env"] = {"ACTOR_LR": 5e-6}

@@ -320,3 +320,33 @@ def test_no_time_limit_never_stops(tmp_path: Path) -> None:
     m = monitor(tmp_path, clock, saved=saved, schedule=wd.Schedule(2, -1, 10))
     write(m.metrics, line(1, 5.0), line(2, 5.0))
     assert m.poll() is None and 2 in m.decided_saves
+
+
+def test_planned_kill_waits_for_the_complete_save_of_its_step(tmp_path: Path) -> None:
+    """The rehearsal's kill (kill_after): not at the line of step 2 while its checkpoint is
+    being written, at once when it is complete; under the paper's time profile (a step of
+    minutes, a save of most of an hour) the watchdog's other limits stay quiet meanwhile."""
+    clock = Clock()
+    saved: set[int] = set()
+    sched = wd.Schedule(1, 10, 3)
+    m = monitor(tmp_path, clock, schedule=sched, saved=saved, kill_after=2)
+    m.start()
+    write(m.metrics, paper_line(1, sched))
+    clock.now += STEP + SAVE
+    assert m.poll() is None
+    saved.add(1)
+    write(m.metrics, paper_line(2, sched))  # verl logs the line after the save returns...
+    clock.now += STEP + SAVE
+    assert m.poll() is None  # ...but an asynchronous save may still be finishing
+    saved.add(2)
+    req = m.poll()
+    assert req is not None and req.outcome == "planned_kill" and req.step == 2, req
+    assert "planned kill" in req.message
+    # without kill_after nothing stops the same attempt there
+    clock2 = Clock()
+    quiet = monitor(tmp_path / "q", clock2, schedule=sched, saved={1, 2})
+    (tmp_path / "q").mkdir()
+    quiet.start()
+    write(quiet.metrics, paper_line(1, sched), paper_line(2, sched))
+    clock2.now += STEP
+    assert quiet.poll() is None

@@ -53,7 +53,8 @@ def _override(tmp: Path) -> Path:
         "eval": {"n_samples": 2, "max_tokens": 8, "num_problems": 5, "steps": [SAVE_FREQ]},
         # No GPU here: the bridge round trip is `not run`, which preflight refuses unless
         # waived (issue 11: a GPU check is never skipped silently).
-        "preflight": {"waive": ["bridge"]},
+        # the one-node rehearsal runs in tests/test_eval_slurm.py and test_rerun_identity.py
+        "preflight": {"waive": ["bridge", "rehearsal"]},
     }
     path = tmp / "gpu-double.yaml"
     path.write_text(yaml.safe_dump(override))

@@ -90,8 +90,10 @@ def derive(cfg: Config, layout: Layout) -> Config:
     raw["model"]["source"] = os.path.abspath(layout.rehearsal_model)
     raw["model"]["revision"] = None
     raw["model"]["dir"] = ""
+    raw["preflight"]["model_bytes"] = 0  # the rehearsal model's own size, from its index
     tr = raw["train"]
-    tr["env"] = {**tr["env"], **reh.env, "SAVE_FREQ": 1}
+    # saved at every step; validated before training and at the last step (as verl does)
+    tr["env"] = {**tr["env"], **reh.env, "SAVE_FREQ": 1, "TEST_FREQ": TOTAL}
     tr["verl_overrides"] = {**tr["verl_overrides"], **reh.verl_overrides}
     tr["total_training_steps"] = TOTAL
     tr["segment_steps"] = 0
@@ -348,7 +350,7 @@ def check_records(rec: Records) -> list[Check]:
 
     first = rec.attempts[0] if rec.attempts else {}
     problems = []
-    if first.get("outcome") != "killed":
+    if first.get("outcome") != "planned_kill":
         problems.append(f"attempt 1 was not killed after step {KILL_AFTER}'s save (outcome "
                         f"{first.get('outcome')!r}: {first.get('exit_reason')})")
     elif first.get("end_step") != KILL_AFTER:
@@ -419,7 +421,7 @@ def check_records(rec: Records) -> list[Check]:
 def failure_of(rec: Records) -> dict[str, Any] | None:
     """The phase and error line of the attempt that failed (not the planned kill)."""
     for a in rec.attempts:
-        if a.get("outcome") in ("succeeded", "killed"):
+        if a.get("outcome") in ("succeeded", "planned_kill"):
             continue
         phase = ((a.get("timing") or {}).get("phase") or "startup")
         if a.get("attempt") != (rec.attempts[0].get("attempt")) and phase == "startup":

@@ -272,7 +272,7 @@ def after_attempt(rec: Mapping[str, Any], records: Sequence[Mapping[str, Any]], 
 
     outcome, reason = rec.get("outcome"), str(rec.get("exit_reason"))
     exclude = sorted(set(lost))
-    if outcome == "killed":  # the rehearsal's planned kill: its resume is the point
+    if outcome == "planned_kill":  # the rehearsal's planned kill: its resume is the point
         return JobStep(True, True, reason, exclude)
     if rec.get("disk_full"):
         return JobStep(False, False, f"{reason}: {rec['disk_full']}", exclude)

@@ -464,7 +464,7 @@ class Monitor:
         step = self.lines[-1]["step"]
         if step < self.kill_after or not self.is_saved(self.kill_after):
             return None
-        return StopRequest("killed", f"killed after the save of step {self.kill_after} (the "
+        return StopRequest("planned_kill", f"killed after the save of step {self.kill_after} (the "
                            f"rehearsal's planned kill; last logged step {step})", step)
 
     def after_save(self) -> StopRequest | None:

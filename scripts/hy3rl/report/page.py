@@ -32,8 +32,8 @@ from hy3rl.report.read import (
     find_key,
     per_problem_matrix,
     pick_key,
-    resume_points,
     rehearsal_view,
+    resume_points,
     selection_view,
     series,
 )

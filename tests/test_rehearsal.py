@@ -1,0 +1,281 @@
+"""The one-node rehearsal (issue 21), without a cluster: its derived config, its plan's
+reductions, the checks on its records (each way they fail), the launcher's decision after
+the planned kill, the train job's runtime-identity gate, the runtime fingerprint that
+re-runs it, and the rehearsal plan composed against the pinned verl (HY3RL_REAL_VERL).
+
+The rehearsal itself runs for real through profiles/slurm in tests/test_eval_slurm.py and
+through profiles/local in tests/test_rerun_identity.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from fixtures.common import REPO_ROOT, make_config
+from fixtures.verl import write_lock
+from hy3rl import rehearsal as rh
+from hy3rl.layout import Layout
+from hy3rl.settings import Runtime
+from hy3rl.train import Job, TrainError, after_attempt
+
+# --------------------------------------------------------------------------- the config
+
+
+def test_derive_scales_the_run_to_one_node_and_lists_nothing_it_hides(tmp_path: Path) -> None:
+    cfg = make_config(
+        run={"name": "paper", "results_root": str(tmp_path / "results")},
+        cluster={"gpu": True, "nodes": 16, "gpus_per_node": 8},
+        train={"checkpoint_root": str(tmp_path / "ckpt"), "total_training_steps": 200,
+               "env": {"ACTOR_PP": 16, "ROLLOUT_N": 16, "SAVE_FREQ": 20},
+               "verl_overrides": {"actor_rollout_ref.actor.optim.lr": 2e-6,
+                                  "++reward.reward_kwargs.overlong_buffer_cfg.len": 4096},
+               "watchdog": {"startup_min": 150, "poll_s": 30}},
+        rehearsal={"env": {"ACTOR_PP": 1, "ROLLOUT_N": 4}},
+        preflight={"waive": ["disk", "rehearsal"]})
+    layout = Layout.from_config(cfg)
+    r = rh.derive(cfg, layout)
+    assert (r.cluster.nodes, r.cluster.gpus_per_node) == (1, 8)
+    assert r.train.total_training_steps == rh.TOTAL == 3
+    # the rehearsal's knobs over the run's (a key given overrides that default only)
+    assert cfg.rehearsal.env["ACTOR_PP"] == 1 and cfg.rehearsal.env["TRAIN_BATCH_SIZE"] == 16
+    assert r.train.env == {**cfg.train.env, **cfg.rehearsal.env, "SAVE_FREQ": 1,
+                           "TEST_FREQ": 3}
+    # the run's own overrides stay (the paper's lr), the rehearsal's win on a shared key
+    assert r.train.verl_overrides == {"actor_rollout_ref.actor.optim.lr": 2e-6,
+                                      "++reward.reward_kwargs.overlong_buffer_cfg.len": 256}
+    assert r.model.path == os.path.abspath(layout.rehearsal_model)
+    assert r.train.on_config_change == "fresh" and r.train.restarts_per_job == 0
+    assert r.train.watchdog.poll_s == 1.0 and r.train.watchdog.startup_min == 30.0
+    assert r.preflight.waive == ["disk"]
+    assert (r.eval.num_problems, r.eval.n_samples, r.eval.steps) == (4, 2, [])
+    assert r.eval.vllm.tensor_parallel_size == 1 and r.data.heldout is None
+    rl = layout.rehearsal_layout()
+    assert rl.checkpoint_dir == tmp_path / "ckpt" / "paper-rehearsal"
+    assert rl.preflight_plan == f"{layout.results}/rehearsal/preflight/plan.json"
+    assert rl.train_done == f"{layout.results}/rehearsal/train/done.json"
+
+
+def test_reductions_list_every_value_that_differs() -> None:
+    main = {"resolved": {"a": {"value": "1"}, "b": {"value": "x"}, "gone": {"value": "2"}}}
+    reh = {"resolved": {"a": {"value": "1"}, "b": {"value": "y"}, "new": {"value": "3"}}}
+    assert rh.reductions(main, reh) == [
+        {"key": "b", "run": "x", "rehearsal": "y"},
+        {"key": "gone", "run": "2", "rehearsal": None},
+        {"key": "new", "run": None, "rehearsal": "3"}]
+
+
+# --------------------------------------------------------------------------- the checks
+
+KEYS = {k: 0.5 for k in rh.STEP_KEYS}
+
+
+def _line(step: int, **data) -> dict:
+    d = {**KEYS, **data}
+    if step % 1 == 0:
+        d["timing_s/save_checkpoint"] = 0.25
+    return {"step": step, "data": d}
+
+
+def _records(**change) -> rh.Records:
+    """The records of a rehearsal that passed (attempt 1 killed after step 2's save, attempt
+    2 resumed for step 3, eight samples); ``change`` replaces fields."""
+    val = {"step": 0, "data": {"val-core/math_dapo/acc/mean@1": 0.1}}
+    a1 = {"attempt": 1, "outcome": "planned_kill", "start_step": 0, "end_step": 2,
+          "exit_reason": "killed after the save of step 2", "timing": {"startup_s": 120.0}}
+    a2 = {"attempt": 2, "outcome": "succeeded", "start_step": 2, "end_step": 3,
+          "exit_reason": "succeeded", "timing": {"startup_s": 95.0}}
+    lines1 = [val, _line(1), _line(2)]
+    lines2 = [{"step": 2, "data": {"val-core/math_dapo/acc/mean@1": 0.1}}, _line(3)]
+    base = dict(
+        plan={"ok": True, "rehearsal": {"reductions": [{"key": "k"}]}},
+        attempts=[a1, a2], attempt_lines={1: lines1, 2: lines2},
+        merged=[val, _line(1), _line(2), _line(3)], done={"final_step": 3},
+        complete={1: (True, ""), 2: (True, ""), 3: (True, "")},
+        driver_logs={1: "step:1 - critic/rewards/mean:0.0\n", 2: ""},
+        samples=[{"problem_id": f"p{i // 2}", "finish_reason": "length"} for i in range(8)],
+        samples_meta={"status": "complete", "backend": "vllm", "seconds": 41.0},
+        expected_samples=8)
+    base.update(change)
+    return rh.Records(**base)
+
+
+def _status(rec: rh.Records) -> dict[str, str]:
+    return {c.name: c.status for c in rh.check_records(rec)}
+
+
+def test_records_of_a_good_rehearsal_pass_every_check() -> None:
+    rec = _records()
+    assert _status(rec) == dict.fromkeys(rh.CHECKS, "pass")
+    times = rh.phase_times(rec)
+    assert times["startup"] == 120.0 and times["resume"] == 95.0
+    assert times["step"] == 0.25 and times["save"] == 0.25 and times["evaluation"] == 41.0
+
+
+def test_a_resume_from_step_one_fails_the_resumed_check() -> None:
+    rec = _records(attempt_lines={1: [_line(1), _line(2)], 2: [_line(1), _line(2), _line(3)]})
+    checks = {c.name: c for c in rh.check_records(rec)}
+    assert checks["resumed"].status == "fail"
+    assert "attempt 2's first step was 1, not 3" in checks["resumed"].detail
+
+
+def test_a_crash_fails_with_the_phase_and_the_trainers_error_line() -> None:
+    a1 = {"attempt": 1, "outcome": "failed", "start_step": 0, "end_step": 1,
+          "exit_reason": "trainer failed (FAILED, exit 1)",
+          "error": "RuntimeError: CUDA error: no kernel image is available",
+          "timing": {"startup_s": 80.0, "phase": "step+save"}}
+    rec = _records(attempts=[a1], attempt_lines={1: [_line(1)]}, merged=[_line(1)], done=None,
+                   complete={1: (True, ""), 2: (False, "absent"), 3: (False, "absent")},
+                   samples=None, samples_meta=None)
+    status = _status(rec)
+    assert {k for k, v in status.items() if v == "fail"} == {
+        "trained", "steps_logged", "checkpoints", "killed", "resumed", "evaluation", "phases"}
+    fail = rh.failure_of(rec)
+    assert fail == {"phase": "step+save", "attempt": 1,
+                    "error": "RuntimeError: CUDA error: no kernel image is available",
+                    "exit_reason": "trainer failed (FAILED, exit 1)"}
+    doc = {"checks": [vars(c) for c in rh.check_records(rec)], "failure": fail}
+    msg = rh.failure_message(doc, Path("rehearsal/checks.json"))
+    assert "died in phase step+save (attempt 1): RuntimeError: CUDA error" in msg
+    assert msg.count("|") == 6 and "preflight.waive: [rehearsal]" in msg
+    # a resumed attempt that dies before its first line died in the resume
+    a2 = {**a1, "attempt": 2, "timing": {"phase": "startup"}}
+    killed = {**a1, "outcome": "planned_kill"}
+    assert rh.failure_of(_records(attempts=[killed, a2]))["phase"] == "resume"
+
+
+def test_missing_metric_keys_reward_errors_and_incomplete_samples_fail() -> None:
+    merged = [{"step": 0, "data": {"val-core/math_dapo/acc/mean@1": 0.1}}, _line(1),
+              {"step": 2, "data": {k: v for k, v in _line(2)["data"].items()
+                                   if k != "rollout_corr/k3_kl"}}, _line(3)]
+    checks = {c.name: c for c in rh.check_records(_records(merged=merged))}
+    assert checks["steps_logged"].detail == "step 2 lacks rollout_corr/k3_kl"
+    nan = [m if m["step"] != 3 else _line(3, **{"critic/score/mean": float("nan")})
+           for m in merged]
+    checks = {c.name: c for c in rh.check_records(_records(merged=nan))}
+    assert "step 3: critic/score/mean not a finite number" in checks["reward"].detail
+    logs = {1: "", 2: "  File reward_fn.py, in compute_score\nValueError: math_dapo failed"}
+    checks = {c.name: c for c in rh.check_records(_records(driver_logs=logs))}
+    assert checks["reward"].status == "fail" and "attempt 2" in checks["reward"].detail
+    samples = [{"problem_id": "p", "finish_reason": None}] * 8
+    checks = {c.name: c for c in rh.check_records(_records(samples=samples))}
+    assert checks["evaluation"].detail == "8 sample(s) without a finish reason"
+    not_run = {"status": "not run", "reason": "no module named vllm", "backend": "vllm"}
+    checks = {c.name: c for c in rh.check_records(_records(samples=None,
+                                                           samples_meta=not_run))}
+    assert checks["evaluation"].detail == "no samples (not run: no module named vllm)"
+    no_val = [m for m in merged if m["step"]]
+    assert _status(_records(merged=no_val))["steps_logged"] == "fail"
+
+
+# --------------------------------------------------------------------------- the launcher
+
+
+def test_the_planned_kill_restarts_without_a_restart_left() -> None:
+    rec = {"attempt": 1, "outcome": "planned_kill",
+           "exit_reason": "killed after the save of step 2"}
+    step = after_attempt(rec, [rec], restarts_left=0, lost=[], allocation=["n1"],
+                         nodes_needed=1, time_left=None, interval=None)
+    assert step.restart and step.retry
+    crash = {**rec, "outcome": "failed", "exit_reason": "trainer failed"}
+    assert not after_attempt(crash, [crash], restarts_left=0, lost=[], allocation=["n1"],
+                             nodes_needed=1, time_left=None, interval=None).restart
+
+
+def test_the_train_job_refuses_a_runtime_the_rehearsal_did_not_pass_in(tmp_path) -> None:
+    cfg = make_config(cluster={"gpu": True})
+    job = Job(cfg.train, cfg.cluster, Layout.from_config(cfg), {}, 3, 3, [], tmp_path,
+              tmp_path, tmp_path, rehearsed={"id": "image docker://verl@sha256:aaa"})
+    job.check_rehearsed({"id": "image docker://verl@sha256:aaa"})
+    with pytest.raises(TrainError, match=r"differs from the one the rehearsal passed in"):
+        job.check_rehearsed({"id": "image docker://verl@sha256:bbb"})
+    Job(cfg.train, cfg.cluster, Layout.from_config(cfg), {}, 3, 3, [], tmp_path, tmp_path,
+        tmp_path).check_rehearsed({"id": "anything"})  # waived: no record, no check
+    bad = tmp_path / "rehearsal.json"
+    bad.write_text(json.dumps({"ok": False}))
+    with pytest.raises(rh.RehearsalError, match="not a passed rehearsal"):
+        rh.passed_identity(bad)
+    assert rh.passed_identity(None) is None
+
+
+def test_runtime_fingerprint_sees_a_changed_sif_and_a_changed_environment(tmp_path) -> None:
+    sif = tmp_path / "verl.sif"
+    sif.write_bytes(b"x" * 10)
+    rt = Runtime(prefix=f"apptainer exec --nv {sif}", python="python3")
+    before = rh.runtime_fingerprint(rt)
+    assert "sif size=10" in before
+    assert rh.runtime_fingerprint(rt) == before  # stat only: stable
+    sif.write_bytes(b"y" * 11)
+    assert rh.runtime_fingerprint(rt) != before
+    image = Runtime(prefix="apptainer exec docker://verlai/verl@sha256:abc", python="python3")
+    assert rh.runtime_fingerprint(image).startswith(
+        "prefix='apptainer exec docker://verlai/verl@sha256:abc'")
+    env = tmp_path / "env"
+    sp = env / "lib" / "python3.12" / "site-packages"
+    sp.mkdir(parents=True)
+    (env / "bin").mkdir()
+    (env / "bin" / "python").symlink_to("/usr/bin/env")
+    local = Runtime(prefix="", python=str(env / "bin" / "python"))
+    first = rh.runtime_fingerprint(local)
+    assert "python3.12/site-packages mtime_ns=" in first
+    time.sleep(0.01)
+    (sp / "newpkg-1.0.dist-info").mkdir()  # a package installed
+    assert rh.runtime_fingerprint(local) != first
+
+
+# --------------------------------------------------------------------------- real verl
+
+REAL_VERL = os.environ.get("HY3RL_REAL_VERL", "")
+
+
+@pytest.mark.skipif(not REAL_VERL, reason="set HY3RL_REAL_VERL to a checkout of verl@220e903")
+def test_rehearsal_plan_of_the_paper_run_against_real_pinned_verl(tmp_path: Path,
+                                                                  tiny_hy3_dir: Path,
+                                                                  monkeypatch) -> None:
+    """The paper config's rehearsal plan, composed over the pinned verl's Hydra config and
+    checked by verl's own validators on the rehearsal's model: every rule and check passes,
+    and the plan lists the reductions against the paper plan."""
+    from hy3rl import preflight
+    from hy3rl.config import deep_merge, load
+    from hy3rl.model import build_tiny_model
+    from hy3rl.settings import Config
+
+    monkeypatch.setenv("WANDB_MODE", "offline")  # the paper's loggers include wandb
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REAL_VERL, capture_output=True,
+                          text=True).stdout.strip()
+    lock = write_lock(tmp_path / "lock.json", Path(REAL_VERL), head)
+    raw = deep_merge(load(REPO_ROOT / "config/config.yaml", REPO_ROOT / "config/paper.yaml"), {
+        "run": {"results_root": str(tmp_path / "results")},
+        "model": {"source": str(tiny_hy3_dir), "revision": None, "dir": ""},
+        "data": {"heldout": None}, "eval": {"select": None},
+        "train": {"checkpoint_root": str(tmp_path / "ckpt")},
+        "preflight": {"waive": ["disk"]}})
+    cfg = Config.from_dict(raw)
+    layout = Layout.from_config(cfg)
+    build_tiny_model(layout.rehearsal_model, cfg.rehearsal.model)
+    bridge = tmp_path / "bridge.json"
+    bridge.write_text(json.dumps({"ok": True, "checks": [
+        {"name": "tiny/logits", "status": "pass"}]}))
+    data = {"train_files": tmp_path / "data/train.parquet",
+            "val_files": tmp_path / "data/val.parquet"}
+    main = tmp_path / "main" / "plan.json"
+    preflight.run(cfg, lock=lock, data_summary=None, checkpoint_check=None,
+                  bridge_check=bridge, plan=main, launch=main.with_name("launch.sh"),
+                  reward_fn=main.with_name("reward_fn.py"), **data)
+    rh.plan(cfg, layout, lock=lock, data_summary=tmp_path / "none.json",
+            checkpoint_check=None, bridge_check=bridge, main_plan=main, **data)
+    doc = json.loads(Path(layout.rehearsal_layout().preflight_plan).read_text())
+    assert doc["ok"], doc["errors"]
+    assert doc["verl_checks"]["counts"] == {"pass": 8, "fail": 0, "not run": 0}, \
+        doc["verl_checks"]["checks"]
+    red = {r["key"]: (r["run"], r["rehearsal"]) for r in doc["rehearsal"]["reductions"]}
+    assert red["trainer.nnodes"] == ("16", "1")
+    assert red["actor_rollout_ref.actor.megatron.pipeline_model_parallel_size"] == ("16", "1")
+    assert red["actor_rollout_ref.rollout.tensor_model_parallel_size"] == ("16", "1")
+    assert red["reward.reward_kwargs.overlong_buffer_cfg.len"] == ("4096", "256")
+    assert "actor_rollout_ref.actor.megatron.expert_model_parallel_size" not in red  # EP 8
+    assert doc["effective"]["trainer.total_training_steps"] == 3
+    assert doc["effective"]["trainer.save_freq"] == 1
