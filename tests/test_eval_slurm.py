@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -198,3 +199,18 @@ def test_step_evaluated_while_training_runs_failure_keep_going_then_resume(
     kept = sorted(int(p.name.split("_")[-1]) for p in (tmp_path / "ckpt" / RUN).glob(
         "global_step_*"))
     assert TOTAL in kept and sel["selected"]["step"] in kept, kept
+
+    # (3) What re-runs the rehearsal: another training runtime does, in the same invocation,
+    # and nothing trains; an operational change (the watchdog, the report) does not.
+    cfg = yaml.safe_load(override.read_text())
+    for change, rehearsed in (({"train": {"watchdog": {"stall_min": 45}},
+                                "report": {"dpi": 60}}, False),
+                              ({"train": {"runtime": {"prefix": "env"}}}, True)):
+        changed = {**cfg, **{k: {**cfg.get(k, {}), **v} for k, v in change.items()}}
+        override.write_text(yaml.safe_dump(changed))
+        dry = subprocess.run([*args, "-n"], capture_output=True, text=True, env=env, timeout=300)
+        text = dry.stdout + dry.stderr
+        assert dry.returncode == 0, text[-4000:]
+        planned = set(re.findall(r"^(?:local)?rule (\w+):", text, re.M))
+        assert ({"rehearsal", "rehearsal_runtime"} <= planned) is rehearsed, (change, planned)
+        assert not planned & {"train", "train_keys", "rehearsal_model"}, (change, planned)

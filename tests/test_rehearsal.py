@@ -46,6 +46,7 @@ def test_derive_scales_the_run_to_one_node_and_lists_nothing_it_hides(tmp_path: 
                            "TEST_FREQ": 3}
     # the run's own overrides stay (the paper's lr), the rehearsal's win on a shared key
     assert r.train.verl_overrides == {"actor_rollout_ref.actor.optim.lr": 2e-6,
+                                      "trainer.experiment_name": "paper-rehearsal",
                                       "++reward.reward_kwargs.overlong_buffer_cfg.len": 256}
     assert r.model.path == os.path.abspath(layout.rehearsal_model)
     assert r.train.on_config_change == "fresh" and r.train.restarts_per_job == 0

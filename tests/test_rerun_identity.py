@@ -1,13 +1,22 @@
 """Reruns that tell the truth (issue 18), through `snakemake --profile profiles/local` on the
-GPU DAG (`cluster.gpu: true`) with verl's trainer replaced by the test double, as a user
-changes the config of one run. Each change is ONE invocation:
+GPU DAG (`cluster.gpu: true`) with verl's trainer replaced by the test double
+(tests/fixtures/trainer_double.py) in a fake verl repo that rule deps clones for real, as a
+user changes the config of one run. Everything else is real: deps clones local git repos,
+data reads local parquet, the tiny Hy3 is built, both checkpoint checks run (check_bridge:
+`not run` without a GPU, waived), preflight renders the launch, train starts a single-node
+Ray (one GPU declared to Ray through CUDA_VISIBLE_DEVICES; torch stays on CPU), evaluation
+loads the double's HF checkpoints (copies of the tiny Hy3) with the transformers backend, the
+report renders. The workflow runs from a copy of the repository's workflow files (so that a
+rule can be edited there). Each change is ONE invocation:
 
-1. a run of 2 steps (SAVE_FREQ 1), after the one-node rehearsal passed;
+0. the trainer crashes at step 2 after saving step 1: the run fails; the same command again
+   resumes from global_step_1, reruns nothing upstream, evaluates and reports;
+1. so a run of 2 steps (SAVE_FREQ 1); then nothing is left to do, also after a comment is
+   added to rules/train.smk;
 2. total 2 -> 4: training resumes from global_step_2 to 4, `final` is evaluated at step 4,
    one W&B run id; then a dry run has nothing to do;
 3. eval.steps [1] -> [1, 3]: step 3 is evaluated, nothing trains;
-4. operational changes (watchdog, loggers, retention): a dry run plans no training and no
-   rehearsal; a changed training runtime plans the rehearsal again, and no training;
+4. operational changes (watchdog, loggers, retention): a dry run plans no training;
 5. a learning-rate change: refused by preflight naming the key with both values, no
    training job;
 6. the same change with `on_config_change: resume` and total 5: continued from step 4, the
@@ -19,6 +28,7 @@ changes the config of one run. Each change is ONE invocation:
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import sys
@@ -26,7 +36,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from fixtures.gpu_dag import attempt, double_sources, snakemake, workflow_copy
+from fixtures.gpu_dag import attempt, double_sources, mtimes, snakemake, workflow_copy
+from fixtures.trainer_double import leftover_ray
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -46,7 +57,8 @@ def _base(tmp: Path) -> dict:
             "ray": {"register_timeout_s": 120, "head_timeout_s": 120},
         },
         "eval": {"n_samples": 1, "max_tokens": 4, "num_problems": 2, "steps": [1]},
-        "preflight": {"waive": ["bridge"]},
+        # the one-node rehearsal runs for real in tests/test_eval_slurm.py
+        "preflight": {"waive": ["bridge", "rehearsal"]},
     }
 
 
@@ -64,10 +76,8 @@ class Runner:
             "HY3RL_DOUBLE_STEP_S": "0.1",
             "HY3RL_DOUBLE_HF_SOURCE": str(self.work / "resources" / "tiny-hy3"),
             "CUDA_VISIBLE_DEVICES": "0", "WANDB_MODE": "offline",
-            # the rehearsal's step 3 takes seconds: its planned kill lands during it
-            "HY3RL_DOUBLE_FAULTS": str(tmp / "faults.json"), "HY3RL_DOUBLE_SLOW_S": "3",
+            "HY3RL_DOUBLE_FAULTS": str(tmp / "faults.json"),
         }
-        (tmp / "faults.json").write_text(json.dumps({"rehearsal": {"slow_from": 3}}))
 
     def __call__(self, *extra: str) -> tuple[int, str]:
         override = self.tmp / "override.yaml"
@@ -100,27 +110,66 @@ def test_each_change_is_one_invocation_that_does_the_right_thing(tmp_path: Path,
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     run = Runner(tmp_path)
 
-    # (1) a first run of 2 steps
+    # (0) the trainer crashes at step 2: the run fails, the checkpoint of step 1 stays
+    faults = tmp_path / "faults.json"
+    faults.write_text(json.dumps({"crash_at": 2}))
+    code, out = run()
+    assert code != 0 and "Error in rule train" in out, out[-4000:]
+    a1 = attempt(run.res, 1)
+    assert a1["exit_reason"].startswith("trainer failed"), a1
+    assert (a1["start_step"], a1["end_step"]) == (0, 1), a1
+    assert json.loads(faults.read_text()) == {}  # the fault fired
+    assert not (run.res / "train" / "done.json").exists()
+    assert not leftover_ray(f"{RUN}-local-1"), "Ray processes left after attempt 1"
+    upstream = ["deps/lock.json", "deps/runtime_env.yaml", "data/train.parquet",
+                "data/val.parquet", "data/summary.json", "checks/checkpoint.json",
+                "checks/bridge.json", "preflight/plan.json", "preflight/launch.sh"]
+    before = mtimes(run.res, upstream)
+
+    # ... the same command again: training resumes, nothing upstream reruns
     code, out = run()
     assert code == 0, out[-6000:]
+    assert mtimes(run.res, upstream) == before
+    for rule in ("deps", "data", "tiny_model", "check_checkpoint", "check_bridge",
+                 "preflight"):
+        assert not _ran(out, rule), rule
+    a2 = attempt(run.res, 2)
+    assert (a2["start_step"], a2["end_step"], a2["exit_reason"]) == (1, 2, "succeeded"), a2
+    assert f"Resuming from {run.ckpt / 'global_step_1'}" in (
+        run.res / "train" / "attempts" / "attempt-2" / "driver.log").read_text()
+    assert not leftover_ray(f"{RUN}-local-2"), "Ray processes left after attempt 2"
+    # the report: both attempts, the resume point, the bridge check not run (never a pass)
+    page = (run.res / "report" / "index.html").read_text()
+    with open(run.res / "report" / "attempts.csv", newline="") as fh:
+        rows = [(r["attempt"], r["start_step"], r["end_step"]) for r in csv.DictReader(fh)]
+    assert rows == [("1", "0", "1"), ("2", "1", "2")], rows
+    assert "1 resume(s): attempt 2 resumed at step 1" in page
+    assert '<td>check_bridge</td><td class="status-not-run">not run</td>' in page
+    assert '<td>rehearsal</td><td class="status-waived">waived</td>' in page
+
+    # (1) so a run of 2 steps
     done = run.done()
-    assert done["final_step"] == 2 and done["this_job"]["attempts"] == [1], done
+    assert done["final_step"] == 2 and done["this_job"]["attempts"] == [2], done
     traj = done["trajectory_id"]
     assert traj and run.identity()["trajectory"]["id"] == traj
-    reh = json.loads((run.res / "rehearsal" / "rehearsal.json").read_text())
-    assert reh["ok"] and reh["finished"] < attempt(run.res, 1)["started_at"], reh
     assert run.eval_step("final") == 2
     wandb_id = attempt(run.res, 1)["wandb"]["run_id"]
-    assert wandb_id == f"{RUN}-{traj[:8]}"
+    assert wandb_id == f"{RUN}-{traj[:8]}" == attempt(run.res, 2)["wandb"]["run_id"]
+    # nothing left to do, also after a comment is added to the train rules (the profile
+    # does not rerun on code changes)
+    with open(run.snakefile.parent / "rules" / "train.smk", "a") as fh:
+        fh.write("# a comment: must not retrain\n")
+    code, out = run("-n")
+    assert code == 0 and "Nothing to be done" in out, out[-3000:]
 
     # (2) extension 2 -> 4, in one invocation
     run.cfg["train"]["total_training_steps"] = 4
     code, out = run()
     assert code == 0, out[-6000:]
-    assert run.attempts() == [1, 2]
-    a2 = attempt(run.res, 2)
-    assert (a2["start_step"], a2["end_step"], a2["identity_action"]) == (2, 4, "extend"), a2
-    assert a2["wandb"]["run_id"] == wandb_id and a2["trajectory_id"] == traj
+    assert run.attempts() == [1, 2, 3]
+    a3 = attempt(run.res, 3)
+    assert (a3["start_step"], a3["end_step"], a3["identity_action"]) == (2, 4, "extend"), a3
+    assert a3["wandb"]["run_id"] == wandb_id and a3["trajectory_id"] == traj
     done = run.done()
     assert (done["final_step"], done["total_training_steps"]) == (4, 4)
     assert done["this_job"]["note"] == "trained steps 3-4", done["this_job"]
@@ -133,7 +182,7 @@ def test_each_change_is_one_invocation_that_does_the_right_thing(tmp_path: Path,
     run.cfg["eval"]["steps"] = [1, 3]
     code, out = run()
     assert code == 0, out[-6000:]
-    assert not _ran(out, "train") and run.attempts() == [1, 2]
+    assert not _ran(out, "train") and run.attempts() == [1, 2, 3]
     assert run.eval_step("step3") == 3
     assert "step3" in json.loads((run.res / "eval" / "summary.json").read_text())["tags"]
 
@@ -150,16 +199,8 @@ def test_each_change_is_one_invocation_that_does_the_right_thing(tmp_path: Path,
     code, out = run("-n")
     assert code == 0, out[-3000:]
     assert not _ran(out, "train") and not _ran(out, "train_keys"), out[-3000:]
-    assert not _ran(out, "rehearsal") and not _ran(out, "rehearsal_runtime"), out[-3000:]
     assert _ran(out, "preflight"), out[-3000:]
     del run.cfg["train"]["env"]
-    # ... but another training runtime is rehearsed again, in the same invocation
-    run.cfg["train"]["runtime"] = {"prefix": "env", "python": sys.executable}
-    code, out = run("-n")
-    assert code == 0, out[-3000:]
-    assert _ran(out, "rehearsal_runtime") and _ran(out, "rehearsal"), out[-3000:]
-    assert not _ran(out, "train") and not _ran(out, "train_keys"), out[-3000:]
-    del run.cfg["train"]["runtime"]
 
     # (5) a learning-rate change on existing checkpoints: refused before any training job
     run.cfg["train"]["env"] = {"ACTOR_LR": 5e-6}
@@ -168,15 +209,15 @@ def test_each_change_is_one_invocation_that_does_the_right_thing(tmp_path: Path,
     log = (run.res / "logs" / "preflight.log").read_text()
     assert "actor_rollout_ref.actor.optim.lr" in log and "1e-6" in log and "5e-06" in log, log
     assert "on_config_change" in log
-    assert not _ran(out, "train") and run.attempts() == [1, 2]
+    assert not _ran(out, "train") and run.attempts() == [1, 2, 3]
 
     # (6) the same change, continued on purpose, with two more steps
     run.cfg["train"].update(on_config_change="resume", total_training_steps=5)
     code, out = run()
     assert code == 0, out[-6000:]
-    assert run.attempts() == [1, 2, 3]
-    a3 = attempt(run.res, 3)
-    assert (a3["start_step"], a3["end_step"]) == (4, 5) and a3["trajectory_id"] != traj
+    assert run.attempts() == [1, 2, 3, 4]
+    a4 = attempt(run.res, 4)
+    assert (a4["start_step"], a4["end_step"]) == (4, 5) and a4["trajectory_id"] != traj
     last = run.identity()["history"][-1]
     assert (last["action"], last["at_step"]) == ("resume_changed", 4)
     assert last["changes"][0]["key"] == "actor_rollout_ref.actor.optim.lr"
@@ -190,7 +231,7 @@ def test_each_change_is_one_invocation_that_does_the_right_thing(tmp_path: Path,
     assert code != 0
     log = (run.res / "logs" / "preflight.log").read_text()
     assert "total_training_steps = 3" in log and "step 5" in log, log
-    assert run.attempts() == [1, 2, 3]
+    assert run.attempts() == [1, 2, 3, 4]
 
     # (8) another learning rate, started afresh: nothing deleted, a new lineage
     run.cfg["train"].update(on_config_change="fresh", total_training_steps=2,
@@ -203,12 +244,12 @@ def test_each_change_is_one_invocation_that_does_the_right_thing(tmp_path: Path,
     run.cfg["eval"]["steps"] = [1]
     code, out = run()
     assert code == 0, out[-6000:]
-    a4 = attempt(run.res, 4)
-    assert (a4["start_step"], a4["end_step"], a4["identity_action"]) == (0, 2, "fresh"), a4
+    a5 = attempt(run.res, 5)
+    assert (a5["start_step"], a5["end_step"], a5["identity_action"]) == (0, 2, "fresh"), a5
     aside = [p for p in run.ckpt.iterdir() if p.name.startswith("superseded-")]
     assert len(aside) == 1 and (aside[0] / "global_step_5").is_dir()
     done = run.done()
-    assert done["final_step"] == 2 and done["superseded_attempts"] == [1, 2, 3], done
+    assert done["final_step"] == 2 and done["superseded_attempts"] == [1, 2, 3, 4], done
     steps = [json.loads(x)["step"] for x in
              (run.res / "train" / "metrics.jsonl").read_text().splitlines()]
     assert max(steps) == 2, steps

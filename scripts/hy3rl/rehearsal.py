@@ -94,7 +94,10 @@ def derive(cfg: Config, layout: Layout) -> Config:
     tr = raw["train"]
     # saved at every step; validated before training and at the last step (as verl does)
     tr["env"] = {**tr["env"], **reh.env, "SAVE_FREQ": 1, "TEST_FREQ": TOTAL}
-    tr["verl_overrides"] = {**tr["verl_overrides"], **reh.verl_overrides}
+    # its own experiment name (W&B run name, verl's logs) unless the rehearsal sets one
+    tr["verl_overrides"] = {**tr["verl_overrides"],
+                            "trainer.experiment_name": f"{cfg.run.name}-rehearsal",
+                            **reh.verl_overrides}
     tr["total_training_steps"] = TOTAL
     tr["segment_steps"] = 0
     tr["checkpoint_keep"] = TOTAL
