@@ -200,6 +200,12 @@ def test_the_train_job_refuses_a_runtime_the_rehearsal_did_not_pass_in(tmp_path)
     with pytest.raises(rh.RehearsalError, match="not a passed rehearsal"):
         rh.passed_identity(bad)
     assert rh.passed_identity(None) is None
+    # `hy3rl train` by hand keeps the gate: no record, no training (unless waived)
+    gpu = make_config(cluster={"gpu": True}, run={"results_root": str(tmp_path / "r")})
+    with pytest.raises(rh.RehearsalError, match="no passed rehearsal"):
+        rh.gate(gpu, Layout.from_config(gpu))
+    waived = make_config(cluster={"gpu": True}, preflight={"waive": ["rehearsal"]})
+    assert rh.gate(waived, Layout.from_config(waived)) is None
 
 
 def test_runtime_fingerprint_sees_a_changed_sif_and_a_changed_environment(tmp_path) -> None:

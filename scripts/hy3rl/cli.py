@@ -96,13 +96,32 @@ def _cluster_probe(cfg: Config, layout: Layout, args: argparse.Namespace) -> Non
     cluster.run(cfg.cluster, out=Path(layout.cluster_probe))
 
 
+def _rehearsal_plan(cfg: Config, layout: Layout, args: argparse.Namespace) -> None:
+    from hy3rl import rehearsal
+
+    rehearsal.plan(cfg, layout, lock=Path(layout.deps_lock),
+                   data_summary=Path(layout.data_summary), train_files=Path(layout.data_train),
+                   val_files=Path(layout.data_val),
+                   checkpoint_check=Path(layout.checks_checkpoint),
+                   bridge_check=Path(layout.checks_bridge),
+                   main_plan=Path(layout.preflight_plan))
+
+
+def _rehearsal(cfg: Config, layout: Layout, args: argparse.Namespace) -> None:
+    from hy3rl import rehearsal
+
+    rehearsal.run(cfg, layout, runtime_env=Path(layout.deps_runtime_env),
+                  val=Path(layout.data_val), out=Path(layout.rehearsal_record))
+
+
 def _train(cfg: Config, layout: Layout, args: argparse.Namespace) -> None:
-    from hy3rl import evalckpt, train
+    from hy3rl import evalckpt, rehearsal, train
 
     train.run(cfg.train, cfg.cluster, layout, keep_steps=evalckpt.protector(cfg, layout),
               plan=Path(layout.preflight_plan), launch_script=Path(layout.preflight_launch),
               runtime_env=Path(layout.deps_runtime_env), sentinel=Path(layout.train_done),
-              metrics=Path(layout.train_metrics))
+              metrics=Path(layout.train_metrics),
+              rehearsed=rehearsal.passed_identity(rehearsal.gate(cfg, layout)))
 
 
 def _evaluate(cfg: Config, layout: Layout, args: argparse.Namespace) -> None:
@@ -163,6 +182,10 @@ STAGES: dict[str, tuple[Stage, str]] = {
                   "(preflight/plan.json, launch.sh)"),
     "cluster_probe": (_cluster_probe, "inside a SLURM job of the training shape: what every "
                       "node sees (cluster/probe.json)"),
+    "rehearsal_plan": (_rehearsal_plan, "preflight on the rehearsal's config: the run's plan "
+                       "scaled to one node (rehearsal/preflight/plan.json)"),
+    "rehearsal": (_rehearsal, "on one GPU node: two steps, a kill, a resume, a generation, "
+                  "then the checks (rehearsal/checks.json, rehearsal.json)"),
     "train": (_train, "train on this job's nodes (or this machine), resuming from the "
               "checkpoints (train/done.json)"),
     "evaluate": (_evaluate, "generate one tag's samples (eval/<tag>/samples.jsonl; --tag)"),

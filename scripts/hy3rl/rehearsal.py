@@ -588,6 +588,18 @@ def _now() -> float:
     return time.monotonic()
 
 
+def gate(cfg: Config, layout: Layout) -> Path | None:
+    """``hy3rl train`` by hand: the rehearsal record the train rule would take as its input
+    (None when the rehearsal is off: no GPU, or waived)."""
+    if not cfg.cluster.gpu or "rehearsal" in cfg.preflight.waive:
+        return None
+    path = Path(layout.rehearsal_record)
+    if not path.is_file():
+        raise RehearsalError(f"{path}: no passed rehearsal; run `hy3rl rehearsal` (or the "
+                             "workflow) first, or set preflight.waive: [rehearsal]")
+    return path
+
+
 def passed_identity(path: str | Path | None) -> dict[str, Any] | None:
     """The runtime identity a passed rehearsal ran in (``rehearsal.json``), for the train
     job's check; None without a rehearsal (waived). A record that is not a pass raises."""
