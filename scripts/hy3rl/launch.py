@@ -824,7 +824,7 @@ class Launcher:
             code, reason, status = self.run_job(runtime_env)
             outcome = "succeeded" if code == 0 else "failed"
         except LaunchError as exc:
-            log.error("%s", exc)
+            (log.info if exc.outcome == "planned_kill" else log.error)("%s", exc)
             code, reason, outcome, lost = 1, exc.reason, exc.outcome, exc.lost_nodes
             if outcome == "succeeded":  # the watchdog stopped a trainer done but not exiting
                 code = 0

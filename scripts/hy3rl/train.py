@@ -534,8 +534,11 @@ def run(train: Train, cluster: Cluster, layout: Layout, *, keep_steps: Protected
                 write_json_atomic(Path(layout.attempt_record(k)), rec)
             if not step.restart:
                 break
-            log.info("attempt %d: %s; restarting in this allocation (restart %d of %d)", k,
-                     rec["exit_reason"], len(job.attempts), train.restarts_per_job)
+            if rec["outcome"] == "planned_kill":
+                log.info("attempt %d: %s; resuming in this allocation", k, rec["exit_reason"])
+            else:
+                log.info("attempt %d: %s; restarting in this allocation (restart %d of %d)",
+                         k, rec["exit_reason"], len(job.attempts), train.restarts_per_job)
             k += 1
         write_job_exit(layout, job_name(), job.attempts, step, "")
         raise TrainFailed(f"{step.reason}; newest complete checkpoint "
