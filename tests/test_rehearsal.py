@@ -60,6 +60,18 @@ def test_derive_scales_the_run_to_one_node_and_lists_nothing_it_hides(tmp_path: 
     assert rl.train_done == f"{layout.results}/rehearsal/train/done.json"
 
 
+def test_off_a_gpu_every_check_is_not_run_with_its_reason(tmp_path: Path) -> None:
+    cfg = make_config(run={"results_root": str(tmp_path / "results")})
+    layout = Layout.from_config(cfg)
+    out = Path(layout.rehearsal_record)
+    with pytest.raises(rh.RehearsalError, match=r"not run: no GPU allocation"):
+        rh.run(cfg, layout, runtime_env=tmp_path / "env.yaml", val=tmp_path / "v", out=out)
+    doc = json.loads(Path(layout.rehearsal_checks).read_text())
+    assert {c["status"] for c in doc["checks"]} == {"not run"} and not doc["ok"]
+    assert [c["name"] for c in doc["checks"]] == list(rh.CHECKS)
+    assert not out.exists()
+
+
 def test_reductions_list_every_value_that_differs() -> None:
     main = {"resolved": {"a": {"value": "1"}, "b": {"value": "x"}, "gone": {"value": "2"}}}
     reh = {"resolved": {"a": {"value": "1"}, "b": {"value": "y"}, "new": {"value": "3"}}}

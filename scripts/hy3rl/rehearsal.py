@@ -499,6 +499,13 @@ def run(cfg: Config, layout: Layout, *, runtime_env: Path, val: Path, out: Path)
     from hy3rl.runtime_id import identify
 
     started, t0 = utc_now(), _now()
+    if not cfg.cluster.gpu:  # `hy3rl rehearsal` by hand on a CPU config: nothing is a pass
+        why = "not run: no GPU allocation (cluster.gpu is false)"
+        write_json_atomic(Path(layout.rehearsal_checks), {
+            "schema_version": 1, "run": cfg.run.name, "ok": False, "started": started,
+            "finished": utc_now(), "failure": None,
+            "checks": [asdict(Check(name, NOT_RUN, why)) for name in CHECKS]})
+        raise RehearsalError(f"rehearsal {why}")
     rl = layout.rehearsal_layout()
     rl = dataclasses.replace(rl, results_root=os.path.abspath(rl.results_root))
     rcfg = derive(cfg, layout)

@@ -469,6 +469,8 @@ def rehearsal_status(cfg: Config, doc: Any) -> tuple[str, str]:
     if not isinstance(doc, dict):
         return ("missing", "rehearsal/checks.json not found: the rehearsal has not run")
     checks = doc.get("checks") or []
+    if checks and all(c.get("status") == "not run" for c in checks):
+        return "not run", str(checks[0].get("detail"))
     bad = [c.get("name") for c in checks if c.get("status") != "pass"]
     if bad:
         return "fail", f"{len(bad)} of {len(checks)} checks failed: {', '.join(map(str, bad))}"
