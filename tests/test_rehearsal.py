@@ -298,3 +298,21 @@ def test_rehearsal_plan_of_the_paper_run_against_real_pinned_verl(tmp_path: Path
     assert "actor_rollout_ref.actor.megatron.expert_model_parallel_size" not in red  # EP 8
     assert doc["effective"]["trainer.total_training_steps"] == 3
     assert doc["effective"]["trainer.save_freq"] == 1
+
+
+def test_the_reports_row_says_what_the_rehearsal_did() -> None:
+    from hy3rl.report.read import rehearsal_status
+
+    gpu = make_config(cluster={"gpu": True})
+    passed = {"checks": [{"name": n, "status": "pass"} for n in rh.CHECKS]}
+    assert rehearsal_status(gpu, passed) == ("pass", "9 checks passed")
+    failed = {"checks": [{"name": "resumed", "status": "fail"}, {"name": "plan",
+                                                                 "status": "pass"}]}
+    assert rehearsal_status(gpu, failed) == ("fail", "1 of 2 checks failed: resumed")
+    assert rehearsal_status(gpu, None)[0] == "missing"
+    waived = make_config(cluster={"gpu": True}, preflight={"waive": ["rehearsal"]})
+    assert rehearsal_status(waived, passed)[0] == "waived"
+    assert rehearsal_status(make_config(), None)[0] == "not run"
+    not_run = {"checks": [{"name": n, "status": "not run", "detail": "not run: no GPU"}
+                          for n in rh.CHECKS]}
+    assert rehearsal_status(gpu, not_run) == ("not run", "not run: no GPU")
