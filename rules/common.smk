@@ -322,7 +322,9 @@ REHEARSAL_LAYOUT = LAYOUT.rehearsal_layout()
 
 def rehearsal_enabled():
     """The one-node rehearsal runs in GPU runs unless preflight.waive names it."""
-    return gpu_enabled() and "rehearsal" not in CFG.preflight.waive
+    from hy3rl.rehearsal import enabled
+
+    return enabled(CFG)
 
 
 def rehearsal_targets():

@@ -264,12 +264,8 @@ class Layout:
         return self.checkpoint_dir / f"global_step_{step}" / "actor" / "model" / "huggingface"
 
     # ---- rehearsal
-    @property
-    def rehearsal_dir(self) -> str:
-        """``rehearsal/``: the one-node rehearsal (rules/rehearsal.smk), itself laid out as a
-        run (:meth:`rehearsal_layout`)."""
-        return self._p("rehearsal")
-
+    # The one-node rehearsal (rules/rehearsal.smk) lives under ``rehearsal/``, itself laid
+    # out as a run (:meth:`rehearsal_layout`).
     @property
     def rehearsal_model(self) -> str:
         """``rehearsal/model``: the small Hy3 the rehearsal trains (rule rehearsal_model)."""

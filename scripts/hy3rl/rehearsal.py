@@ -29,12 +29,12 @@ import copy
 import dataclasses
 import json
 import logging
-import math
 import os
 import re
 import shlex
 import shutil
 import subprocess
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -45,6 +45,7 @@ from hy3rl.errors import StageError
 from hy3rl.layout import Layout
 from hy3rl.settings import Config, Runtime
 from hy3rl.timefmt import utc_now
+from hy3rl.verl_log import finite_number, read_metrics
 
 log = logging.getLogger("hy3rl.rehearsal")
 
@@ -241,13 +242,6 @@ class Records:
              failure: dict[str, Any] | None = None) -> Records:
         from hy3rl.ckptdir import check_complete
         from hy3rl.train import attempt_numbers, load_attempt
-        from hy3rl.verl_log import read_metrics
-
-        def jload(path: str | Path) -> Any:
-            try:
-                return json.loads(Path(path).read_text())
-            except (OSError, ValueError):
-                return None
 
         ks = attempt_numbers(rl)
         attempts = [load_attempt(rl, k) for k in ks]
@@ -272,16 +266,12 @@ class Records:
             merged = read_metrics(Path(rl.train_metrics))
         except StageError:
             merged = []
-        return cls(plan=jload(rl.preflight_plan) or {}, attempts=attempts, attempt_lines=lines,
-                   merged=merged, done=jload(rl.train_done), complete=complete,
+        return cls(plan=read_record(rl.preflight_plan) or {}, attempts=attempts,
+                   attempt_lines=lines,
+                   merged=merged, done=read_record(rl.train_done), complete=complete,
                    driver_logs=logs, samples=samples,
-                   samples_meta=jload(rl.eval_samples_meta("final")),
+                   samples_meta=read_record(rl.eval_samples_meta("final")),
                    expected_samples=expected_samples, failure=failure)
-
-
-def _num(v: Any) -> float | None:
-    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) \
-        and math.isfinite(float(v)) else None
 
 
 def _train_lines(lines: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
@@ -296,15 +286,15 @@ def phase_times(rec: Records) -> dict[str, float | None]:
     slowest save), ``resume`` (submission to the first line after the kill: Ray, the model
     loads and the checkpoint load), ``evaluation`` (the generation), ``total``."""
     def startup(a: Mapping[str, Any] | None) -> float | None:
-        return _num(((a or {}).get("timing") or {}).get("startup_s"))
+        return finite_number(((a or {}).get("timing") or {}).get("startup_s"))
 
     first = rec.attempts[0] if rec.attempts else None
     second = rec.attempts[1] if len(rec.attempts) > 1 else None
     steps, saves = [], []
     for ln in _train_lines(rec.merged):
         d = ln["data"]
-        save = _num(d.get("timing_s/save_checkpoint"))
-        step = _num(d.get("timing_s/step"))
+        save = finite_number(d.get("timing_s/save_checkpoint"))
+        step = finite_number(d.get("timing_s/step"))
         if save is not None:
             saves.append(save)
         if step is not None:
@@ -312,7 +302,7 @@ def phase_times(rec: Records) -> dict[str, float | None]:
     meta = rec.samples_meta or {}
     return {"startup": startup(first), "step": max(steps) if steps else None,
             "save": max(saves) if saves else None, "resume": startup(second),
-            "evaluation": _num(meta.get("seconds")),
+            "evaluation": finite_number(meta.get("seconds")),
             "total": rec.extra.get("total_s")}
 
 
@@ -336,7 +326,7 @@ def check_records(rec: Records) -> list[Check]:
         if s not in by_step:
             problems.append(f"step {s} not logged")
             continue
-        missing = [k for k in STEP_KEYS if _num(by_step[s].get(k)) is None]
+        missing = [k for k in STEP_KEYS if finite_number(by_step[s].get(k)) is None]
         if missing:
             problems.append(f"step {s} lacks {', '.join(missing)}")
     if not any(VAL_KEY.match(k) for ln in rec.merged for k in (ln.get("data") or {})):
@@ -384,7 +374,7 @@ def check_records(rec: Records) -> list[Check]:
                         f"{KILL_AFTER + 1}"))
 
     problems = [f"step {s}: critic/score/mean not a finite number" for s in sorted(by_step)
-                if _num(by_step[s].get("critic/score/mean")) is None]
+                if finite_number(by_step[s].get("critic/score/mean")) is None]
     for k, text in sorted(rec.driver_logs.items()):
         m = REWARD_ERROR.search(text)
         if m:
@@ -496,9 +486,10 @@ def run(cfg: Config, layout: Layout, *, runtime_env: Path, val: Path, out: Path)
     :class:`RehearsalFailed` naming the failed checks otherwise."""
     from hy3rl import train
     from hy3rl.evaluate import EvalError, final_step
+    from hy3rl.launch import resolve_runtime
     from hy3rl.runtime_id import identify
 
-    started, t0 = utc_now(), _now()
+    started, t0 = utc_now(), time.monotonic()
     if not cfg.cluster.gpu:  # `hy3rl rehearsal` by hand on a CPU config: nothing is a pass
         why = "not run: no GPU allocation (cluster.gpu is false)"
         write_json_atomic(Path(layout.rehearsal_checks), {
@@ -531,7 +522,7 @@ def run(cfg: Config, layout: Layout, *, runtime_env: Path, val: Path, out: Path)
             log.error("rehearsal: evaluation failed: %s", exc)
     expected = rcfg.eval.num_problems * rcfg.eval.n_samples
     rec = Records.read(rl, expected, failure)
-    rec.extra["total_s"] = round(_now() - t0, 1)
+    rec.extra["total_s"] = round(time.monotonic() - t0, 1)
     if rec.samples is not None:
         # the test set may hold fewer problems than asked for
         problems = {s.get("problem_id") for s in rec.samples}
@@ -540,7 +531,7 @@ def run(cfg: Config, layout: Layout, *, runtime_env: Path, val: Path, out: Path)
     runtime = (rec.attempts[0].get("runtime") or {}) if rec.attempts else {}
     identity = runtime.get("identity")
     if not identity:  # no attempt started: name the runtime here, as an attempt would
-        rt = _resolve(rcfg.train.runtime)
+        rt = resolve_runtime(rcfg.train.runtime)
         identity = identify(rt["prefix"], rt["python"], cache=Path(layout.runtime_id_cache))
     failed = [c for c in checks if c.status != PASS]
     doc = {
@@ -583,22 +574,16 @@ def failure_message(doc: Mapping[str, Any], path: Path) -> str:
             "preflight.waive: [rehearsal])")
 
 
-def _resolve(runtime: Runtime) -> dict[str, str]:
-    from hy3rl.launch import resolve_runtime
-
-    return resolve_runtime(runtime)
-
-
-def _now() -> float:
-    import time
-
-    return time.monotonic()
+def enabled(cfg: Config) -> bool:
+    """The rehearsal runs, and gates training, in GPU runs unless preflight.waive names it
+    (rules/common.smk's rehearsal_enabled, :func:`gate`, the report's row)."""
+    return cfg.cluster.gpu and "rehearsal" not in cfg.preflight.waive
 
 
 def gate(cfg: Config, layout: Layout) -> Path | None:
     """``hy3rl train`` by hand: the rehearsal record the train rule would take as its input
     (None when the rehearsal is off: no GPU, or waived)."""
-    if not cfg.cluster.gpu or "rehearsal" in cfg.preflight.waive:
+    if not enabled(cfg):
         return None
     path = Path(layout.rehearsal_record)
     if not path.is_file():

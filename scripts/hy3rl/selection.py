@@ -46,6 +46,7 @@ from hy3rl.metrics import (
     summarize,
 )
 from hy3rl.settings import Bootstrap, Config, Select
+from hy3rl.verl_log import finite_number
 
 TIE_RULE = "earliest step"
 TIE_REL_TOL = 1e-9  # values this close are equal (the same accuracy summed in another order)
@@ -99,12 +100,6 @@ def describe(rule: Mapping[str, Any] | None) -> str:
 # ---- one metrics.json document ----
 
 
-def _number(v: Any) -> float | None:
-    if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v):
-        return float(v)
-    return None
-
-
 def metric_value(metrics: Mapping[str, Any], rule: Mapping[str, Any]) -> float | None:
     """The rule's metric in a metrics.json document: ``avg`` -> ``by_grader[g]["avg@n"]``;
     ``pass``/``maj`` -> ``by_grader[g]["pass@k"|"maj@k"][str(k)]`` (k null: n). None when
@@ -114,10 +109,12 @@ def metric_value(metrics: Mapping[str, Any], rule: Mapping[str, Any]) -> float |
         return None
     metric = rule.get("metric", "avg")
     if metric == "avg":
-        return _number(bg.get("avg@n"))
+        return finite_number(bg.get("avg@n"))
     k = resolve_k(rule, metrics.get("n"))
     table = bg.get(f"{metric}@k")
-    return _number(table.get(str(k))) if isinstance(table, Mapping) and k is not None else None
+    if not isinstance(table, Mapping) or k is None:
+        return None
+    return finite_number(table.get(str(k)))
 
 
 def problem_values(metrics: Mapping[str, Any], rule: Mapping[str, Any]) -> list[float] | None:
@@ -133,12 +130,12 @@ def problem_values(metrics: Mapping[str, Any], rule: Mapping[str, Any]) -> list[
         if not isinstance(cell, Mapping):
             return None
         if metric == "avg":
-            v = _number(cell.get("acc"))
+            v = finite_number(cell.get("acc"))
         elif metric == "pass" and isinstance(n, int) and isinstance(k, int) and 1 <= k <= n \
                 and isinstance(cell.get("correct"), int):
             v = pass_at_k(n, cell["correct"], k)
         elif metric == "maj" and k == n:
-            v = _number(cell.get("maj"))
+            v = finite_number(cell.get("maj"))
         else:
             v = None
         if v is None:
@@ -154,8 +151,8 @@ def metric_interval(metrics: Mapping[str, Any], rule: Mapping[str, Any],
     :func:`problem_values` with ``boot``; None when neither exists."""
     if rule.get("metric", "avg") == "avg":
         ci = ((metrics.get("by_grader") or {}).get(rule["grader"]) or {}).get("bootstrap_ci")
-        if isinstance(ci, Mapping) and _number(ci.get("low")) is not None \
-                and _number(ci.get("high")) is not None:
+        if isinstance(ci, Mapping) and finite_number(ci.get("low")) is not None \
+                and finite_number(ci.get("high")) is not None:
             return [float(ci["low"]), float(ci["high"])]
     values = problem_values(metrics, rule)
     if not values:

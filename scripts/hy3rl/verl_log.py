@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,14 @@ from hy3rl.errors import StageError
 from hy3rl.layout import ATTEMPT_METRICS_RE
 
 log = logging.getLogger(__name__)
+
+
+def finite_number(value: Any) -> float | None:
+    """A metric value (a verl log line's, an evaluation metric's) as a float when it is a
+    finite number (not a bool, NaN or inf), else None."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    return None
 
 
 class VerlLogError(StageError):

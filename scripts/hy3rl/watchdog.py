@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hy3rl.verl_log import read_metrics
+from hy3rl.verl_log import finite_number, read_metrics
 
 log = logging.getLogger("hy3rl.watchdog")
 
@@ -105,12 +105,6 @@ class Schedule:
 # --------------------------------------------------------------------------- the time model
 
 
-def _number(value: Any) -> float | None:
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-        return float(value)
-    return None
-
-
 def p95(values: Sequence[float]) -> float:
     """The 95th percentile (nearest rank) of a non-empty list."""
     ordered = sorted(values)
@@ -152,11 +146,11 @@ class TimeModel:
     def add_lines(self, lines: Iterable[Mapping[str, Any]]) -> None:
         for rec in lines:
             data = rec.get("data") or {}
-            step = _number(data.get(STEP_KEY))
+            step = finite_number(data.get(STEP_KEY))
             if step is None:
                 continue  # the validation before training: part of the startup
-            save = _number(data.get(SAVE_KEY))
-            test = _number(data.get(TEST_KEY))
+            save = finite_number(data.get(SAVE_KEY))
+            test = finite_number(data.get(TEST_KEY))
             self.steps.append(max(0.0, step - (save or 0.0)))
             if save is not None:
                 self.saves.append(save)

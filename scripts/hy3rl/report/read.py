@@ -461,9 +461,11 @@ def _not_there(rel: str, cfg: Config, gpu_stage: bool) -> tuple[str, str]:
 
 def rehearsal_status(cfg: Config, doc: Any) -> tuple[str, str]:
     """The rehearsal's stage row (rehearsal/checks.json, written pass or fail)."""
+    from hy3rl.rehearsal import enabled
+
     if not cfg.cluster.gpu:
         return _not_there("", cfg, True)
-    if "rehearsal" in cfg.preflight.waive:
+    if not enabled(cfg):
         return ("waived", "preflight.waive names rehearsal: the train job did not wait for a "
                 "one-node rehearsal")
     if not isinstance(doc, dict):
