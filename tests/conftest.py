@@ -13,4 +13,4 @@ sys.path.insert(0, str(REPO_ROOT / "tests"))
 pytest_plugins = sorted(
     f"fixtures.{p.stem}" for p in (REPO_ROOT / "tests" / "fixtures").glob("*.py")
     if p.stem != "__init__"
-)
+) + ["suite_timing"]

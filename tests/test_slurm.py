@@ -278,7 +278,8 @@ def test_profile_install_makes_the_literal_command_work(tmp_path):
     assert link.is_symlink() and link.resolve() == PROFILE.resolve()
     # the literal command, from the repository root: the installed profile is used, and
     # refused by key until the site's values replace its placeholders ...
-    literal = [*SNAKEMAKE, "--profile", "slurm", "-n", "--directory", str(tmp_path / "work"),
+    literal = [sys.executable, "-m", "snakemake", "--profile", "slurm", "-n",
+               "--directory", str(tmp_path / "work"),
                "--configfile", str(REPO_ROOT / "config" / "config.yaml")]
     target = ["--", "results/tiny-default/deps/lock.json"]
     proc = subprocess.run([*literal, *target], cwd=REPO_ROOT, env=pyenv, capture_output=True,
