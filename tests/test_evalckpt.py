@@ -231,3 +231,77 @@ def test_a_wait_whose_workflow_ended_writes_nothing(layout, ckpt_writer, tmp_pat
     with pytest.raises(evalckpt.WaitFailed, match="step 4: training stopped before step 4: "
                        "a crash loop"):
         evalckpt.wait(layout, plan_path, 4, out, 1, sleep=lambda s: None)
+
+
+# --------------------------------------------------------------------------- preflight's rule
+
+
+def _kept_cfg(tmp_path: Path, steps=(2, 4), total: int = 6, **train):
+    return make_config(
+        run={"results_root": str(tmp_path / "results"), "name": "run"},
+        cluster={"gpu": True}, eval={"steps": list(steps)},
+        train={"checkpoint_root": str(tmp_path / "ckpt"), "total_training_steps": total,
+               "keep_eval_checkpoints": "selected", "checkpoint_keep": 1, **train})
+
+
+def _evaluate_step(cfg, layout: Layout, step: int, tmp_path: Path) -> None:
+    """Step ``step`` evaluated as the workflow does it: the wait's record (evalckpt.wait on
+    the real checkpoint), each generation's samples and complete meta, and its read mark."""
+    plan_path = tmp_path / "plan.json"
+    plan_path.write_text(json.dumps(plan()))
+    evalckpt.wait(layout, plan_path, step, Path(layout.eval_ready(f"step{step}")), 1,
+                  sleep=lambda s: None)
+    for tag in evalckpt.step_tags(cfg, step):
+        Path(layout.eval_samples(tag)).parent.mkdir(parents=True, exist_ok=True)
+        Path(layout.eval_samples(tag)).write_text('{"problem_id": "0"}\n')
+        Path(layout.eval_samples_meta(tag)).write_text(json.dumps(
+            {"tag": tag, "status": "complete", "step": step}))
+        evalckpt.mark_read(layout.checkpoint_dir / f"global_step_{step}", tag,
+                           _request(layout, tag))
+
+
+def _kept(cfg, identity) -> list[str]:
+    from hy3rl.preflight.rules import _eval_steps_kept, _Rules
+
+    r = _Rules()
+    _eval_steps_kept(r, cfg, Layout.from_config(cfg).checkpoint_dir, cfg.eval_keep_steps,
+                     identity)
+    res = r.results.get("eval_steps_kept")
+    return [] if res is None else [res.status, *res.messages]
+
+
+def test_an_evaluated_and_pruned_step_never_blocks_a_rerun(tmp_path, ckpt_writer) -> None:
+    """keep_eval_checkpoints selected: step 2 is evaluated, then retention prunes it. The
+    unchanged config, an operational change and an extension pass eval_steps_kept; a step
+    never evaluated whose checkpoint is gone, one evaluated under another trajectory and
+    one whose generation did not finish are refused by name."""
+    cfg = _kept_cfg(tmp_path)
+    layout = Layout.from_config(cfg)
+    ckpt = layout.checkpoint_dir
+    own(ckpt)
+    for step in (2, 4, 6):
+        ckpt_writer(ckpt, step)
+    _evaluate_step(cfg, layout, 2, tmp_path)
+    assert ckptdir.prune(ckpt, 1, evalckpt.protector(cfg, layout)) == [2]
+    assert not (ckpt / "global_step_2").exists()
+    ident = plan()["identity"]
+    assert evalckpt.evaluated_steps(cfg, layout, TRAJ["id"]) == [2]
+
+    assert _kept(cfg, ident) == []  # unchanged
+    operational = _kept_cfg(tmp_path, checkpoint_keep=3, prune_interval_s=7)
+    assert _kept(operational, ident) == []
+    extended = _kept_cfg(tmp_path, steps=(2, 4, 8), total=8)
+    assert _kept(extended, {**ident, "total_training_steps": 8}) == []
+
+    # step 2 was evaluated under another trajectory: it needs a new evaluation
+    other = {**ident, "trajectory": {**TRAJ, "id": "c" * 64}}
+    status, msg = _kept(cfg, other)
+    assert status == "error" and msg.startswith("eval.steps [2]: no complete checkpoint")
+    # its held-out generation did not finish
+    Path(layout.eval_samples_meta(heldout_tag("step2"))).write_text(json.dumps(
+        {"tag": heldout_tag("step2"), "status": "running"}))
+    assert _kept(cfg, ident)[0] == "error"
+    # step 1: never an evaluation step, pruned long ago; added now, it cannot be evaluated
+    status, msg = _kept(_kept_cfg(tmp_path, steps=(1, 4)), ident)
+    assert status == "error" and "eval.steps [1]: no complete checkpoint" in msg
+    assert "no finished evaluation of it under this run identity" in msg

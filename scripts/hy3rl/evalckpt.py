@@ -260,6 +260,32 @@ def has_read(step_dir: Path, tag: str, request: Path) -> bool:
 # --------------------------------------------------------------------------- retention
 
 
+def step_tags(cfg: Any, step: int) -> list[str]:
+    """The evaluations of step ``step``: ``step<N>`` (the test set) and, with data.heldout,
+    ``heldout/step<N>``."""
+    tag = f"step{step}"
+    return [tag] + ([heldout_tag(tag)] if cfg.data.heldout else [])
+
+
+def evaluated_steps(cfg: Any, layout: Layout, trajectory_id: str) -> list[int]:
+    """The ``eval.steps`` steps whose evaluations are done under run identity
+    ``trajectory_id``: the wait's record (``eval/step<N>/checkpoint.json``) names that
+    trajectory and every generation of the step (:func:`step_tags`) is complete (its
+    ``samples.meta.json`` has status ``complete`` and its ``samples.jsonl`` exists). Such a
+    step no longer needs its checkpoint: retention (``keep_eval_checkpoints: selected``)
+    lets it go by design, and preflight's ``eval_steps_kept`` does not ask for it."""
+    done = []
+    for step in sorted(cfg.eval.steps):
+        ready = _read_json(Path(layout.eval_ready(f"step{step}")))
+        if not isinstance(ready, dict) or str(ready.get("trajectory_id")) != str(trajectory_id):
+            continue
+        metas = [_read_json(Path(layout.eval_samples_meta(t))) for t in step_tags(cfg, step)]
+        if all(isinstance(m, dict) and m.get("status") == "complete" for m in metas) and all(
+                Path(layout.eval_samples(t)).is_file() for t in step_tags(cfg, step)):
+            done.append(step)
+    return done
+
+
 def protected_steps(cfg: Any, layout: Layout) -> list[int]:
     """The steps retention keeps for evaluation now (module doc)."""
     steps = sorted(cfg.eval.steps) if cfg.cluster.gpu else []
@@ -267,9 +293,9 @@ def protected_steps(cfg: Any, layout: Layout) -> list[int]:
         return steps
     keep = set()
     for step in steps:
-        tags = [f"step{step}"] + ([heldout_tag(f"step{step}")] if cfg.data.heldout else [])
         step_dir = layout.checkpoint_dir / f"global_step_{step}"
-        if not all(has_read(step_dir, t, Path(layout.eval_request(t))) for t in tags):
+        if not all(has_read(step_dir, t, Path(layout.eval_request(t)))
+                   for t in step_tags(cfg, step)):
             keep.add(step)
     if cfg.eval.select is not None:
         from hy3rl import selection
