@@ -38,7 +38,7 @@ from hy3rl import report
 from hy3rl.errors import StageError
 from hy3rl.layout import REPORT_FIGURES, REPORT_FILES, Layout
 from hy3rl.redact import Redactor, make_redactor
-from hy3rl.report.read import by_step
+from hy3rl.report.read import by_step, selection_view
 from hy3rl.settings import Config
 from hy3rl.smk import triggers
 from hy3rl.verl_log import merge_metrics
@@ -957,3 +957,31 @@ def test_the_time_profile_and_the_supervisors_model(report_run_factory):
     assert f"{100 * test / total:.3g}%: a larger <code>TEST_FREQ</code> lowers it" in html
     assert "<td>step</td><td>16</td><td>learned from 19 record(s)</td>" in html
     assert "<td>save</td><td>68.3</td><td>allowance (not seen yet)</td>" in html
+
+
+def test_a_changed_candidate_set_is_a_rule_change_with_both_versions(report_run_factory):
+    """Training started with eval.steps [20, 40]; step 60 was added later (plan.json
+    re-rendered): the report says the rule changed and shows both candidate sets. A record
+    from before the candidate set was recorded (a sentence there) is no change."""
+    from hy3rl.preflight.heldout import selection_record
+
+    results = report_run_factory()
+    cfg = _config(eval={"steps": [20, 40, 60]})
+    first = results / "train" / "attempts" / "attempt-1.json"
+    rec = json.loads(first.read_text())
+    rec["selection"] = selection_record(_config(eval={"steps": [20, 40]}), None)
+    first.write_text(json.dumps(rec))
+    plan_path = results / "preflight" / "plan.json"
+    plan = json.loads(plan_path.read_text())
+    plan["selection"] = selection_record(cfg, None)
+    plan_path.write_text(json.dumps(plan))
+    # the view the page's selection-changed note renders (its template line is checked by
+    # test_the_checkpoint_selection_section_and_the_curves)
+    changed = selection_view(_gather(results, cfg))["changed"]
+    assert changed["attempt"] == 1 and changed["record"] == "train/attempts/attempt-1.json"
+    assert changed["was"].startswith("highest math_dapo avg@")
+    assert changed["was"].endswith("among step20, step40 and final")
+    assert changed["now"].endswith("among step20, step40, step60 and final")
+    rec["selection"]["candidates"] = "eval.steps and final"  # written before the change
+    first.write_text(json.dumps(rec))
+    assert selection_view(_gather(results, cfg))["changed"] is None

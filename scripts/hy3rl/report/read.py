@@ -810,7 +810,8 @@ def selection_view(found: Found) -> dict[str, Any]:
     """The checkpoint selection as the page shows it: the rule as the plan holds it
     (``selection``; a plan without that key: ``eval.select`` of the config, said so),
     whether it changed after training started (against ``selection`` of the lineage's first
-    attempt record that has the key; None when none has), and the selection:
+    attempt record that has the key; None when none has; the candidate set is part of the
+    rule, unless one of the two records predates it), and the selection:
     eval/selected.json, or mid-run (none yet) :func:`hy3rl.selection.so_far` over the
     held-out results that exist. ``configured`` False: no rule."""
     from hy3rl import selection
@@ -825,10 +826,17 @@ def selection_view(found: Found) -> dict[str, Any]:
     first = next((a for a in found.attempts
                   if a.attempt >= found.first_attempt and "selection" in a.raw), None)
     changed = None
-    if first is not None and first.raw["selection"] != rule:
+    before, after = (first.raw["selection"], rule) if first is not None else (None, None)
+    if first is not None and any(isinstance(r, Mapping) and not isinstance(
+            r.get("candidates"), Mapping) for r in (before, after)):
+        # a record written before the candidate set was part of the rule (a sentence there):
+        # what it did not fix cannot have changed
+        before, after = ({k: v for k, v in r.items() if k != "candidates"}
+                         if isinstance(r, Mapping) else r for r in (before, after))
+    if first is not None and before != after:
         was, now = selection.describe(first.raw["selection"]), selection.describe(rule)
         if was == now:  # the same description: name the keys that differ
-            old, new = first.raw["selection"] or {}, rule or {}
+            old, new = before or {}, after or {}
             keys = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
             was = ", ".join(f"{k} {json.dumps(old.get(k))}" for k in keys)
             now = ", ".join(f"{k} {json.dumps(new.get(k))}" for k in keys)
