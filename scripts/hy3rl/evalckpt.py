@@ -20,6 +20,8 @@ what an evaluation has read, and what retention must keep for evaluation.
   ``train.keep_eval_checkpoints: all`` every ``eval.steps`` step; with ``selected`` an
   evaluation step until every evaluation of it has read it under the current request, and
   the selection so far (hy3rl.selection.so_far).
+- :func:`evaluated_steps`: the evaluation steps done under a run identity, which no longer
+  need their checkpoints (preflight's ``eval_steps_kept`` does not ask for them).
 
 Formats: docs/formats/eval.md. Standard library only, but for the selection.
 """
