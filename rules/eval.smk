@@ -68,6 +68,9 @@ rule eval_generate:
         "../scripts/adapters/eval_generate.py"
 
 
+# Scoring, metrics, the selection and the summary take seconds: they run on the submit host
+# (localrule), never as a cluster job queued behind the training allocation; only the
+# generations (eval_generate) are cluster jobs.
 rule eval_score:
     input:
         samples=LAYOUT.eval_samples("{tag}"),
@@ -78,6 +81,7 @@ rule eval_score:
         meta=LAYOUT.eval_scores_meta("{tag}"),
     log:
         LAYOUT.log("eval/{tag}.score"),
+    localrule: True
     threads: CFG.eval.graders.workers
     resources:
         mem_mb=4000,
@@ -95,6 +99,7 @@ rule eval_metrics:
         metrics=LAYOUT.eval_metrics("{tag}"),
     log:
         LAYOUT.log("eval/{tag}.metrics"),
+    localrule: True
     threads: 1
     resources:
         mem_mb=2000,
@@ -133,6 +138,7 @@ rule evaluate:
         summary=LAYOUT.eval_summary,
     log:
         LAYOUT.log("eval/summary"),
+    localrule: True
     threads: 1
     resources:
         mem_mb=1000,

@@ -183,6 +183,12 @@ def test_step_evaluated_while_training_runs_failure_keep_going_then_resume(
     # selection is made on the held-out set, the report renders.
     out2 = subprocess.run(args, capture_output=True, text=True, env=env, timeout=600)
     assert out2.returncode == 0, (out2.stdout + out2.stderr)[-6000:]
+    # scoring, metrics, the selection and the summary ran on the submit host, the
+    # generations as SLURM jobs
+    text2 = out2.stdout + out2.stderr
+    for rule in ("eval_score", "eval_metrics", "eval_select", "evaluate"):
+        assert f"localrule {rule}:" in text2, (rule, text2[-4000:])
+    assert re.search(r"^rule eval_generate:", text2, re.M), text2[-4000:]
     a2 = json.loads((res / "train" / "attempts" / "attempt-2.json").read_text())
     assert (a2["start_step"], a2["end_step"]) == (4, TOTAL), a2
     for tag in ("step6", "heldout/step6"):

@@ -4,11 +4,14 @@ state the controller records, and retention keeping what an evaluation has not r
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -68,7 +71,8 @@ def test_wait_ends_when_the_step_is_complete_under_this_identity(layout, ckpt_wr
             ckpt_writer(ckpt, 4)
 
     clock = Clock(trainer)
-    rec = evalckpt.wait(layout, plan_path, 4, out, 30, sleep=clock.sleep, clock=clock)
+    rec = evalckpt.wait(layout, plan_path, 4, out, 30, unproven_polls=3, sleep=clock.sleep,
+                        clock=clock)
     assert rec["step"] == 4 and rec["trajectory_id"] == TRAJ["id"]
     assert rec["waited_s"] >= 3 * 3600 + 50 * 60
     assert json.loads(out.read_text())["hf_model"].endswith(
@@ -102,7 +106,8 @@ def test_training_that_ended_before_the_step_fails_the_wait(layout, ckpt_writer,
     plan_path = tmp_path / "plan.json"
     plan_path.write_text(json.dumps(plan()))
     with pytest.raises(evalckpt.WaitFailed, match="step 4: training ended at step 2"):
-        evalckpt.wait(layout, plan_path, 4, tmp_path / "out.json", 1, sleep=lambda s: None)
+        evalckpt.wait(layout, plan_path, 4, tmp_path / "out.json", 1, unproven_polls=3,
+                      sleep=lambda s: None)
     assert not (tmp_path / "out.json").exists()
 
 
@@ -202,6 +207,73 @@ def test_no_training_in_this_invocation_fails_the_wait_unless_a_trainer_lives(
     assert evalckpt.look(layout, plan(), 2).state == "ready"
 
 
+def _lock(ckpt: Path, **fields) -> Path:
+    """A lock file as hy3rl.ckptdir writes it, with ``fields`` over this process's."""
+    info = {**dataclasses.asdict(ckptdir.my_lock_info(attempt=1)), "job_id": None,
+            "executor": "local", **fields}
+    path = ckpt / ckptdir.LOCK_NAME
+    path.write_text(json.dumps(info))
+    return path
+
+
+def test_a_wait_without_training_fails_on_a_trainer_it_cannot_prove(layout, ckpt_writer,
+                                                                    tmp_path) -> None:
+    """An invocation without a training job: a lock that is empty or names a process on
+    another host (and no SLURM job) is waited on for eval.wait_unproven_polls looks, then
+    the wait fails naming why; a lock of a dead pid fails at once; a live pid on this host
+    is waited for past that bound, until its checkpoint comes."""
+    ckpt = layout.checkpoint_dir
+    own(ckpt)
+    ckpt_writer(ckpt, 2)
+    evalckpt.write_train_state(layout, "not_scheduled", "no training job in this invocation")
+    plan_path = tmp_path / "plan.json"
+    plan_path.write_text(json.dumps(plan()))
+    out = tmp_path / "eval" / "step4" / "checkpoint.json"
+    looks = []
+
+    def sleep(s: float) -> None:
+        looks.append(s)
+        time.sleep(s)
+
+    def wait():
+        looks.clear()
+        return evalckpt.wait(layout, plan_path, 4, out, 0.01, unproven_polls=3, sleep=sleep)
+
+    lock = ckpt / ckptdir.LOCK_NAME
+    lock.write_text("")
+    with pytest.raises(evalckpt.WaitFailed, match=rf"step 4: no training job is part of this "
+                       rf"invocation and no live trainer can be proven to hold .*the lock file "
+                       rf"{re.escape(str(lock))} is empty.*gave up after 3 looks 0.01 s apart"):
+        wait()
+    assert len(looks) == 3 and not out.exists()
+
+    _lock(ckpt, host="node-elsewhere", pid=4242)
+    with pytest.raises(evalckpt.WaitFailed, match=r"names local process 4242 on "
+                       r"node-elsewhere: a process on another host .* and no SLURM job"):
+        wait()
+    assert len(looks) == 3
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    _lock(ckpt, pid=dead.pid)
+    with pytest.raises(evalckpt.WaitFailed, match=rf"step 4: no training job is part of this "
+                       rf"invocation and none holds .*local process {dead.pid} on "
+                       rf"{re.escape(socket.gethostname())}, which is not running"):
+        wait()
+    assert looks == []  # a dead holder: at once
+
+    _lock(ckpt)  # this process: a live pid on this host
+
+    def trainer(s: float) -> None:
+        sleep(s)
+        if len(looks) == 10:  # well past the bound of 3
+            ckpt_writer(ckpt, 4)
+
+    looks.clear()
+    rec = evalckpt.wait(layout, plan_path, 4, out, 0.01, unproven_polls=3, sleep=trainer)
+    assert rec["step"] == 4 and len(looks) == 10 and out.exists()
+
+
 def test_a_wait_whose_workflow_ended_writes_nothing(layout, ckpt_writer, tmp_path,
                                                     monkeypatch) -> None:
     """The controller that started the wait has exited (interrupted, or stopped at once by an
@@ -222,7 +294,7 @@ def test_a_wait_whose_workflow_ended_writes_nothing(layout, ckpt_writer, tmp_pat
     out = tmp_path / "eval" / "step2" / "checkpoint.json"
     with pytest.raises(evalckpt.WaitFailed, match=rf"step 2: the workflow that started this "
                        rf"wait has ended \(process {child.pid} is gone"):
-        evalckpt.wait(layout, plan_path, 2, out, 1, sleep=lambda s: None)
+        evalckpt.wait(layout, plan_path, 2, out, 1, unproven_polls=3, sleep=lambda s: None)
     assert not out.exists()
     # the controller's own stop record still names the cause after it has exited
     evalckpt.write_train_state(layout, "stopped", "a crash loop; not resubmitted")
@@ -230,4 +302,85 @@ def test_a_wait_whose_workflow_ended_writes_nothing(layout, ckpt_writer, tmp_pat
     Path(layout.train_state).write_text(json.dumps({**doc, "controller_pid": child.pid}))
     with pytest.raises(evalckpt.WaitFailed, match="step 4: training stopped before step 4: "
                        "a crash loop"):
-        evalckpt.wait(layout, plan_path, 4, out, 1, sleep=lambda s: None)
+        evalckpt.wait(layout, plan_path, 4, out, 1, unproven_polls=3, sleep=lambda s: None)
+
+
+# --------------------------------------------------------------------------- preflight's rule
+
+
+def _kept_cfg(tmp_path: Path):
+    return make_config(
+        run={"results_root": str(tmp_path / "results"), "name": "run"},
+        cluster={"gpu": True}, eval={"steps": [2, 4]},
+        train={"checkpoint_root": str(tmp_path / "ckpt"), "total_training_steps": 6,
+               "keep_eval_checkpoints": "selected", "checkpoint_keep": 1})
+
+
+def _changed(cfg, steps=None, **train):
+    """``cfg`` with eval.steps and train keys changed (the typed sections, as a new run of
+    the workflow would build them)."""
+    ev = cfg.eval if steps is None else dataclasses.replace(cfg.eval, steps=list(steps))
+    return dataclasses.replace(cfg, eval=ev, train=dataclasses.replace(cfg.train, **train))
+
+
+def _evaluate_step(cfg, layout: Layout, step: int, tmp_path: Path) -> None:
+    """Step ``step`` evaluated as the workflow does it: the wait's record (evalckpt.wait on
+    the real checkpoint), each generation's samples and complete meta, and its read mark."""
+    plan_path = tmp_path / "plan.json"
+    plan_path.write_text(json.dumps(plan()))
+    evalckpt.wait(layout, plan_path, step, Path(layout.eval_ready(f"step{step}")), 1,
+                  unproven_polls=3, sleep=lambda s: None)
+    for tag in evalckpt.step_tags(cfg, step):
+        Path(layout.eval_samples(tag)).parent.mkdir(parents=True, exist_ok=True)
+        Path(layout.eval_samples(tag)).write_text('{"problem_id": "0"}\n')
+        Path(layout.eval_samples_meta(tag)).write_text(json.dumps(
+            {"tag": tag, "status": "complete", "step": step}))
+        evalckpt.mark_read(layout.checkpoint_dir / f"global_step_{step}", tag,
+                           _request(layout, tag))
+
+
+def _kept(cfg, identity) -> list[str]:
+    from hy3rl.preflight.rules import _eval_steps_kept, _Rules
+
+    r = _Rules()
+    _eval_steps_kept(r, cfg, Layout.from_config(cfg).checkpoint_dir, cfg.eval_keep_steps,
+                     identity)
+    res = r.results.get("eval_steps_kept")
+    return [] if res is None else [res.status, *res.messages]
+
+
+def test_an_evaluated_and_pruned_step_never_blocks_a_rerun(tmp_path, ckpt_writer) -> None:
+    """keep_eval_checkpoints selected: step 2 is evaluated, then retention prunes it. The
+    unchanged config, an operational change and an extension pass eval_steps_kept; a step
+    never evaluated whose checkpoint is gone, one evaluated under another trajectory and
+    one whose generation did not finish are refused by name."""
+    cfg = _kept_cfg(tmp_path)
+    layout = Layout.from_config(cfg)
+    ckpt = layout.checkpoint_dir
+    own(ckpt)
+    for step in (2, 4, 6):
+        ckpt_writer(ckpt, step)
+    _evaluate_step(cfg, layout, 2, tmp_path)
+    assert ckptdir.prune(ckpt, 1, evalckpt.protector(cfg, layout)) == [2]
+    assert not (ckpt / "global_step_2").exists()
+    ident = plan()["identity"]
+    assert evalckpt.evaluated_steps(cfg, layout, TRAJ["id"]) == [2]
+
+    assert _kept(cfg, ident) == []  # unchanged
+    operational = _changed(cfg, checkpoint_keep=3, prune_interval_s=7)
+    assert _kept(operational, ident) == []
+    extended = _changed(cfg, steps=(2, 4, 8), total_training_steps=8)
+    assert _kept(extended, {**ident, "total_training_steps": 8}) == []
+
+    # step 2 was evaluated under another trajectory: it needs a new evaluation
+    other = {**ident, "trajectory": {**TRAJ, "id": "c" * 64}}
+    status, msg = _kept(cfg, other)
+    assert status == "error" and msg.startswith("eval.steps [2]: no complete checkpoint")
+    # its held-out generation did not finish
+    Path(layout.eval_samples_meta(heldout_tag("step2"))).write_text(json.dumps(
+        {"tag": heldout_tag("step2"), "status": "running"}))
+    assert _kept(cfg, ident)[0] == "error"
+    # step 1: never an evaluation step, pruned long ago; added now, it cannot be evaluated
+    status, msg = _kept(_changed(cfg, steps=(1, 4)), ident)
+    assert status == "error" and "eval.steps [1]: no complete checkpoint" in msg
+    assert "no finished evaluation of it under this run identity" in msg

@@ -540,3 +540,38 @@ def test_hy3rl_evaluate_errors_exit_1_with_the_message(tmp_path, tiny_hy3_dir):
     assert "hy3rl evaluate: error: results/k/data/val.parquet: cannot read parquet" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "results" / "k" / "eval" / "base" / "samples.meta.json").exists()
+
+
+# ---------------------------------------------------------------------- where the rules run
+
+
+def test_the_seconds_long_evaluation_steps_run_on_the_submit_host(tmp_path):
+    """With the SLURM executor (the one profiles/slurm selects), Snakemake runs scoring,
+    metrics, the selection and the summary on the submit host (its own is_local, as it
+    decides when it executes; a dry run never prints it), and submits the generations as
+    cluster jobs. The workflow is parsed by Snakemake's API with a GPU config (every
+    evaluation rule in it)."""
+    from snakemake.api import SnakemakeApi
+    from snakemake.settings.types import (
+        ConfigSettings,
+        OutputSettings,
+        Quietness,
+        ResourceSettings,
+        StorageSettings,
+    )
+    from snakemake_interface_executor_plugins.registry import ExecutorPluginRegistry
+
+    gpu = tmp_path / "gpu.yaml"
+    gpu.write_text(yaml.safe_dump({"cluster": {"gpu": True}}))
+    with SnakemakeApi(OutputSettings(quiet={Quietness.ALL})) as api:
+        wf = api.workflow(
+            resource_settings=ResourceSettings(cores=1), storage_settings=StorageSettings(),
+            config_settings=ConfigSettings(configfiles=[REPO_ROOT / "config/config.yaml", gpu]),
+            snakefile=REPO_ROOT / "Snakefile", workdir=tmp_path)._workflow
+        wf._executor_plugin = ExecutorPluginRegistry().get_plugin("slurm")
+        assert not wf.local_exec
+        local = {r.name: wf.is_local(r) for r in wf.rules}
+    for name in ("eval_score", "eval_metrics", "eval_select", "evaluate", "eval_request",
+                 "eval_checkpoint"):
+        assert local[name] is True, name
+    assert local["eval_generate"] is False and local["train"] is False

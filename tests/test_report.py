@@ -38,7 +38,7 @@ from hy3rl import report
 from hy3rl.errors import StageError
 from hy3rl.layout import REPORT_FIGURES, REPORT_FILES, Layout
 from hy3rl.redact import Redactor, make_redactor
-from hy3rl.report.read import by_step
+from hy3rl.report.read import by_step, selection_view
 from hy3rl.settings import Config
 from hy3rl.smk import triggers
 from hy3rl.verl_log import merge_metrics
@@ -957,3 +957,93 @@ def test_the_time_profile_and_the_supervisors_model(report_run_factory):
     assert f"{100 * test / total:.3g}%: a larger <code>TEST_FREQ</code> lowers it" in html
     assert "<td>step</td><td>16</td><td>learned from 19 record(s)</td>" in html
     assert "<td>save</td><td>68.3</td><td>allowance (not seen yet)</td>" in html
+
+
+def test_a_changed_candidate_set_is_a_rule_change_with_both_versions(report_run_factory):
+    """Training started with eval.steps [20, 40]; step 60 was added later (plan.json
+    re-rendered): the report says the rule changed and shows both candidate sets. A record
+    from before the candidate set was recorded (a sentence there) is no change."""
+    from hy3rl.preflight.heldout import selection_record
+
+    results = report_run_factory()
+    cfg = _config(eval={"steps": [20, 40, 60]})
+    first = results / "train" / "attempts" / "attempt-1.json"
+    rec = json.loads(first.read_text())
+    rec["selection"] = selection_record(_config(eval={"steps": [20, 40]}), None)
+    first.write_text(json.dumps(rec))
+    plan_path = results / "preflight" / "plan.json"
+    plan = json.loads(plan_path.read_text())
+    plan["selection"] = selection_record(cfg, None)
+    plan_path.write_text(json.dumps(plan))
+    # the view the page's selection-changed note renders (its template line is checked by
+    # test_the_checkpoint_selection_section_and_the_curves)
+    changed = selection_view(_gather(results, cfg))["changed"]
+    assert changed["attempt"] == 1 and changed["record"] == "train/attempts/attempt-1.json"
+    assert changed["was"].startswith("highest math_dapo avg@")
+    assert changed["was"].endswith("among step20, step40 and final")
+    assert changed["now"].endswith("among step20, step40, step60 and final")
+    rec["selection"]["candidates"] = "eval.steps and final"  # written before the change
+    first.write_text(json.dumps(rec))
+    assert selection_view(_gather(results, cfg))["changed"] is None
+
+
+def test_a_runtime_change_between_attempts_is_a_column_and_a_marker(report_run_factory,
+                                                                    monkeypatch):
+    """Attempt 1 ran in one image, attempt 2 (resumed at step 20) in another (train.runtime
+    is operational): attempts.csv and the page's attempts table name each attempt's runtime,
+    the page says where it changed, and every training curve has a marker at step 20 naming
+    the new runtime (the figures' artists, not their pixels). The same runtime twice: none."""
+    from hy3rl.report import figures, page
+    from hy3rl.report.read import runtime_changes
+
+    old = "docker://verlai/verl@sha256:" + "1a" * 32
+    new = "docker://verlai/verl@sha256:" + "2b" * 32
+    results = report_run_factory()
+    for k, image in ((1, old), (2, new)):
+        path = results / "train" / "attempts" / f"attempt-{k}.json"
+        rec = json.loads(path.read_text())
+        rec["runtime"] = {"prefix": f"apptainer exec --nv {image}", "python": "python3",
+                          "identity": {"kind": "image", "id": image, "image": image,
+                                       "pinned": True}}
+        path.write_text(json.dumps(rec))
+    cfg = _config()
+    found = _gather(results, cfg)
+    assert [a.runtime for a in found.attempts] == [old, new]
+    assert runtime_changes(found.attempts, found.logs) == [(20, "attempt 2", old, new)]
+
+    files = page.render(found, Redactor(), {}, {n: b"" for n in REPORT_FIGURES}, [])
+    assert [r["runtime"] for r in _csv(files["attempts.csv"])] == [old, new]
+    html = files["index.html"].decode()
+    table = html.split('<table id="attempts">', 1)[1].split("</table>", 1)[0]
+    assert "<th>runtime</th>" in table and old in table and new in table
+    note = html.split('id="runtime-changes">', 1)[1].split("</p>", 1)[0]
+    assert f"attempt 2 at step 20: was <code>{old}</code>, now <code>{new}</code>" in note
+
+    drawn = []
+    monkeypatch.setattr(figures, "_png", lambda fig, *a, **k: drawn.append(fig) or b"")
+    red = Redactor()
+    figures.fig_published(found, red, 40, False, 0.015, "")
+    figures.fig_extra(found, red, 40, "")
+    figures.fig_step_time(found, red, 40, "")
+    axes = [ax for fig in drawn for ax in fig.axes  # the twin axis shares its panel's marker
+            if not ax.get_ylabel().startswith("share")]
+    assert len(axes) == 6 + 4 + 1
+    for ax in axes:
+        marks = [ln for ln in ax.get_lines() if list(ln.get_xdata()) == [20, 20]
+                 and ln.get_linestyle() == "--"]
+        assert len(marks) == 1, ax.get_title()
+        label = marks[0].get_label()
+        assert label.startswith("_") or (label.startswith(
+            "runtime change: attempt 2 @ 20: docker://verlai/verl@") and label.endswith(
+            "2b" * 11)), label  # unlabelled (a panel without data), or naming the new one
+    assert any(ln.get_label().startswith("runtime change") for ax in axes
+               for ln in ax.get_lines())
+
+    path = results / "train" / "attempts" / "attempt-1.json"
+    rec = json.loads(path.read_text())
+    rec["runtime"]["identity"]["id"] = new
+    path.write_text(json.dumps(rec))
+    found = _gather(results, cfg)
+    assert runtime_changes(found.attempts, found.logs) == []
+    assert 'id="runtime-changes"' not in page.render(
+        found, Redactor(), {}, {n: b"" for n in REPORT_FIGURES}, [])["index.html"].decode()

@@ -5,6 +5,7 @@ that hy3rl.metrics itself computed from synthetic scores."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -305,3 +306,25 @@ def test_metrics_run_records_the_step_of_the_samples(tmp_path: Path):
     with pytest.raises(metrics.MetricsError, match=r"samples.meta.json: 'step' is not an int"):
         metrics.run(boot, tag="final", scores=scores, scores_meta=meta, out=out,
                     samples_meta=smeta)
+
+
+def test_the_candidate_set_is_part_of_the_rule_fixed_in_the_plan() -> None:
+    """plan.json's selection names its candidates: a step added to eval.steps after seeing
+    results, or final dropped, is another rule (and its description says which)."""
+    from hy3rl.preflight.heldout import selection_record
+
+    two = make_config(cluster={"gpu": True}, eval={"steps": [20, 40]})
+    three = make_config(cluster={"gpu": True}, eval={"steps": [20, 40, 60]})
+    a, b = selection_record(two, None), selection_record(three, None)
+    assert a["candidates"] == {"steps": [20, 40], "final": True}
+    assert b["candidates"] == {"steps": [20, 40, 60], "final": True}
+    assert a != b and {k: v for k, v in a.items() if k != "candidates"} == \
+        {k: v for k, v in b.items() if k != "candidates"}
+    assert selection.describe(a).endswith("among step20, step40 and final")
+    assert selection.describe(b).endswith("among step20, step40, step60 and final")
+    no_final = dataclasses.replace(three, eval=dataclasses.replace(three.eval, final=False))
+    assert selection.candidate_set(no_final) == {"steps": [20, 40, 60], "final": False}
+    assert selection.describe({**a, "candidates": selection.candidate_set(no_final)}) \
+        .endswith("among step20, step40 and step60")
+    # without training in the DAG no checkpoint is a candidate
+    assert selection.candidate_set(make_config()) == {"steps": [], "final": False}

@@ -9,4 +9,4 @@ from hy3rl.smk import rule_job
 with rule_job(snakemake) as cfg:
     evalckpt.wait(Layout.from_config(cfg), Path(snakemake.input.plan),
                   int(snakemake.wildcards.step), Path(snakemake.output.ready),
-                  cfg.eval.wait_poll_s)
+                  cfg.eval.wait_poll_s, unproven_polls=cfg.eval.wait_unproven_polls)

@@ -8,7 +8,11 @@ what an evaluation has read, and what retention must keep for evaluation.
   generations start while training goes on. It fails, naming the step and the training
   state, when training ended before step N (``train/done.json`` of this trajectory and
   total) or when this workflow's controller stopped resubmitting the training job
-  (``train/state.json``, written by ``rules/common.smk``'s ``train_slurm_extra``).
+  (``train/state.json``, written by ``rules/common.smk``'s ``train_slurm_extra``). In an
+  invocation without a training job it waits only for a trainer it can prove alive
+  (:func:`lock_holder`): none, or a dead one, fails at once; one it cannot check (an empty
+  lock, a process on another host and no SLURM job) fails after
+  ``eval.wait_unproven_polls`` looks.
 - :func:`mark_read`: written into ``global_step_N/.hy3rl-eval/`` by a generation once it has
   read the weights, with the sha256 of the request it served.
 - :func:`protected_steps`: what retention (hy3rl.ckptdir.prune) keeps for evaluation, read
@@ -16,6 +20,8 @@ what an evaluation has read, and what retention must keep for evaluation.
   ``train.keep_eval_checkpoints: all`` every ``eval.steps`` step; with ``selected`` an
   evaluation step until every evaluation of it has read it under the current request, and
   the selection so far (hy3rl.selection.so_far).
+- :func:`evaluated_steps`: the evaluation steps done under a run identity, which no longer
+  need their checkpoints (preflight's ``eval_steps_kept`` does not ask for them).
 
 Formats: docs/formats/eval.md. Standard library only, but for the selection.
 """
@@ -33,7 +39,18 @@ from pathlib import Path
 from typing import Any
 
 from hy3rl.atomic import write_json_atomic
-from hy3rl.ckptdir import CheckpointDirError, check_complete, read_identity, read_tracker, scan
+from hy3rl.ckptdir import (
+    DEAD_STATES,
+    LOCK_NAME,
+    CheckpointDirError,
+    check_complete,
+    lock_holder_alive,
+    read_identity,
+    read_lock,
+    read_tracker,
+    scan,
+    slurm_job_state,
+)
 from hy3rl.errors import StageError
 from hy3rl.layout import Layout, heldout_tag
 from hy3rl.timefmt import utc_now
@@ -110,6 +127,9 @@ class Look:
     state: str  # ready | wait | failed
     message: str
     record: dict[str, Any] | None = None
+    # A wait of an invocation without a training job on a lock whose holder cannot be
+    # proven alive: why (wait() fails after eval.wait_unproven_polls such looks).
+    unproven: str | None = None
 
 
 def _read_json(path: Path) -> Any:
@@ -130,15 +150,52 @@ def _training_state(layout: Layout) -> str:
             f"complete checkpoint {f'step {done[-1]}' if done else 'none'}")
 
 
-def _trainer_alive(ckpt: Path) -> bool:
-    """A live trainer holds the checkpoint directory's lock (another invocation's job)."""
-    from hy3rl.ckptdir import LOCK_NAME, lock_holder_alive, read_lock
+@dataclass
+class Holder:
+    """Who holds the checkpoint directory's lock, as far as this host can prove it:
+    ``alive`` (a live pid on this host, a SLURM job squeue knows and that has not ended),
+    ``none`` (no lock, or its holder has ended) or ``unproven`` (``why`` says what cannot be
+    checked)."""
 
+    state: str  # alive | none | unproven
+    why: str
+
+
+def lock_holder(ckpt: Path) -> Holder:
+    """:class:`Holder` of ``ckpt``'s training lock (hy3rl.ckptdir)."""
+    path = Path(ckpt) / LOCK_NAME
     try:
-        holder = read_lock(Path(ckpt) / LOCK_NAME)
-        return holder is not None and lock_holder_alive(holder)
-    except (CheckpointDirError, OSError):
-        return True  # cannot tell: keep waiting rather than fail a running job's step
+        text = path.read_text()
+    except FileNotFoundError:
+        return Holder("none", f"no lock file {path}")
+    except OSError as exc:
+        return Holder("unproven", f"the lock file {path} cannot be read ({exc})")
+    if not text.strip():
+        return Holder("unproven", f"the lock file {path} is empty (a trainer writing it, or "
+                      "one killed while writing it)")
+    try:
+        holder = read_lock(path)
+    except CheckpointDirError as exc:
+        return Holder("unproven", str(exc))
+    if holder is None:
+        return Holder("none", f"no lock file {path}")
+    if holder.job_id:
+        try:
+            state = slurm_job_state(holder.job_id)
+        except CheckpointDirError as exc:
+            return Holder("unproven", f"{path} names {holder.describe()}, whose state cannot "
+                          f"be read here: {exc}")
+        if state is None or state in DEAD_STATES:
+            return Holder("none", f"{path} names {holder.describe()}, which has ended "
+                          f"({state or 'unknown to squeue'})")
+        return Holder("alive", f"{path} is held by {holder.describe()} ({state})")
+    if holder.host != socket.gethostname():
+        return Holder("unproven", f"{path} names {holder.describe()}: a process on another "
+                      f"host ({socket.gethostname()} is this one) and no SLURM job, so "
+                      "nothing here can check that it is alive")
+    if lock_holder_alive(holder):
+        return Holder("alive", f"{path} is held by {holder.describe()} (alive)")
+    return Holder("none", f"{path} names {holder.describe()}, which is not running")
 
 
 def look(layout: Layout, plan: dict[str, Any], step: int,
@@ -181,30 +238,47 @@ def look(layout: Layout, plan: dict[str, Any], step: int,
         return Look("failed", f"step {step}: training stopped before step {step}: "
                     f"{state.get('reason')} ({_training_state(layout)}); a later invocation "
                     "that resumes training waits again")
-    if state is not None and state.get("state") == "not_scheduled" and not _trainer_alive(ckpt):
-        return Look("failed", f"step {step}: no training job is part of this invocation and "
-                    f"none holds {ckpt} ({_training_state(layout)}): run the workflow with its "
-                    f"training (the default target) to reach step {step}")
+    unproven = None
+    if state is not None and state.get("state") == "not_scheduled":
+        holder = lock_holder(ckpt)
+        if holder.state == "none":
+            return Look("failed", f"step {step}: no training job is part of this invocation "
+                        f"and none holds {ckpt} ({holder.why}; {_training_state(layout)}): run "
+                        f"the workflow with its training (the default target) to reach step "
+                        f"{step}")
+        if holder.state == "unproven":
+            unproven = holder.why
     if not ours:
         where = ("no run identity yet" if ident is None
                  else f"made by trajectory {str(ident['trajectory'].get('id'))[:12]}")
-        return Look("wait", f"step {step}: waiting for training to start on {ckpt} ({where})")
-    return Look("wait", f"step {step}: waiting ({_training_state(layout)}; step {step}: {why})")
+        return Look("wait", f"step {step}: waiting for training to start on {ckpt} ({where})",
+                    unproven=unproven)
+    return Look("wait", f"step {step}: waiting ({_training_state(layout)}; step {step}: {why})",
+                unproven=unproven)
 
 
 def wait(layout: Layout, plan_path: Path, step: int, out: Path, poll_s: float, *,
-         sleep: Callable[[float], None] = time.sleep,
+         unproven_polls: int, sleep: Callable[[float], None] = time.sleep,
          clock: Callable[[], float] = time.monotonic) -> dict[str, Any]:
     """Rule eval_checkpoint: wait for step ``step`` (module doc), then write ``out``
     (eval/step<N>/checkpoint.json). Raises :class:`WaitFailed` naming the step and the
-    training state."""
+    training state; also after ``unproven_polls`` (eval.wait_unproven_polls) looks in a row
+    whose only trainer is one it cannot prove alive (:attr:`Look.unproven`)."""
     plan = _read_json(Path(plan_path))
     if not isinstance(plan, dict) or not (plan.get("identity") or {}).get("trajectory"):
         raise StageError(f"{plan_path}: no run identity (identity.trajectory)")
-    t0, last = clock(), None
+    t0, last, unproven = clock(), None, 0
     ancestors = lineage()
     while True:
         seen = look(layout, plan, step, ancestors)
+        unproven = unproven + 1 if seen.unproven else 0
+        if unproven > unproven_polls:
+            raise WaitFailed(
+                f"step {step}: no training job is part of this invocation and no live trainer "
+                f"can be proven to hold {layout.checkpoint_dir}: {seen.unproven}; gave up after "
+                f"{unproven_polls} looks {poll_s:g} s apart (eval.wait_unproven_polls x "
+                "eval.wait_poll_s). Run the workflow with its training (the default target), "
+                "or remove the lock file if no trainer runs")
         dead = gone(ancestors)
         if dead and seen.state != "failed":
             # The workflow that started this wait has ended (interrupted, or stopped at
@@ -260,6 +334,32 @@ def has_read(step_dir: Path, tag: str, request: Path) -> bool:
 # --------------------------------------------------------------------------- retention
 
 
+def step_tags(cfg: Any, step: int) -> list[str]:
+    """The evaluations of step ``step``: ``step<N>`` (the test set) and, with data.heldout,
+    ``heldout/step<N>``."""
+    tag = f"step{step}"
+    return [tag] + ([heldout_tag(tag)] if cfg.data.heldout else [])
+
+
+def evaluated_steps(cfg: Any, layout: Layout, trajectory_id: str) -> list[int]:
+    """The ``eval.steps`` steps whose evaluations are done under run identity
+    ``trajectory_id``: the wait's record (``eval/step<N>/checkpoint.json``) names that
+    trajectory and every generation of the step (:func:`step_tags`) is complete (its
+    ``samples.meta.json`` has status ``complete`` and its ``samples.jsonl`` exists). Such a
+    step no longer needs its checkpoint: retention (``keep_eval_checkpoints: selected``)
+    lets it go by design, and preflight's ``eval_steps_kept`` does not ask for it."""
+    done = []
+    for step in sorted(cfg.eval.steps):
+        ready = _read_json(Path(layout.eval_ready(f"step{step}")))
+        if not isinstance(ready, dict) or str(ready.get("trajectory_id")) != str(trajectory_id):
+            continue
+        metas = [_read_json(Path(layout.eval_samples_meta(t))) for t in step_tags(cfg, step)]
+        if all(isinstance(m, dict) and m.get("status") == "complete" for m in metas) and all(
+                Path(layout.eval_samples(t)).is_file() for t in step_tags(cfg, step)):
+            done.append(step)
+    return done
+
+
 def protected_steps(cfg: Any, layout: Layout) -> list[int]:
     """The steps retention keeps for evaluation now (module doc)."""
     steps = sorted(cfg.eval.steps) if cfg.cluster.gpu else []
@@ -267,9 +367,9 @@ def protected_steps(cfg: Any, layout: Layout) -> list[int]:
         return steps
     keep = set()
     for step in steps:
-        tags = [f"step{step}"] + ([heldout_tag(f"step{step}")] if cfg.data.heldout else [])
         step_dir = layout.checkpoint_dir / f"global_step_{step}"
-        if not all(has_read(step_dir, t, Path(layout.eval_request(t))) for t in tags):
+        if not all(has_read(step_dir, t, Path(layout.eval_request(t)))
+                   for t in step_tags(cfg, step)):
             keep.add(step)
     if cfg.eval.select is not None:
         from hy3rl import selection

@@ -3,7 +3,8 @@ checkpoint to report on the held-out set (``data.heldout``), never on the test s
 (AIME-2024, ``data.val``), and what the pick scores on the test set against ``final``.
 
 The rule: among the checkpoint tags (``step<N>`` of ``eval.steps``, and ``final``; a
-``final`` at the step of a ``step<N>`` tag is one candidate, the step tag), the one whose
+``final`` at the step of a ``step<N>`` tag is one candidate, the step tag; this candidate
+set is part of the rule, :func:`candidate_set`), the one whose
 held-out ``metric`` of ``grader`` is highest (``avg`` = avg@n, ``pass`` = pass@k, ``maj`` =
 maj@k of ``eval/heldout/<tag>/metrics.json``). **A tie goes to the earliest step**: of
 checkpoints the held-out set cannot tell apart, the one that took fewer training steps
@@ -87,13 +88,30 @@ def resolved(rule: Mapping[str, Any], n: int | None) -> dict[str, Any]:
     return {**rule, "k": resolve_k(rule, n), "key": rule_key(rule, n), "tie": TIE_RULE}
 
 
+def describe_candidates(candidates: Any) -> str | None:
+    """The rule's candidate set (``{"steps": [...], "final": bool}``, :func:`candidate_set`)
+    in words: ``step20, step40 and final``; None for a record without one (a plan written
+    before the candidate set was part of the rule held a sentence there)."""
+    if not isinstance(candidates, Mapping):
+        return None
+    tags = [f"step{s}" for s in candidates.get("steps") or []] + (
+        ["final"] if candidates.get("final") else [])
+    if not tags:
+        return "no checkpoint"
+    return tags[0] if len(tags) == 1 else f"{', '.join(tags[:-1])} and {tags[-1]}"
+
+
 def describe(rule: Mapping[str, Any] | None) -> str:
-    """One line naming a rule (the report's "was X, now Y")."""
+    """One line naming a rule (the report's "was X, now Y"): the metric, the held-out set
+    and the candidates."""
     if rule is None:
         return "no selection rule"
     text = f"highest {rule.get('key') or rule_key(rule)} on held-out set {rule.get('set')}"
     if rule.get("set_sha256"):
         text += f" (sha256 {str(rule['set_sha256'])[:12]})"
+    cands = describe_candidates(rule.get("candidates"))
+    if cands is not None:
+        text += f" among {cands}"
     return text
 
 
@@ -205,6 +223,15 @@ def candidate_tags(cfg: Config) -> list[str]:
     from hy3rl.evaluate import eval_tags
 
     return [t for t in eval_tags(cfg) if t != "base" and not split_tag(t)[1]]
+
+
+def candidate_set(cfg: Config) -> dict[str, Any]:
+    """The candidate set as the rule fixes it (plan.json ``selection.candidates``): the
+    steps of :func:`candidate_tags` and whether ``final`` is one. Adding a step after seeing
+    results changes the rule."""
+    tags = candidate_tags(cfg)
+    return {"steps": sorted(int(m.group(1)) for t in tags if (m := _STEP_TAG.match(t))),
+            "final": "final" in tags}
 
 
 def dedup_final(candidates: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], str | None]:

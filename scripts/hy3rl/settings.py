@@ -336,6 +336,7 @@ class Eval:
     final: bool
     select: Select | None
     wait_poll_s: float
+    wait_unproven_polls: int
     batch_size: int
     transformers: TransformersBackend
     vllm: VllmBackend

@@ -61,8 +61,11 @@ def resolved_k(cfg: Config) -> int:
 
 
 def selection_record(cfg: Config, heldout: Path | None) -> dict[str, Any] | None:
-    """plan.json ``selection``: the rule as it will be applied (k resolved), with the
-    held-out file's sha256; None without eval.select."""
+    """plan.json ``selection``: the rule as it will be applied (k resolved, the candidate
+    set: hy3rl.selection.candidate_set), with the held-out file's sha256; None without
+    eval.select."""
+    from hy3rl.selection import candidate_set
+
     sel = cfg.eval.select
     if sel is None:
         return None
@@ -70,7 +73,7 @@ def selection_record(cfg: Config, heldout: Path | None) -> dict[str, Any] | None
     key = f"{sel.grader} avg@{k}" if sel.metric == "avg" else f"{sel.grader} {sel.metric}@{k}"
     have = heldout is not None and Path(heldout).is_file()
     return {"set": sel.set, "grader": sel.grader, "metric": sel.metric, "k": k, "key": key,
-            "tie": TIE_RULE, "candidates": "eval.steps and final",
+            "tie": TIE_RULE, "candidates": candidate_set(cfg),
             "set_file": str(heldout) if have else None,
             "set_sha256": sha256_file(Path(heldout)) if have else None}
 

@@ -60,7 +60,8 @@ RULES: dict[str, str] = {
                     "trajectory (resume, or extend to a larger total), or a change chosen "
                     "with train.on_config_change; never a total below its newest checkpoint",
     "eval_steps_kept": "every eval.steps step is within the total and, once the run has "
-                       "passed it, still has its checkpoint (retention removed none)",
+                       "passed it, still has its checkpoint or was evaluated under this run "
+                       "identity (retention removed none still needed)",
     "eval_steps_saved": "every eval.steps step is a step verl saves (a multiple of save_freq, "
                         "a segment's end or the last step)",
     "selection": "eval.select names the held-out set (data.heldout), which shares no problem "
@@ -645,20 +646,32 @@ def _run_identity(r: _Rules, ckpt_dir: Path, identity: Mapping[str, Any] | None,
                 "follow one schedule; waive resume_schedule to accept it")
 
 
-def _eval_steps_kept(r: _Rules, ckpt_dir: Path, steps: list[int]) -> None:
-    """An evaluation step the run has already passed must still have its checkpoint: one
-    added to eval.steps after retention removed it cannot be evaluated."""
+def _eval_steps_kept(r: _Rules, cfg: Config, ckpt_dir: Path, steps: list[int],
+                     identity: Mapping[str, Any] | None) -> None:
+    """An evaluation step the run has already passed must still have its checkpoint, unless
+    it was evaluated under this run identity (hy3rl.evalckpt.evaluated_steps): retention
+    (``keep_eval_checkpoints: selected``) lets such a step go by design, and a rerun
+    (unchanged, an operational change, an extension) must not be refused for it. One added
+    to eval.steps after retention removed it, or whose evaluation is not done under this
+    identity, cannot be evaluated."""
     from hy3rl.ckptdir import newest_complete, scan
+    from hy3rl.evalckpt import evaluated_steps
+    from hy3rl.layout import Layout
 
     ckpts = scan(ckpt_dir)
     best = newest_complete(ckpts)
     have = {c.step for c in ckpts if c.complete}
-    gone = [s for s in steps if best is not None and s <= best.step and s not in have]
+    traj = ((identity or {}).get("trajectory") or {}).get("id")
+    done = set(evaluated_steps(cfg, Layout.from_config(cfg), traj)) if traj else set()
+    gone = [s for s in steps
+            if best is not None and s <= best.step and s not in have and s not in done]
     if gone:
         r.error("eval_steps_kept", f"eval.steps {gone}: no complete checkpoint of "
                 f"{'these steps' if len(gone) > 1 else 'this step'} in {ckpt_dir} (newest "
                 f"{best.step}; retention keeps train.checkpoint_keep and the eval.steps "
-                "known when it ran): remove them from eval.steps")
+                "known when it ran) and no finished evaluation of "
+                f"{'them' if len(gone) > 1 else 'it'} under this run identity: remove "
+                f"{'them' if len(gone) > 1 else 'it'} from eval.steps")
 
 
 def _eval_steps_saved(r: _Rules, cfg: Config, eff: Mapping[str, Any], gpu: bool) -> None:
@@ -928,7 +941,8 @@ def check_rules(cfg: Config, res: Resolution, eff: Mapping[str, Any],
     _segment_schedule(r, cfg.train.segment_steps, eff)
     _run_identity(r, Path(res.checkpoint_dir), identity, eff)
     if ((identity or {}).get("decision") or {}).get("action") not in ("fresh", "refuse"):
-        _eval_steps_kept(r, Path(res.checkpoint_dir), cfg.eval_keep_steps if s.gpu else [])
+        _eval_steps_kept(r, cfg, Path(res.checkpoint_dir),
+                         cfg.eval_keep_steps if s.gpu else [], identity)
     beyond = [x for x in cfg.eval_keep_steps if x > cfg.train.total_training_steps]
     if s.gpu and beyond:
         r.error("eval_steps_kept", f"eval.steps {beyond}: beyond train.total_training_steps "

@@ -22,6 +22,7 @@ from hy3rl.report.read import (  # noqa: E402
     per_problem_matrix,
     pick_key,
     resume_points,
+    runtime_changes,
     series,
 )
 
@@ -65,10 +66,17 @@ def _png(fig: Any, redact: Redactor, dpi: int, **savefig: Any) -> bytes:
     return buf.getvalue()
 
 
-def _mark_resumes(ax: Any, points: list[tuple[int, str]], redact: Redactor, label: bool) -> None:
-    for i, (step, text) in enumerate(points):
+def _mark_attempts(ax: Any, found: Found, redact: Redactor, label: bool) -> None:
+    """The resume points (red dotted) and the runtime changes (purple dashed, labelled with
+    the new runtime: hy3rl.report.read.runtime_changes) on a training curve."""
+    for i, (step, text) in enumerate(resume_points(found.attempts, found.logs)):
         ax.axvline(step, color="tab:red", ls=":", lw=1.2,
                    label=redact.text(f"resume: {text} @ {step}") if label and i < 4 else None)
+    for i, (step, text, _, now) in enumerate(runtime_changes(found.attempts, found.logs)):
+        short = now if len(now) <= 48 else f"{now[:22]}...{now[-22:]}"
+        ax.axvline(step, color="tab:purple", ls="--", lw=1.4,
+                   label=redact.text(f"runtime change: {text} @ {step}: {short}")
+                   if label and i < 3 else None)
 
 
 def _empty(ax: Any, text: str) -> None:
@@ -94,7 +102,6 @@ def fig_published(found: Found, redact: Redactor, dpi: int, reference: bool,
     """The six panels of the published figure; also the metric key each panel used."""
     m = found.metrics
     keys = all_keys(m)
-    points = resume_points(found.attempts, found.logs)
     fig, axes = plt.subplots(2, 3, figsize=(15, 8.5), layout="constrained")
     used: list[str] = []
     for ax, (title, preferred, pattern) in zip(axes.flat, PANELS, strict=True):
@@ -115,7 +122,7 @@ def fig_published(found: Found, redact: Redactor, dpi: int, reference: bool,
                 ax.set_xlim(left=0, right=max(float(np.max(series(m, key)[0])), 1.0) * 1.05)
         if preferred[0] == "training/rollout_probs_diff_mean":
             ax.axhline(threshold, color="tab:orange", lw=1, label=f"claimed bound {threshold}")
-        _mark_resumes(ax, points, redact, label=True)
+        _mark_attempts(ax, found, redact, label=True)
         ax.set_title(redact.text(f"{title}\n{key or preferred[0]}"), fontsize=10)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
@@ -129,7 +136,6 @@ def fig_published(found: Found, redact: Redactor, dpi: int, reference: bool,
 def fig_extra(found: Found, redact: Redactor, dpi: int, reason: str) -> bytes:
     m = found.metrics
     keys = all_keys(m)
-    points = resume_points(found.attempts, found.logs)
     fig, axes = plt.subplots(2, 2, figsize=(12, 7.5), layout="constrained")
     specs = (
         ("Response length (tokens)", ["response_length/mean", "response_length/max"]),
@@ -155,7 +161,7 @@ def fig_extra(found: Found, redact: Redactor, dpi: int, reason: str) -> bytes:
         if not got:
             why = reason if not m else "not logged: " + ", ".join(wanted)
             _empty(ax, redact.text(f"no data\n{why}"))
-        _mark_resumes(ax, points, redact, label=bool(got))
+        _mark_attempts(ax, found, redact, label=bool(got))
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
@@ -167,7 +173,6 @@ def fig_extra(found: Found, redact: Redactor, dpi: int, reason: str) -> bytes:
 def fig_step_time(found: Found, redact: Redactor, dpi: int, reason: str) -> bytes:
     m = found.metrics
     keys = sorted(k for k in all_keys(m) if k.startswith("timing_s/") and k != "timing_s/step")
-    points = resume_points(found.attempts, found.logs)
     fig, ax = plt.subplots(figsize=(12, 4.5), layout="constrained")
     steps = sorted(s for s, d in m.items() if any(k in d for k in keys))
     if keys and steps:
@@ -176,7 +181,7 @@ def fig_step_time(found: Found, redact: Redactor, dpi: int, reason: str) -> byte
         x, y = series(m, "timing_s/step")
         if len(x):
             ax.plot(x, y, color="black", lw=1.2, label="step (total)")
-        _mark_resumes(ax, points, redact, label=True)
+        _mark_attempts(ax, found, redact, label=True)
         ax.legend(fontsize=7, loc="upper left", ncol=4)
     else:
         _empty(ax, redact.text(f"no data\n{reason if not m else 'no timing_s/* keys logged'}"))

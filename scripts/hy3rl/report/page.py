@@ -34,6 +34,7 @@ from hy3rl.report.read import (
     pick_key,
     rehearsal_view,
     resume_points,
+    runtime_changes,
     selection_view,
     series,
 )
@@ -43,7 +44,7 @@ TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
 ATTEMPT_HEADER = ["attempt", "slurm_job_id", "nodes", "gpus_per_node", "start_step", "end_step",
                   "last_logged_step", "steps_lost", "outcome", "exit_reason", "failed_at_step",
                   "error", "started", "ended", "hours", "gpu_hours", "trajectory",
-                  "total_training_steps"]
+                  "total_training_steps", "runtime"]
 EVAL_HEADER = ["tag", "step", "n", "problems", "grader", "avg@n", "bootstrap_95", "sampling_se",
                "pass@n", "maj@n", "pass@k", "maj@k", "grader_failures", "format_failure_rate",
                "format_failures", "truncation_rate", "mean_response_tokens"]
@@ -614,6 +615,7 @@ def render(found: Found, redact: Redactor, env: Mapping[str, str], figs: Mapping
         identity_notes=found.identity_notes,
         trajectory=((found.identity or {}).get("trajectory") or {}).get("id"),
         resume=resume_points(found.attempts, found.logs),
+        runtime_changes=runtime_changes(found.attempts, found.logs),
         time=time_profile(found),
         running=running_now(found),
         notes=found.notes,

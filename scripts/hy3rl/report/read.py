@@ -150,6 +150,7 @@ class Attempt:
     log_path: str | None = None
     trajectory: str | None = None  # first 8 hex of the trajectory id it trained under
     total_training_steps: int | None = None
+    runtime: str | None = None  # the runtime identity it ran in (runtime.identity.id)
     logs: list[LogLink] = field(default_factory=list)  # a failed attempt's, else none
     raw: dict[str, Any] = field(default_factory=dict)
 
@@ -232,8 +233,18 @@ def read_attempt(path: Path, k: int, default_gpus_per_node: int | None) -> Attem
         gpu_hours=float(gpu_hours) if gpu_hours is not None else None,
         trajectory=str(raw["trajectory_id"])[:8] if raw.get("trajectory_id") else None,
         total_training_steps=_int_or_none(raw.get("total_training_steps")),
+        runtime=runtime_of(raw),
         raw=raw,
     )
+
+
+def runtime_of(raw: Mapping[str, Any]) -> str | None:
+    """The runtime identity an attempt record names (``runtime.identity.id``,
+    hy3rl.runtime_id; docs/formats/train.md), None when not recorded."""
+    rt = raw.get("runtime")
+    ident = rt.get("identity") if isinstance(rt, Mapping) else None
+    rid = ident.get("id") if isinstance(ident, Mapping) else None
+    return None if rid in (None, "") else str(rid)
 
 
 # ---- generic JSON views (checks/*.json, preflight/plan.json) ----
@@ -785,6 +796,25 @@ def resume_points(attempts: list[Attempt], logs: list[AttemptLog]) -> list[tuple
     return points
 
 
+def runtime_changes(attempts: list[Attempt], logs: list[AttemptLog]
+                    ) -> list[tuple[int, str, str, str]]:
+    """(step, label, was, now) for every attempt whose runtime identity differs from the
+    previous attempt's that recorded one: ``train.runtime`` is operational (a change is no
+    new trajectory), so the curves mark where it changed. The step is the attempt's start
+    step (else its log's first step); an attempt without either is left out."""
+    out: list[tuple[int, str, str, str]] = []
+    first_logged = {log.attempt: log.first_step for log in logs if log.first_step is not None}
+    prev: str | None = None
+    for a in sorted(attempts, key=lambda a: a.attempt):
+        if a.runtime is None:
+            continue
+        step = a.start_step if a.start_step is not None else first_logged.get(a.attempt)
+        if prev is not None and a.runtime != prev and step is not None:
+            out.append((step, f"attempt {a.attempt}", prev, a.runtime))
+        prev = a.runtime
+    return out
+
+
 def per_problem_matrix(found: Found) -> tuple[list[str], list[str], np.ndarray, str]:
     """Problems x tags accuracy for the primary grader (else the first with per-problem data)."""
     tags = [e.tag for e in found.evals]
@@ -810,7 +840,8 @@ def selection_view(found: Found) -> dict[str, Any]:
     """The checkpoint selection as the page shows it: the rule as the plan holds it
     (``selection``; a plan without that key: ``eval.select`` of the config, said so),
     whether it changed after training started (against ``selection`` of the lineage's first
-    attempt record that has the key; None when none has), and the selection:
+    attempt record that has the key; None when none has; the candidate set is part of the
+    rule, unless one of the two records predates it), and the selection:
     eval/selected.json, or mid-run (none yet) :func:`hy3rl.selection.so_far` over the
     held-out results that exist. ``configured`` False: no rule."""
     from hy3rl import selection
@@ -825,10 +856,17 @@ def selection_view(found: Found) -> dict[str, Any]:
     first = next((a for a in found.attempts
                   if a.attempt >= found.first_attempt and "selection" in a.raw), None)
     changed = None
-    if first is not None and first.raw["selection"] != rule:
+    before, after = (first.raw["selection"], rule) if first is not None else (None, None)
+    if first is not None and any(isinstance(r, Mapping) and not isinstance(
+            r.get("candidates"), Mapping) for r in (before, after)):
+        # a record written before the candidate set was part of the rule (a sentence there):
+        # what it did not fix cannot have changed
+        before, after = ({k: v for k, v in r.items() if k != "candidates"}
+                         if isinstance(r, Mapping) else r for r in (before, after))
+    if first is not None and before != after:
         was, now = selection.describe(first.raw["selection"]), selection.describe(rule)
         if was == now:  # the same description: name the keys that differ
-            old, new = first.raw["selection"] or {}, rule or {}
+            old, new = before or {}, after or {}
             keys = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
             was = ", ".join(f"{k} {json.dumps(old.get(k))}" for k in keys)
             now = ", ".join(f"{k} {json.dumps(new.get(k))}" for k in keys)
