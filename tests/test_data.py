@@ -744,7 +744,7 @@ def test_heldout_carved_from_train_after_dedup_before_limit(tmp_path, files,
     lengths = verl_lengths(tiny_tokenizer_dir, [r["prompt"] for r in heldout.to_pylist()])
     assert rec["prompt_tokens"]["max"] == max(lengths)
     trec = summary["splits"]["train"]
-    assert trec["held_out_rows"] == 5 and trec["rows"] == 10
+    assert trec["held_out_rows"] == 5 and trec["rows"] == 10 and trec["held_out_twins"] == 0
     assert "carved_prompts" not in trec and "name" not in trec
 
     # Same seeds: the same files; another held-out seed: another set.
@@ -776,6 +776,33 @@ def test_heldout_carve_without_dedup_removes_every_duplicate(tmp_path, files,
     assert summary["splits"]["train"]["held_out_rows"] == 400
     assert summary["splits"]["train"]["input"]["rows"] == 2000
     assert summary["splits"]["heldout"]["rows"] == 4
+
+
+def test_heldout_carve_removes_the_same_problem_written_another_way(tmp_path, files,
+                                                                   tiny_tokenizer_dir):
+    """A training source holding each problem twice, in the DAPO prompt and bare with
+    another spacing: a carved problem leaves train in both forms (preflight's held-out
+    check would refuse the other), counted in held_out_twins."""
+    wrapped = dapo_rows(10)
+    bare = [{**r, "prompt": [{"role": "user", "content": dapo_problem(i).replace(" + ", "+")}],
+             "extra_info": {"index": f"bare-{i}"}} for i, r in enumerate(wrapped)]
+    source = write_parquet(tmp_path / "twins.parquet", wrapped + bare)
+    err, out = run_stage(tmp_path, tiny_tokenizer_dir, {"source": str(source), "limit": None},
+                         {"source": str(files["aime"])}, heldout=carve(3, seed=4))
+    assert err is None, err
+
+    def number(row: dict) -> int:
+        index = row["extra_info"]["index"]
+        return int(index[5:]) if index.startswith("bare-") else [
+            r["extra_info"]["index"] for r in wrapped].index(index)
+
+    held = {number(r) for r in pq.read_table(out / "heldout.parquet").to_pylist()}
+    train_rows = pq.read_table(out / "train.parquet").to_pylist()
+    assert sorted(number(r) for r in train_rows) == sorted(
+        [i for i in range(10) if i not in held] * 2)
+    trec = read_summary(out)["splits"]["train"]
+    assert trec["held_out_twins"] == 2 * len(held) - 3 > 0  # seed 4: not 3 pairs of twins
+    assert trec["held_out_rows"] == 2 * len(held)
 
 
 @pytest.mark.parametrize("limit", [20, 25])

@@ -701,13 +701,14 @@ def prepare_split(
     carved = None
     if carve is not None:
         before = len(loaded.ids)
-        loaded, held = carve_heldout(loaded, carve.limit, carve.seed, key)
+        loaded, held, twins = carve_heldout(loaded, carve.limit, carve.seed, key)
         with _labelled("data.heldout"):
             carved = _finish_split(held, carve, tokenizer, max_prompt_length)
     with _labelled(key):
         result = _finish_split(loaded, src, tokenizer, max_prompt_length)
     if carved is not None:
         result.record["held_out_rows"] = before - len(loaded.ids)
+        result.record["held_out_twins"] = twins
         result.carved = carved
     return result
 
@@ -743,11 +744,16 @@ def _load_split(split: str, src: DataSource | HeldoutSource, cache_dir: str | No
 
 
 def carve_heldout(loaded: LoadedSplit, limit: int, seed: int, key: str = "data.train"
-                  ) -> tuple[LoadedSplit, LoadedSplit]:
+                  ) -> tuple[LoadedSplit, LoadedSplit, int]:
     """Hold ``limit`` distinct prompts out of ``loaded``, chosen with ``seed`` among its
     distinct prompts in order of first appearance (numpy default_rng, as
-    :func:`sample_rows`). Returns (every row whose prompt is none of them, the first row of
-    each chosen prompt), both in source order."""
+    :func:`sample_rows`). Returns (every row whose prompt is none of them nor the same
+    problem written another way, the first row of each chosen prompt, both in source
+    order; how many other distinct prompts were removed as such twins). Problems are the
+    same when their normalised texts are (:func:`hy3rl.problems.problem_key`, preflight's
+    held-out check)."""
+    from hy3rl.problems import problem_key, user_text
+
     first = first_occurrences(loaded.ids)
     if limit >= len(first):
         raise DataError(
@@ -756,8 +762,12 @@ def carve_heldout(loaded: LoadedSplit, limit: int, seed: int, key: str = "data.t
             "training"
         )
     held = first[sample_rows(len(first), limit, seed)]
-    keep = np.flatnonzero(~np.isin(loaded.ids, loaded.ids[held]))
-    return loaded.take(keep), loaded.take(held)
+    prompts = take_rows(loaded.table.select(["prompt"]), first)["prompt"].to_pylist()
+    keys = [problem_key(user_text(p)) for p in prompts]  # of each distinct prompt id
+    held_keys = {keys[i] for i in np.searchsorted(first, held)}
+    gone = loaded.ids[first][[k in held_keys for k in keys]]
+    keep = np.flatnonzero(~np.isin(loaded.ids, gone))
+    return loaded.take(keep), loaded.take(held), len(gone) - len(held)
 
 
 def check_problem_ids(table: pa.Table, ids: np.ndarray, rows: np.ndarray, label: str
