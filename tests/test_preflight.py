@@ -1218,6 +1218,27 @@ def test_a_near_duplicate_is_a_warning_with_both_texts(tmp_path, embedded_cfg):
         "problems")
 
 
+def test_problem_is_the_last_user_message_and_rows_without_an_id_are_named_by_row(
+        tmp_path, embedded_cfg):
+    """A system message before the problem and an assistant turn after it, no
+    extra_info.index: the problem is still found and named ``row <i>``."""
+    from fixtures.data import dapo_rows, write_parquet
+
+    held, val, train = _one_problem_files(tmp_path, "unused", BASE_PROBLEM)
+    rows = [{**r, "extra_info": {"other": "x"}} for r in dapo_rows(20)[:2]]
+    rows.append({**rows[0], "prompt": [
+        {"role": "system", "content": "You are a careful solver."},
+        {"role": "user", "content": "An earlier question."},
+        {"role": "assistant", "content": "An earlier answer."},
+        {"role": "user", "content": BASE_PROBLEM.upper()},
+        {"role": "assistant", "content": "Let me think."}]})
+    held = write_parquet(tmp_path / "held-noid.parquet", rows)
+    res = _selection(embedded_cfg, held, val, train)
+    pid = pq.read_table(val).to_pylist()[7]["extra_info"]["index"]
+    assert res.status == "error" and len(res.messages) == 1, res
+    assert f"row 2 (row 2) = the test set {pid} (row 7)" in res.messages[0], res.messages
+
+
 def test_near_duplicate_index_finds_what_all_pairs_find():
     """The 3-gram index against every pair: for each held-out problem the same best match
     at or above the threshold, none for an equal key, nothing below it."""

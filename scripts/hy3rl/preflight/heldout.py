@@ -12,10 +12,13 @@ Jaccard at or above :data:`hy3rl.problems.NEAR_DUPLICATE_JACCARD`) are warned ab
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from hy3rl.problems import (
@@ -25,7 +28,6 @@ from hy3rl.problems import (
     Problem,
     problem,
     shown,
-    user_text,
 )
 from hy3rl.runtime_id import sha256_file
 from hy3rl.settings import Config
@@ -34,26 +36,45 @@ TIE_RULE = "earliest step"
 SHOWN = 3  # pairs named in a message
 
 
+def _user_texts(batch: pa.RecordBatch) -> tuple[np.ndarray, pa.Array]:
+    """The rows of ``batch`` with a user message and the last one's content of each (in
+    Arrow: a repeated prompt's text reaches Python once)."""
+    prompt = batch.column("prompt")
+    flat = pc.list_flatten(prompt)
+    user = pc.fill_null(pc.equal(pc.struct_field(flat, "role"), "user"), False)
+    parents = pc.filter(pc.list_parent_indices(prompt), user).to_numpy()
+    last = np.flatnonzero(np.append(parents[1:] != parents[:-1], True)) if len(parents) else \
+        np.zeros(0, dtype=np.int64)
+    return parents[last], pc.filter(pc.struct_field(flat, "content"), user).take(last)
+
+
 def problems(path: Path) -> Iterator[Problem]:
-    """The distinct problems of a verl parquet file, in file order: each normalised once
-    (rows of one prompt text share the work), named by its first row's problem id
-    (extra_info.index, else ``row <i>``) and row."""
+    """The distinct problems of a verl parquet file, in file order: each prompt text
+    normalised once, a problem named by its first row's problem id (extra_info.index, else
+    ``row <i>``) and row. A row without a user message holds no problem."""
     seen: set[str] = set()
     keyed: dict[str, Problem] = {}
-    row = 0
+    offset = 0
     for batch in pq.ParquetFile(path).iter_batches(batch_size=65536,
                                                    columns=["prompt", "extra_info"]):
-        for prompt, extra in zip(batch.column("prompt").to_pylist(),
-                                 batch.column("extra_info").to_pylist(), strict=True):
-            text = user_text(prompt)
+        rows, texts = _user_texts(batch)
+        encoded = pc.dictionary_encode(texts)
+        codes = encoded.indices.to_numpy(zero_copy_only=False)
+        firsts = np.sort(np.unique(codes, return_index=True)[1])  # each text's first row
+        extra = batch.column("extra_info")
+        pids = [None] * len(firsts)
+        if pa.types.is_struct(extra.type) and extra.type.get_field_index("index") >= 0:
+            pids = pc.struct_field(extra, "index").take(rows[firsts]).to_pylist()
+        words = encoded.dictionary.to_pylist()
+        for code, at, pid in zip(codes[firsts], rows[firsts], pids, strict=True):
+            text, row = words[code], offset + int(at)
             if text not in keyed:
-                pid = (extra or {}).get("index") if isinstance(extra, Mapping) else None
                 keyed[text] = problem(text, str(pid if pid is not None else f"row {row}"), row)
             found = keyed[text]
             if found.key not in seen:
                 seen.add(found.key)
                 yield found
-            row += 1
+        offset += batch.num_rows
 
 
 def resolved_k(cfg: Config) -> int:
