@@ -5,13 +5,14 @@ Two prompts hold the same problem when their normalised keys are equal
 
 - unicode super- and subscripts written as ``^n`` / ``_n`` (``x²`` = ``x^2``), braces around
   a plain exponent or index dropped (``x^{2}`` = ``x^2``), then NFKC and case folding;
-- LaTeX math delimiters ``\(`` ``\)`` ``\[`` ``\]`` ``$$`` ``$`` removed (``\(x\)`` = ``$x$``
-  = ``x``), ``\dfrac`` / ``\tfrac`` read as ``\frac``, ``\left`` / ``\right`` and LaTeX
-  spacing commands removed;
+- LaTeX math delimiters ``\(`` ``\)`` ``\[`` ``\]`` ``$$`` ``$`` (and ``\$``) removed
+  (``\(x\)`` = ``$x$`` = ``x``), ``\dfrac`` / ``\tfrac`` read as ``\frac``, ``\left`` /
+  ``\right`` and LaTeX spacing commands removed;
 - split into tokens (runs of letters and digits, each other symbol alone): whitespace is
   not part of the key (``x^2 = 4`` = ``x^2=4``);
-- the instruction wrappers of :data:`WRAPPERS` peeled off its start and end (as often as
-  they occur), then punctuation at either end removed (a dropped final period).
+- punctuation at either end removed (a dropped final period), and the instruction
+  wrappers of :data:`WRAPPERS` peeled off its start and end, in any spacing, case or end
+  punctuation, as often as they occur.
 
 Problems not equal after that are near-duplicates when the Jaccard similarity of their
 word 3-gram sets (words: the letter/digit tokens) is at least :data:`NEAR_DUPLICATE_JACCARD`.
@@ -53,7 +54,7 @@ _BRACED_SCRIPT = re.compile(r"([\^_])\{(\w+)\}")
 _LATEX = [
     (re.compile(r"\\[dt]frac(?![a-z])"), r"\\frac"),
     (re.compile(r"\\(?:left|right)(?![a-z])|\\[,;:! ]"), " "),
-    (re.compile(r"\\[()\[\]]|\$"), " "),  # math delimiters (\$ and $$ included)
+    (re.compile(r"\\[()\[\]]|\\?\$"), " "),  # math delimiters ($$, and \$ as $)
 ]
 _TOKEN = re.compile(r"\w+|[^\w\s]")
 
@@ -68,7 +69,17 @@ def _tokens(text: str) -> list[str]:
     return _TOKEN.findall(text)
 
 
-_WRAPPER_TOKENS = [(_tokens(p), _tokens(s)) for p, s in WRAPPERS]
+def _trim(toks: list[str]) -> list[str]:
+    """Without the punctuation tokens at either end."""
+    lo, hi = 0, len(toks)
+    while lo < hi and not toks[lo][0].isalnum():
+        lo += 1
+    while hi > lo and not toks[hi - 1][0].isalnum():
+        hi -= 1
+    return toks[lo:hi]
+
+
+_WRAPPER_TOKENS = [(_trim(_tokens(p)), _trim(_tokens(s))) for p, s in WRAPPERS]
 
 
 def normalise(text: str) -> list[str]:
@@ -80,22 +91,17 @@ def normalise(text: str) -> list[str]:
             text = text[len(pre):].lstrip()
         if suf and text.endswith(suf):
             text = text[:-len(suf)].rstrip()
-    toks = _tokens(text)
+    toks = _trim(_tokens(text))
     peeled = True
-    while peeled:
+    while peeled:  # any spacing, case or end punctuation of a wrapper, as often as it occurs
         peeled = False
         for pre, suf in _WRAPPER_TOKENS:
             for part, at_start in ((pre, True), (suf, False)):
                 n = len(part)
                 if n and len(toks) > n and (toks[:n] if at_start else toks[-n:]) == part:
-                    toks = toks[n:] if at_start else toks[:-n]
+                    toks = _trim(toks[n:] if at_start else toks[:-n])
                     peeled = True
-    lo, hi = 0, len(toks)
-    while lo < hi and not toks[lo][0].isalnum():
-        lo += 1
-    while hi > lo and not toks[hi - 1][0].isalnum():
-        hi -= 1
-    return toks[lo:hi]
+    return toks
 
 
 def problem_key(text: str) -> str:
