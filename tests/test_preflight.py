@@ -1218,6 +1218,18 @@ def test_a_near_duplicate_is_a_warning_with_both_texts(tmp_path, embedded_cfg):
         "problems")
 
 
+def test_a_refused_problem_is_not_also_listed_as_a_near_duplicate(tmp_path, embedded_cfg):
+    from fixtures.data import write_parquet
+
+    held, val, train = _one_problem_files(tmp_path, BASE_PROBLEM, BASE_PROBLEM + " ")
+    rows = pq.read_table(val).to_pylist()
+    rows[8] = {**rows[8], "prompt": [{"role": "user", "content": BASE_PROBLEM.replace(
+        "Find the sum", "Find the product")}]}
+    res = _selection(embedded_cfg, held, write_parquet(val, rows), train)
+    assert res.status == "error" and len(res.messages) == 1, res.messages
+    assert "h-twin (row 2) = the test set" in res.messages[0]
+
+
 def test_problem_is_the_last_user_message_and_rows_without_an_id_are_named_by_row(
         tmp_path, embedded_cfg):
     """A system message before the problem and an assistant turn after it, no

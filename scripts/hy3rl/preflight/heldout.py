@@ -65,9 +65,9 @@ def problems(path: Path) -> Iterator[Problem]:
         pids = [None] * len(firsts)
         if pa.types.is_struct(extra.type) and extra.type.get_field_index("index") >= 0:
             pids = pc.struct_field(extra, "index").take(rows[firsts]).to_pylist()
-        words = encoded.dictionary.to_pylist()
+        distinct = encoded.dictionary.to_pylist()
         for code, at, pid in zip(codes[firsts], rows[firsts], pids, strict=True):
-            text, row = words[code], offset + int(at)
+            text, row = distinct[code], offset + int(at)
             if text not in keyed:
                 keyed[text] = problem(text, str(pid if pid is not None else f"row {row}"), row)
             found = keyed[text]
@@ -164,8 +164,8 @@ def _overlaps(r: Any, name: str, heldout: Path, val: Path, train: Path, set_name
             r.error(name, f"data.heldout {set_name!r}: {count} {what} ({other}): {pairs}"
                     f"{' ...' if len(common) > SHOWN else ''}: a held-out set shares no "
                     "problem with it (compared after normalisation: docs/formats/preflight.md)")
-        near = index.near(theirs.values())
-        if near:
+        near = [d for d in index.near(theirs.values()) if d.mine.key not in theirs]
+        if near:  # a problem refused above is not also a near-duplicate
             pairs = "; ".join(
                 f"{_named(d.mine)} ~ {short} {_named(d.theirs)}, Jaccard {d.jaccard:.2f}: "
                 f"{shown(d.mine.text)!r} / {shown(d.theirs.text)!r}" for d in near[:SHOWN])
