@@ -23,11 +23,12 @@ from fixtures.data import (
     DAPO_PREFIX,
     DAPO_SUFFIX,
     aime_rows,
+    dapo_problem,
     dapo_rows,
     write_jsonl,
     write_parquet,
 )
-from hy3rl import data
+from hy3rl import cli, data
 from hy3rl.config import ConfigError
 from hy3rl.layout import Layout
 from hy3rl.settings import Config
@@ -361,7 +362,170 @@ def test_custom_conversion_errors(tmp_path, files, tiny_tokenizer_dir):
     err, out = run_stage(tmp_path, tiny_tokenizer_dir,
                          {"source": str(listy), "convert": {"question": "q", "answer": "a"}},
                          {"source": str(files["aime"])})
-    assert err and f"{listy}: row 0, column a: expected text or numbers, got list" in err, err
+    assert err == (f"data.train: {listy}: column 'a' (convert.answer) has type list<element: "
+                   "int64>: expected text (string, large_string or string_view) or integers "
+                   "or floats or decimals"), err
+    assert not out.exists() or list(out.iterdir()) == []
+
+
+# ---- custom data from every common writer (issue 27, item 13) ----
+
+QA = {"q": ["Find x if x+1=0.", "What is 5*5, written with three digits?", "Compute 3 - 10."],
+      "a": ["-1", "025", "-7"], "id": ["I-1", "I-2", "II-1"]}
+QA_CONVERT = {"question": "q", "answer": "a", "id": "id"}
+
+
+def _pandas(dtype):
+    def write(path: Path) -> None:
+        import pandas as pd
+
+        pd.DataFrame({k: pd.Series(v, dtype=dtype) for k, v in QA.items()}).to_parquet(path)
+    return write
+
+
+def _pyarrow(text_type: pa.DataType):
+    def write(path: Path) -> None:
+        pq.write_table(pa.table({k: pa.array(v, text_type) for k, v in QA.items()}), path)
+    return write
+
+
+def _datasets(path: Path) -> None:
+    import datasets
+
+    datasets.Dataset.from_dict(QA).to_parquet(str(path))
+
+
+WRITERS = {  # writer -> (write QA to a parquet file, the Arrow type its text is read back as)
+    "pandas3_default_str": (_pandas(None), pa.large_string()),
+    "pandas3_string_dtype": (_pandas("string"), pa.large_string()),
+    "pandas_python_strings": (_pandas("string[python]"), pa.string()),
+    "pandas_categorical": (_pandas("category"), pa.dictionary(pa.int8(), pa.string())),
+    "pyarrow_string": (_pyarrow(pa.string()), pa.string()),
+    "pyarrow_large_string": (_pyarrow(pa.large_string()), pa.large_string()),
+    "pyarrow_string_view_as_polars": (_pyarrow(pa.string_view()), pa.string_view()),
+    "datasets_to_parquet": (_datasets, pa.string()),
+}
+
+
+@pytest.mark.parametrize("writer", sorted(WRITERS))
+def test_custom_parquet_of_every_writer_converts_to_the_same_rows(writer, tmp_path):
+    write, text_type = WRITERS[writer]
+    path = tmp_path / f"{writer}.parquet"
+    write(path)
+    assert pq.read_schema(path).field("q").type == text_type  # the writer's own type
+    reference = tmp_path / "reference.parquet"
+    _pyarrow(pa.string())(reference)
+    convert = data_section({"source": str(path), "convert": QA_CONVERT},
+                           {"source": "x"}).train.convert
+    tables = [data.convert_custom(data.read_file(f, convert)[0], convert, str(f), "heldout")
+              for f in (path, reference)]
+    assert tables[0].schema == tables[1].schema and tables[0].equals(tables[1])
+    rows = tables[0].to_pylist()
+    assert [r["extra_info"] for r in rows] == [
+        {"index": i, "raw_problem": q, "split": "heldout"}
+        for i, q in zip(QA["id"], QA["q"], strict=True)]
+    assert [r["prompt"][0]["content"] for r in rows] == [DAPO_PREFIX + q + DAPO_SUFFIX
+                                                         for q in QA["q"]]
+    assert [r["reward_model"]["ground_truth"] for r in rows] == QA["a"]
+
+
+def test_verl_format_file_with_large_and_view_strings_reads_as_string(tmp_path):
+    """A verl-format file whose text is large_string (pandas 3) throughout, or string_view
+    (polars) in its top-level columns (pyarrow writes no nested string_view): the same rows,
+    verl's string types, one prompt id per problem."""
+    rows = aime_rows(repeats=1)
+    plain = pa.Table.from_pylist(rows)
+    for nested, top in ((pa.large_string(), pa.large_string()),
+                        (pa.large_string(), pa.string_view())):
+        schema = pa.schema([f.with_type(top if pa.types.is_string(f.type) else
+                                        _with_text(f.type, nested)) for f in plain.schema])
+        path = tmp_path / f"{top}.parquet"
+        pq.write_table(plain.cast(schema), path)
+        assert pq.read_schema(path).field("data_source").type == top
+        table, _ = data.select_columns(data.read_file(path)[0], str(path))
+        data.validate(table, str(path))
+        assert table.schema == plain.schema and table.to_pylist() == rows
+        assert len(set(data.prompt_ids(table["prompt"]))) == 30
+
+
+def _with_text(t: pa.DataType, text: pa.DataType) -> pa.DataType:
+    if pa.types.is_string(t):
+        return text
+    if pa.types.is_struct(t):
+        return pa.struct([f.with_type(_with_text(f.type, text)) for f in t])
+    if pa.types.is_list(t):
+        return pa.list_(_with_text(t.value_type, text))
+    return t
+
+
+def test_pandas3_file_through_hy3rl_data_end_to_end(tmp_path, files, tiny_tokenizer_dir,
+                                                  monkeypatch, capsys):
+    """`hy3rl data` (the stage's entry point, in this process) with a held-out set and a
+    training set that pandas 3 wrote (large_string text, numeric answers): every output
+    written, verl's string types, the rows converted."""
+    import pandas as pd
+
+    work = tmp_path / "work"
+    work.mkdir()
+    held = work / "aime-2025-pandas3.parquet"
+    pd.DataFrame({"problem": QA["q"], "answer": [-1, 25, -7], "id": QA["id"]}).to_parquet(held)
+    mine = work / "mine-pandas3.parquet"
+    pd.DataFrame({"question": [dapo_problem(i) for i in range(5)],
+                  "solution": [str(i) for i in range(5)]}).to_parquet(mine)
+    assert pq.read_schema(held).field("problem").type == pa.large_string()
+    override = {"run": {"name": "t"}, "model": {"source": str(tiny_tokenizer_dir)},
+                "data": {"train": {"source": str(mine), "limit": None,
+                                   "convert": {"question": "question", "answer": "solution"}},
+                         "val": {"source": str(files["aime"])},
+                         "heldout": {"name": "aime2025", "source": str(held),
+                                     "from_train": False, "limit": None,
+                                     "convert": {"question": "problem", "answer": "answer",
+                                                 "id": "id"}}}}
+    (work / "config.yaml").write_text(yaml.safe_dump(override))
+    monkeypatch.chdir(work)
+    assert cli.main(["data", "--configfile", str(work / "config.yaml")]) == 0, \
+        capsys.readouterr().err
+    layout = Layout("results", "t")
+    summary = json.loads((work / layout.data_summary).read_text())
+    heldout = pq.read_table(work / layout.data_heldout)
+    assert heldout.schema == pq.read_table(work / layout.data_train).schema
+    assert heldout.to_pylist() == [{
+        "data_source": "math_dapo",
+        "prompt": [{"content": DAPO_PREFIX + q + DAPO_SUFFIX, "role": "user"}],
+        "ability": "MATH",
+        "reward_model": {"ground_truth": a, "style": "rule-lighteval/MATH_v2"},
+        "extra_info": {"index": i, "raw_problem": q, "split": "heldout"},
+    } for q, a, i in zip(QA["q"], ["-1", "25", "-7"], QA["id"], strict=True)]
+    assert summary["splits"]["heldout"]["rows"] == 3 and summary["heldout_n"] == 1
+    assert summary["splits"]["heldout"]["source"]["sha256"] == sha256(held)
+    assert summary["splits"]["train"]["rows"] == 5
+    assert [r["extra_info"]["raw_problem"] for r in
+            pq.read_table(work / layout.data_train).to_pylist()] == [dapo_problem(i)
+                                                                     for i in range(5)]
+
+
+UNSUPPORTED = {  # column values -> (convert field, the type named in the refusal)
+    "int_question": ({"q": [1, 2, 3]}, "question", "int64"),
+    "list_question": ({"q": [["a"], ["b"], ["c"]]}, "question", "list<element: string>"),
+    "struct_answer": ({"a": [{"v": 1}, {"v": 2}, {"v": 3}]}, "answer", "struct<v: int64>"),
+    "float_id": ({"id": [1.5, 2.5, 3.5]}, "id", "double"),
+    "binary_question": ({"q": [b"a", b"b", b"c"]}, "question", "binary"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(UNSUPPORTED))
+def test_unsupported_column_type_is_refused_naming_file_column_and_type(
+        case, tmp_path, files, tiny_tokenizer_dir):
+    values, field_, type_name = UNSUPPORTED[case]
+    path = tmp_path / "mine.parquet"
+    pq.write_table(pa.table({**QA, **values}), path)
+    column = QA_CONVERT[field_]
+    err, out = run_stage(tmp_path, tiny_tokenizer_dir, {"source": str(files["dapo"])},
+                         {"source": str(files["aime"])},
+                         heldout={"name": "mine", "source": str(path), "convert": QA_CONVERT})
+    assert err is not None and err.startswith(
+        f"data.heldout: {path}: column {column!r} (convert.{field_}) has type {type_name}: "
+        "expected text (string, large_string or string_view)"), err
     assert not out.exists() or list(out.iterdir()) == []
 
 
@@ -580,7 +744,7 @@ def test_heldout_carved_from_train_after_dedup_before_limit(tmp_path, files,
     lengths = verl_lengths(tiny_tokenizer_dir, [r["prompt"] for r in heldout.to_pylist()])
     assert rec["prompt_tokens"]["max"] == max(lengths)
     trec = summary["splits"]["train"]
-    assert trec["held_out_rows"] == 5 and trec["rows"] == 10
+    assert trec["held_out_rows"] == 5 and trec["rows"] == 10 and trec["held_out_twins"] == 0
     assert "carved_prompts" not in trec and "name" not in trec
 
     # Same seeds: the same files; another held-out seed: another set.
@@ -612,6 +776,33 @@ def test_heldout_carve_without_dedup_removes_every_duplicate(tmp_path, files,
     assert summary["splits"]["train"]["held_out_rows"] == 400
     assert summary["splits"]["train"]["input"]["rows"] == 2000
     assert summary["splits"]["heldout"]["rows"] == 4
+
+
+def test_heldout_carve_removes_the_same_problem_written_another_way(tmp_path, files,
+                                                                   tiny_tokenizer_dir):
+    """A training source holding each problem twice, in the DAPO prompt and bare with
+    another spacing: a carved problem leaves train in both forms (preflight's held-out
+    check would refuse the other), counted in held_out_twins."""
+    wrapped = dapo_rows(10)
+    bare = [{**r, "prompt": [{"role": "user", "content": dapo_problem(i).replace(" + ", "+")}],
+             "extra_info": {"index": f"bare-{i}"}} for i, r in enumerate(wrapped)]
+    source = write_parquet(tmp_path / "twins.parquet", wrapped + bare)
+    err, out = run_stage(tmp_path, tiny_tokenizer_dir, {"source": str(source), "limit": None},
+                         {"source": str(files["aime"])}, heldout=carve(3, seed=4))
+    assert err is None, err
+
+    def number(row: dict) -> int:
+        index = row["extra_info"]["index"]
+        return int(index[5:]) if index.startswith("bare-") else [
+            r["extra_info"]["index"] for r in wrapped].index(index)
+
+    held = {number(r) for r in pq.read_table(out / "heldout.parquet").to_pylist()}
+    train_rows = pq.read_table(out / "train.parquet").to_pylist()
+    assert sorted(number(r) for r in train_rows) == sorted(
+        [i for i in range(10) if i not in held] * 2)
+    trec = read_summary(out)["splits"]["train"]
+    assert trec["held_out_twins"] == 2 * len(held) - 3 > 0  # seed 4: not 3 pairs of twins
+    assert trec["held_out_rows"] == 2 * len(held)
 
 
 @pytest.mark.parametrize("limit", [20, 25])

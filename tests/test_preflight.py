@@ -12,8 +12,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 import yaml
+from fixtures.data import DAPO_PREFIX, DAPO_SUFFIX
 from fixtures.fake_verl import line_of
 from fixtures.verl import write_lock
 from hy3rl import cli
@@ -1127,8 +1129,151 @@ def test_selection_set_must_be_held_out_from_the_test_and_training_sets(tmp_path
     msgs = " | ".join(res.messages)
     assert res.status == "error" and len(res.messages) == 2, msgs
     assert "1 of its 4 problems are also in the test set" in msgs
-    assert f"h-1 = the test set {aime['extra_info']['index']}" in msgs
+    pid = aime["extra_info"]["index"]
+    val_row = [r["extra_info"]["index"] for r in aime_rows(repeats=2)].index(pid)
+    assert f"h-1 (row 2) = the test set {pid} (row {val_row})" in msgs
     assert "1 of its 4 problems are also in the training set" in msgs
+    train_id = dapo_rows(20)[5]["extra_info"]["index"]
+    assert f"{train_id} (row 3) = the training set {train_id} (row 3)" in msgs
+
+
+# issue 27, item 6: the same problem written another way is still the same problem
+BASE_PROBLEM = ("Let $x$ be a real number such that $x^2 = 4$. Find the sum of all real "
+                "values of $x$ that satisfy this equation.")
+TWINS = {  # case -> (the held-out set's text, the test set's text)
+    "dropped_trailing_period": (BASE_PROBLEM, BASE_PROBLEM[:-1]),
+    "paren_vs_dollar_delimiters": (BASE_PROBLEM.replace("$x$", r"\(x\)").replace(
+        "$x^2 = 4$", r"\(x^2 = 4\)"), BASE_PROBLEM),
+    "dapo_wrapper_vs_other_template": (
+        DAPO_PREFIX + BASE_PROBLEM + DAPO_SUFFIX,
+        BASE_PROBLEM + " Let's think step by step and output the final answer within "
+        "\\boxed{}."),
+    "dapo_wrapper_vs_bare": (DAPO_PREFIX + BASE_PROBLEM + DAPO_SUFFIX, BASE_PROBLEM),
+    "unicode_superscript": (BASE_PROBLEM.replace("x^2", "x²"), BASE_PROBLEM),
+    "spaces_around_operators": (BASE_PROBLEM.replace("x^2 = 4", "x^2=4"), BASE_PROBLEM),
+}
+
+
+@pytest.fixture(scope="module")
+def embedded_cfg() -> dict:
+    """The embedded default config (read once; the tests do not change it)."""
+    return cfgmod.load(REPO / "config/config.yaml")
+
+
+def _one_problem_files(tmp_path: Path, held_text: str, test_text: str
+                       ) -> tuple[Path, Path, Path]:
+    """A held-out set of 3 problems (one of them ``held_text``), a test set of 30 AIME
+    problems with ``test_text`` as its problem 7, a training set of 18 DAPO problems."""
+    from fixtures.data import aime_rows, dapo_rows, write_parquet
+
+    def row(text: str, pid: str) -> dict:
+        return {**dapo_rows(1)[0], "prompt": [{"role": "user", "content": text}],
+                "extra_info": {"index": pid}}
+
+    val_rows = aime_rows(repeats=1)
+    val_rows[7] = {**val_rows[7], "prompt": [{"role": "user", "content": test_text}]}
+    held = write_parquet(tmp_path / "held.parquet",
+                         [*dapo_rows(20)[:2], row(held_text, "h-twin")])
+    return (held, write_parquet(tmp_path / "val.parquet", val_rows),
+            write_parquet(tmp_path / "train.parquet", dapo_rows(20)[2:]))
+
+
+@pytest.mark.parametrize("case", sorted(TWINS))
+def test_the_same_problem_written_another_way_is_refused(case, tmp_path, embedded_cfg):
+    held, val, train = _one_problem_files(tmp_path, *TWINS[case])
+    res = _selection(embedded_cfg, held, val, train)
+    pid = pq.read_table(val).to_pylist()[7]["extra_info"]["index"]
+    assert res is not None and res.status == "error", res
+    assert len(res.messages) == 1, res.messages
+    assert res.messages[0].startswith(
+        f"data.heldout 'dapo_heldout': 1 of its 3 problems are also in the test set "
+        f"(data.val) ({val}): h-twin (row 2) = the test set {pid} (row 7): a held-out set "
+        "shares no problem with it"), res.messages[0]
+
+
+def test_a_different_problem_passes(tmp_path, embedded_cfg):
+    other = ("Let $y$ be a positive integer such that $y^3 = 27$. Find the product of all "
+             "real values of $y$ that satisfy this equation.")
+    held, val, train = _one_problem_files(tmp_path, other, BASE_PROBLEM)
+    assert _selection(embedded_cfg, held, val, train) is None
+
+
+def test_a_near_duplicate_is_a_warning_with_both_texts(tmp_path, embedded_cfg):
+    from hy3rl.problems import problem
+
+    near = BASE_PROBLEM.replace("Find the sum", "Find the product")  # another question
+    held, val, train = _one_problem_files(tmp_path, near, DAPO_PREFIX + BASE_PROBLEM
+                                          + DAPO_SUFFIX)
+    a, b = problem(near, "a", 0), problem(BASE_PROBLEM, "b", 0)
+    jaccard = len(a.ngrams & b.ngrams) / len(a.ngrams | b.ngrams)
+    assert a.key != b.key and jaccard >= 0.7
+    res = _selection(embedded_cfg, held, val, train)
+    pid = pq.read_table(val).to_pylist()[7]["extra_info"]["index"]
+    assert res is not None and res.status == "warning" and len(res.messages) == 1, res
+    assert res.messages[0] == (
+        f"data.heldout 'dapo_heldout': 1 of its 3 problems are near-duplicates of problems "
+        f"in the test set (data.val) ({val}) (word 3-gram Jaccard >= 0.7, not equal after "
+        f"normalisation): h-twin (row 2) ~ the test set {pid} (row 7), Jaccard "
+        f"{jaccard:.2f}: {near!r} / {BASE_PROBLEM!r}: check that they are different "
+        "problems")
+
+
+def test_a_refused_problem_is_not_also_listed_as_a_near_duplicate(tmp_path, embedded_cfg):
+    from fixtures.data import write_parquet
+
+    held, val, train = _one_problem_files(tmp_path, BASE_PROBLEM, BASE_PROBLEM + " ")
+    rows = pq.read_table(val).to_pylist()
+    rows[8] = {**rows[8], "prompt": [{"role": "user", "content": BASE_PROBLEM.replace(
+        "Find the sum", "Find the product")}]}
+    res = _selection(embedded_cfg, held, write_parquet(val, rows), train)
+    assert res.status == "error" and len(res.messages) == 1, res.messages
+    assert "h-twin (row 2) = the test set" in res.messages[0]
+
+
+def test_problem_is_the_last_user_message_and_rows_without_an_id_are_named_by_row(
+        tmp_path, embedded_cfg):
+    """A system message before the problem and an assistant turn after it, no
+    extra_info.index: the problem is still found and named ``row <i>``."""
+    from fixtures.data import dapo_rows, write_parquet
+
+    held, val, train = _one_problem_files(tmp_path, "unused", BASE_PROBLEM)
+    rows = [{**r, "extra_info": {"other": "x"}} for r in dapo_rows(20)[:2]]
+    rows.append({**rows[0], "prompt": [
+        {"role": "system", "content": "You are a careful solver."},
+        {"role": "user", "content": "An earlier question."},
+        {"role": "assistant", "content": "An earlier answer."},
+        {"role": "user", "content": BASE_PROBLEM.upper()},
+        {"role": "assistant", "content": "Let me think."}]})
+    held = write_parquet(tmp_path / "held-noid.parquet", rows)
+    res = _selection(embedded_cfg, held, val, train)
+    pid = pq.read_table(val).to_pylist()[7]["extra_info"]["index"]
+    assert res.status == "error" and len(res.messages) == 1, res
+    assert f"row 2 (row 2) = the test set {pid} (row 7)" in res.messages[0], res.messages
+
+
+def test_near_duplicate_index_finds_what_all_pairs_find():
+    """The 3-gram index against every pair: for each held-out problem the same best match
+    at or above the threshold, none for an equal key, nothing below it."""
+    import random
+
+    from hy3rl.problems import NEAR_DUPLICATE_JACCARD, NgramIndex, problem
+
+    rng = random.Random(3)
+    vocab = [f"w{i}" for i in range(12)]
+    base = [" ".join(rng.choice(vocab) for _ in range(rng.randint(4, 14))) for _ in range(20)]
+    others = [problem(t, f"o{i}", i) for i, t in enumerate(
+        base + [b + " " + rng.choice(vocab) for b in base] + [b.upper() + "." for b in base])]
+    held = [problem(t, f"h{i}", i) for i, t in enumerate(base[:8] + [
+        " ".join(rng.choice(vocab) for _ in range(10)) for _ in range(8)])]
+    found = {d.mine.pid: (d.theirs.pid, d.jaccard) for d in NgramIndex(held).near(others)}
+    expected = {}
+    for h in held:
+        scored = [(len(h.ngrams & o.ngrams) / len(h.ngrams | o.ngrams), -j, o.pid)
+                  for j, o in enumerate(others) if o.key != h.key]
+        best = max(scored)
+        if best[0] >= NEAR_DUPLICATE_JACCARD:
+            expected[h.pid] = (best[2], best[0])
+    assert expected and found == expected
 
 
 def test_selection_keys_are_checked_by_name(tmp_path):

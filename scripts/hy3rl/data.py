@@ -266,19 +266,58 @@ def _column(table: pa.Table, name: str, label: str) -> pa.ChunkedArray:
         raise DataError(
             f"{label}: column {name!r} missing (columns: {', '.join(table.column_names)})"
         )
-    col = table[name]
-    if pa.types.is_dictionary(col.type):
-        col = pc.cast(col, col.type.value_type)
-    return col
+    return plain_text(table[name])
 
 
-def _as_text(col: pa.ChunkedArray, label: str, name: str) -> pa.ChunkedArray:
+def _is_text(t: pa.DataType) -> bool:
+    """Arrow's three text types: ``string`` (pyarrow, ``datasets``, pandas' python-backed
+    strings), ``large_string`` (pandas 3's default ``str`` and ``string`` dtypes) and
+    ``string_view`` (polars)."""
+    return pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t)
+
+
+def _plain_type(t: pa.DataType) -> pa.DataType:
+    """``t`` with every text type in it ``string`` and every dictionary decoded (lists,
+    structs followed down; other types as they are)."""
+    if pa.types.is_dictionary(t):
+        return _plain_type(t.value_type)
+    if _is_text(t):
+        return pa.string()
+    if pa.types.is_struct(t):
+        return pa.struct([f.with_type(_plain_type(f.type)) for f in t])
+    if pa.types.is_list(t):
+        return pa.list_(t.value_field.with_type(_plain_type(t.value_type)))
+    if pa.types.is_large_list(t):
+        return pa.large_list(t.value_field.with_type(_plain_type(t.value_type)))
+    return t
+
+
+def plain_text(col: pa.ChunkedArray) -> pa.ChunkedArray:
+    """``col`` with verl's text type (``string``) wherever its writer used another one
+    (pandas 3: ``large_string``; polars: ``string_view``; categoricals: dictionaries), so
+    that columns of different writers combine and every output has one schema."""
+    target = _plain_type(col.type)
+    return col if target == col.type else pc.cast(col, target)
+
+
+TEXT_TYPES = "string, large_string or string_view"
+
+
+def _as_text(col: pa.ChunkedArray, label: str, name: str, field_: str,
+             numbers: tuple[str, ...] = ()) -> pa.ChunkedArray:
+    """The mapped field ``name`` (``convert.<field_>``) as ``string``: text of any writer, and
+    the kinds of numbers in ``numbers`` (``integer``, ``float``) cast to text; any other type
+    is refused naming the file, the column and its type."""
     t = col.type
-    if pa.types.is_string(t) or pa.types.is_large_string(t):
+    if _is_text(t):
         return col
-    if pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_decimal(t):
+    kinds = {"integer": pa.types.is_integer, "float": pa.types.is_floating,
+             "decimal": pa.types.is_decimal}
+    if any(kinds[k](t) for k in numbers):
         return pc.cast(col, pa.string())
-    raise DataError(f"{label}: row 0, column {name}: expected text or numbers, got {t}")
+    allowed = f"text ({TEXT_TYPES})" + "".join(f" or {k}s" for k in numbers)
+    raise DataError(f"{label}: column {name!r} (convert.{field_}) has type {t}: expected "
+                    f"{allowed}")
 
 
 def convert_custom(
@@ -286,15 +325,18 @@ def convert_custom(
 ) -> pa.Table:
     """A user's question/answer table -> verl's 5 columns (DAPO template unless 'none')."""
     n = table.num_rows
-    question = _as_text(_column(table, convert.question, label), label, convert.question)
-    answer = _as_text(_column(table, convert.answer, label), label, convert.answer)
+    question = _as_text(_column(table, convert.question, label), label, convert.question,
+                        "question")
+    answer = _as_text(_column(table, convert.answer, label), label, convert.answer, "answer",
+                      ("integer", "float", "decimal"))
     for name, col in ((convert.question, question), (convert.answer, answer)):
         bad = pc.or_kleene(pc.is_null(col), _blank(col))
         _raise_first(bad, label, name, "empty or missing value")
     question = question.combine_chunks() if n else pa.array([], pa.string())
     answer = pc.utf8_trim_whitespace(answer).combine_chunks() if n else pa.array([], pa.string())
     if convert.id:
-        ids = _as_text(_column(table, convert.id, label), label, convert.id)
+        ids = _as_text(_column(table, convert.id, label), label, convert.id, "id",
+                       ("integer",))
         _raise_first(pc.is_null(ids), label, convert.id, "missing id")
         index = ids.combine_chunks() if n else pa.array([], pa.string())
     else:
@@ -343,10 +385,6 @@ def _raise_first(mask: pa.ChunkedArray | pa.Array, label: str, column: str, prob
     raise DataError(f"{label}: row {row}, column {column}: {problem}{more}")
 
 
-def _is_text(t: pa.DataType) -> bool:
-    return pa.types.is_string(t) or pa.types.is_large_string(t)
-
-
 def _type_error(label: str, column: str, expected: str, got: pa.DataType) -> DataError:
     return DataError(
         f"{label}: row 0, column {column}: expected {expected}, got {got} (the whole column "
@@ -364,14 +402,7 @@ def select_columns(table: pa.Table, label: str) -> tuple[pa.Table, list[str]]:
             "data.<split>.convert)"
         )
     dropped = [c for c in table.column_names if c not in COLUMNS]
-    cols = []
-    for name in COLUMNS:
-        col = table[name]
-        if pa.types.is_dictionary(col.type):
-            col = pc.cast(col, col.type.value_type)
-        if name in ("data_source", "ability") and pa.types.is_large_string(col.type):
-            col = pc.cast(col, pa.string())  # pandas 3 writes large_string; verl's are string
-        cols.append(col)
+    cols = [plain_text(table[name]) for name in COLUMNS]
     return pa.table(cols, names=list(COLUMNS)), dropped
 
 
@@ -670,13 +701,14 @@ def prepare_split(
     carved = None
     if carve is not None:
         before = len(loaded.ids)
-        loaded, held = carve_heldout(loaded, carve.limit, carve.seed, key)
+        loaded, held, twins = carve_heldout(loaded, carve.limit, carve.seed, key)
         with _labelled("data.heldout"):
             carved = _finish_split(held, carve, tokenizer, max_prompt_length)
     with _labelled(key):
         result = _finish_split(loaded, src, tokenizer, max_prompt_length)
     if carved is not None:
         result.record["held_out_rows"] = before - len(loaded.ids)
+        result.record["held_out_twins"] = twins
         result.carved = carved
     return result
 
@@ -712,11 +744,16 @@ def _load_split(split: str, src: DataSource | HeldoutSource, cache_dir: str | No
 
 
 def carve_heldout(loaded: LoadedSplit, limit: int, seed: int, key: str = "data.train"
-                  ) -> tuple[LoadedSplit, LoadedSplit]:
+                  ) -> tuple[LoadedSplit, LoadedSplit, int]:
     """Hold ``limit`` distinct prompts out of ``loaded``, chosen with ``seed`` among its
     distinct prompts in order of first appearance (numpy default_rng, as
-    :func:`sample_rows`). Returns (every row whose prompt is none of them, the first row of
-    each chosen prompt), both in source order."""
+    :func:`sample_rows`). Returns (every row whose prompt is none of them nor the same
+    problem written another way, the first row of each chosen prompt, both in source
+    order; how many other distinct prompts were removed as such twins). Problems are the
+    same when their normalised texts are (:func:`hy3rl.problems.problem_key`, preflight's
+    held-out check)."""
+    from hy3rl.problems import problem_key, user_text
+
     first = first_occurrences(loaded.ids)
     if limit >= len(first):
         raise DataError(
@@ -725,8 +762,12 @@ def carve_heldout(loaded: LoadedSplit, limit: int, seed: int, key: str = "data.t
             "training"
         )
     held = first[sample_rows(len(first), limit, seed)]
-    keep = np.flatnonzero(~np.isin(loaded.ids, loaded.ids[held]))
-    return loaded.take(keep), loaded.take(held)
+    prompts = take_rows(loaded.table.select(["prompt"]), first)["prompt"].to_pylist()
+    keys = [problem_key(user_text(p)) for p in prompts]  # of each distinct prompt id
+    held_keys = {keys[i] for i in np.searchsorted(first, held)}
+    gone = loaded.ids[first][[k in held_keys for k in keys]]
+    keep = np.flatnonzero(~np.isin(loaded.ids, gone))
+    return loaded.take(keep), loaded.take(held), len(gone) - len(held)
 
 
 def check_problem_ids(table: pa.Table, ids: np.ndarray, rows: np.ndarray, label: str
