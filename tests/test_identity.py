@@ -1,4 +1,4 @@
-"""Run identity (issue 18): the three kinds of keys (hy3rl.identity), the trajectory of a
+"""Run identity (issues 18 and 27): the four kinds of keys (hy3rl.identity), the trajectory of a
 plan, and the checkpoint directory's identity file and decisions (hy3rl.ckptdir) on real
 checkpoint directories written by the trainer double's own writer."""
 

@@ -52,13 +52,13 @@ PER_ENTRY = "per entry"  # train.env, train.verl_overrides: each entry by its ow
 # why. The longest matching entry decides; tests/test_identity.py fails on a schema key
 # that none matches.
 CONFIG_KINDS: dict[str, tuple[str, str]] = {
-    "run.name": (LOCATION, "names the checkpoint directory (<checkpoint_root>/<run.name>)"),
+    "run.name": (LOCATION, "names the checkpoint directory (`<checkpoint_root>/<run.name>`)"),
     "run.results_root": (LOCATION, "holds the checkpoint directory when "
                          "train.checkpoint_root is empty"),
     "deps.dir": (OPERATIONAL, "where the clones live; their commits identify them"),
     "deps.repos.*.url": (OPERATIONAL, "where a repository is fetched from: its commit, not "
                          "its url, is what runs"),
-    "deps.repos.*.commit": (TRAJECTORY, "the code that trains (pin.<name>)"),
+    "deps.repos.*.commit": (TRAJECTORY, "the code that trains (`pin.<name>`)"),
     "data.max_prompt_length": (TRAJECTORY, "prompt length limit (MAX_PROMPT_LENGTH)"),
     "data.train": (TRAJECTORY, "the training set (counted by content: data.train.sha256)"),
     "data.val": (OPERATIONAL, "the validation set: verl's validation during training and the "
