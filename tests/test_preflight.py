@@ -1216,6 +1216,14 @@ def test_overrides_of_owned_paths_and_checkpoint_locations_are_refused(verl, tmp
         line = next((ln for ln in msg.splitlines() if f"train.verl_overrides.{key}:" in ln), "")
         assert why in line, (key, msg)
     assert not (tmp_path / "out").exists()  # refused before anything is written
+    # the same paths through the launch script's knobs: rule `knobs`, naming the key to set
+    from hy3rl.preflight.resolve import knob_env
+
+    cfg["train"]["env"].update(DATA_DIR="/other", MODEL_PATH="/other/model")
+    _, problems = knob_env(Config.from_dict(cfg), tmp_path / "t.parquet",
+                           tmp_path / "v.parquet", list(cfg["train"]["env"]))
+    assert problems == ["train.env.DATA_DIR: set data.train.source / data.val.source instead",
+                        "train.env.MODEL_PATH: set model.source / model.dir instead"]
 
 
 def complete_checkpoint(root: Path, step: int) -> None:
