@@ -9,8 +9,9 @@
 # The expensive inputs are ancient() (rules/common.smk): a re-rendered but unchanged plan
 # never retrains. What does re-run a training job is its keys file from rule train_keys
 # (trajectory, extent and location keys: hy3rl.identity), in the same invocation; an
-# operational change (a Ray timeout, loggers, retention, the watchdog, the time limit) or
-# other evaluation steps never retrain. The job itself then checks the checkpoint
+# operational change (a Ray timeout, loggers, names, retention, the watchdog, the time
+# limit, a memory-only knob, a repository's url, the validation set) or other evaluation
+# steps never retrain. The job itself then checks the checkpoint
 # directory's run identity (hy3rl.ckptdir): same trajectory resumes or extends, another is
 # refused unless train.on_config_change says fresh or resume.
 # A relaunch while a live trainer holds the checkpoint directory stops in `onstart:`.

@@ -1,4 +1,4 @@
-"""Run identity (issue 18): the three kinds of keys (hy3rl.identity), the trajectory of a
+"""Run identity (issues 18 and 27): the four kinds of keys (hy3rl.identity), the trajectory of a
 plan, and the checkpoint directory's identity file and decisions (hy3rl.ckptdir) on real
 checkpoint directories written by the trainer double's own writer."""
 
@@ -93,9 +93,9 @@ def test_trajectory_leaves_out_extent_operational_and_paths():
     assert _traj(lr="5e-6")["id"] != t["id"]
     assert _traj(data="bb")["id"] != t["id"]
     diff = identity.changes(t["values"], _traj(lr="5e-6")["values"])
-    assert diff == [{"key": "actor_rollout_ref.actor.optim.lr", "old": "1e-6", "new": "5e-6"}]
+    assert diff == [{"key": "actor_rollout_ref.actor.optim.lr", "old": 1e-6, "new": 5e-6}]
     assert identity.describe_changes(diff, t["origins"]) == \
-        'actor_rollout_ref.actor.optim.lr (script (ACTOR_LR)): "1e-6" -> "5e-6"'
+        "actor_rollout_ref.actor.optim.lr (script (ACTOR_LR)): 1e-06 -> 5e-06"
 
 
 def test_model_identity_hub_and_local():
@@ -147,7 +147,7 @@ def test_a_changed_trajectory_is_refused_naming_the_key(root: Path) -> None:
     before = sorted(p.name for p in root.iterdir())
     d = ckptdir.decide_identity(root, _traj(lr="5e-6"), 4, "refuse")
     assert d.action == "refuse"
-    assert 'actor_rollout_ref.actor.optim.lr (script (ACTOR_LR)): "1e-6" -> "5e-6"' in d.error
+    assert "actor_rollout_ref.actor.optim.lr (script (ACTOR_LR)): 1e-06 -> 5e-06" in d.error
     assert "step 4" in d.error and "on_config_change" in d.error
     with pytest.raises(ckptdir.CheckpointDirError, match="optim.lr"):
         ckptdir.apply_identity(root, d, _traj(lr="5e-6"), 4, 0)
@@ -170,7 +170,7 @@ def test_fresh_moves_everything_aside_and_deletes_nothing(root: Path) -> None:
     assert ckptdir.scan(root) == []
     doc = ckptdir.read_identity(root)
     assert doc["lineage"] == 2 and doc["first_attempt"] == 3
-    assert doc["trajectory"]["values"]["actor_rollout_ref.actor.optim.lr"] == "5e-6"
+    assert doc["trajectory"]["values"]["actor_rollout_ref.actor.optim.lr"] == 5e-6
     assert ckptdir.lineage_first_attempt(root) == 3
 
 
@@ -193,3 +193,125 @@ def test_an_identity_file_that_does_not_parse_names_the_file(root: Path) -> None
     (root / ckptdir.IDENTITY_NAME).write_text(json.dumps({"trajectory": {}}))
     with pytest.raises(ckptdir.CheckpointDirError, match="not a run identity file"):
         ckptdir.decide_identity(root, _traj(), 4, "refuse")
+
+
+# ---- issue 27: a run identity without holes ----
+
+
+def test_names_urls_validation_and_memory_knobs_rerun_no_training():
+    """Item 9: names, validation settings, a repository's url and the validation set are
+    operational: no training job and no checkpoint tag's evaluation re-runs; a commit does."""
+    import copy
+
+    raw = make_config().raw  # validated once; each variant edits a copy of it
+    keys = ("eval.seed",)
+    base = identity.train_trigger_values(raw)
+    step = identity.eval_request_params(raw, "step2", keys)
+
+    def variant(edit) -> dict:
+        cfg = copy.deepcopy(raw)
+        edit(cfg)
+        return cfg
+
+    for edit in (lambda c: c["train"]["env"].update(
+                     PROJECT_NAME="p", EXPERIMENT_NAME="e", LOG_VAL_GENERATIONS=0,
+                     VAL_DO_SAMPLE=False, ROLLOUT_GPU_MEM_UTIL=0.5,
+                     PPO_MAX_TOKEN_LEN_PER_GPU=20480),
+                 lambda c: c["deps"]["repos"]["verl"].update(url="/mirror/verl.git"),
+                 lambda c: c["data"]["val"].update(limit=3, n=2)):
+        cfg = variant(edit)
+        assert identity.train_trigger_values(cfg) == base
+        assert identity.eval_request_params(cfg, "step2", keys) == step
+    for edit in (lambda c: c["deps"]["repos"]["verl"].update(commit="f" * 40),
+                 lambda c: c["train"]["env"].update(ACTOR_LR=2e-6),
+                 lambda c: c["data"]["train"].update(limit=3)):
+        assert identity.train_trigger_values(variant(edit)) != base
+
+
+def test_kinds_of_knobs_and_verl_keys():
+    """Item 2 and 8: checkpoint location keys are `location`; memory-only knobs operational;
+    a knob is as strong as the strongest key it sets."""
+    for key in ("trainer.default_local_dir", "trainer.resume_mode", "trainer.resume_from_path",
+                "trainer.del_local_ckpt_after_load", "trainer.max_actor_ckpt_to_keep"):
+        assert identity.verl_kind(key) == "location", key
+        assert "checkpoint" in identity.refused_override("++" + key), key
+    assert identity.refused_override("data.train_files").endswith("data.train.source instead")
+    assert identity.refused_override("actor_rollout_ref.actor.optim.lr") is None
+    for knob in ("ROLLOUT_GPU_MEM_UTIL", "PPO_MAX_TOKEN_LEN_PER_GPU", "ALL_OFFLOAD",
+                 "ROLLOUT_LOG_PROB_MAX_TOKEN_LEN_PER_GPU", "ROLLOUT_MAX_NUM_BATCHED_TOKENS",
+                 "ACTOR_PPO_MICRO_BATCH_SIZE_PER_GPU", "PROJECT_NAME", "VAL_DO_SAMPLE"):
+        assert identity.knob_kind(knob) == "operational", knob
+    assert identity.knob_kind("INFER_BACKEND") == "trajectory"  # name + experiment name
+    assert identity.knob_kind("TOTAL_EPOCHS") == "extent"
+    assert identity.knob_kind("SOME_NEW_KNOB") == "trajectory"  # unknown: counted
+
+
+def test_values_compare_by_type_and_value(root: Path) -> None:
+    """Item 8: 1e-6, 1.0e-6 and the YAML float's rendering are one float; True and true one
+    boolean; a boolean is no number; an identity file written with override text (before
+    typed values) compares the same way."""
+    from hy3rl.preflight.resolve import hydra_value
+
+    t = _traj(lr="1e-6", **{"actor_rollout_ref.actor.use_kl_loss": "True",
+                            "actor_rollout_ref.rollout.top_p": "1"})
+    for lr, kl, top_p in (("1.0e-6", "true", "1.0"), (hydra_value(1.0e-6), "True", "1")):
+        u = _traj(lr=lr, **{"actor_rollout_ref.actor.use_kl_loss": kl,
+                            "actor_rollout_ref.rollout.top_p": top_p})
+        assert u["id"] == t["id"] and identity.changes(t["values"], u["values"]) == []
+    assert identity.changes({"k": True}, {"k": 1}) != []
+    assert identity.changes({"k": "1e-6"}, {"k": 1e-6}) != []  # typed: a string is no float
+    # a file from before typed values holds the override text: "1e-6" -> compared as 1e-06
+    # and listed the keys that were trajectory then (memory-only knobs, names)
+    legacy = {**t, "values": {**t["values"], "actor_rollout_ref.actor.optim.lr": "1e-6",
+                              "actor_rollout_ref.actor.use_kl_loss": "True",
+                              "actor_rollout_ref.rollout.gpu_memory_utilization": "0.65"}}
+    del legacy["form"]
+    _launch(root, legacy, 4)
+    assert _launch(root, _traj(lr="1.0e-6", **{"actor_rollout_ref.actor.use_kl_loss": "true",
+                                               "actor_rollout_ref.rollout.top_p": "1.0"}),
+                   4).action == "same"
+    assert ckptdir.decide_identity(root, _traj(lr="2e-6"), 4, "refuse").action == "refuse"
+
+
+def test_a_path_verl_reads_counts_by_content(tmp_path: Path) -> None:
+    """Item 1: a path-valued key that is not workflow-owned counts by what it names: a file
+    by its sha256, a directory by its files; its name does not count."""
+    a, b = tmp_path / "a" / "ds.py", tmp_path / "b" / "ds.py"
+    for p in (a, b):
+        p.parent.mkdir()
+        p.write_text("class D: pass\n")
+    key = "data.custom_cls.path"
+    ta, tb = _traj(**{key: str(a)}), _traj(**{key: str(b)})
+    assert ta["values"][key].startswith("file sha256:") and ta["id"] == tb["id"]
+    b.write_text("class D: x = 1\n")
+    assert _traj(**{key: str(b)})["id"] != ta["id"]
+    da, db = _traj(**{key: str(a.parent)}), _traj(**{key: str(b.parent)})
+    assert da["values"][key].startswith("directory sha256:") and da["id"] != db["id"]
+    # the workflow-owned paths count by the workflow's content identities, not the path
+    moved = _traj(**{"data.train_files": "/elsewhere/train.parquet"})
+    assert moved["id"] == _traj()["id"] and "data.train_files" not in moved["values"]
+
+
+def _schema_leaves() -> list[str]:
+    from hy3rl.settings import schema_paths
+
+    keys = schema_paths()
+    return sorted(k for k in keys if not any(o.startswith(k + ".") for o in keys))
+
+
+def test_every_config_key_has_a_kind():
+    missing = [k for k in _schema_leaves() if identity.config_kind(k) is None]
+    assert missing == [], f"config keys without a kind in hy3rl.identity.CONFIG_KINDS: {missing}"
+    assert all(kind in identity.KINDS + (identity.PER_ENTRY,)
+               for kind, _ in identity.CONFIG_KINDS.values())
+    assert all(kind in identity.KINDS for kind, _ in identity.VERL_KINDS.values())
+
+
+def test_the_key_table_in_the_docs_is_the_generated_one():
+    doc = (Path(__file__).resolve().parents[1] / "docs/formats/train.md").read_text()
+    begin, end = doc.find(identity.TABLE_BEGIN), doc.find(identity.TABLE_END)
+    assert begin >= 0 and end > begin, "docs/formats/train.md has no generated key table"
+    committed = doc[begin:end + len(identity.TABLE_END)]
+    assert committed == identity.kind_table(), (
+        "docs/formats/train.md's key table differs from hy3rl.identity.kind_table(): "
+        "paste its output between the markers")

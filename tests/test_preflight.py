@@ -1315,3 +1315,115 @@ def test_an_evaluation_step_that_is_not_a_save_step_is_refused(verl, tmp_path):
                                       "(trainer.save_freq = 20")
     assert plan.selection["key"] == "math_dapo avg@32" and plan.selection["tie"] == \
         "earliest step"
+
+
+# --------------------------------------------------------------------------- run identity
+
+
+def trajectory_of(cfg: dict, verl, tmp_path: Path) -> dict:
+    """plan.json ``identity`` of ``cfg`` as preflight computes it (resolve + run_identity: the
+    resolved overrides of the fake pinned script, the lock's pins), without verl's checks."""
+    from hy3rl.preflight.resolve import resolve
+
+    typed = Config.from_dict(cfg)
+    res = resolve(typed, verl.path, train_files=tmp_path / "data/train.parquet",
+                  val_files=tmp_path / "data/val.parquet", val_n=None,
+                  checkpoint_dir=Layout.from_config(cfg).checkpoint_dir,
+                  reward_fn=tmp_path / "out/reward_fn.py")
+    return pf.run_identity(typed, res, json.loads(verl.lock.read_text()), None, None)
+
+
+def test_overrides_of_owned_paths_and_checkpoint_locations_are_refused(verl, tmp_path):
+    """Issue 27 items 1 and 2: what verl reads from a workflow-owned path, and where it reads
+    and writes checkpoints, is the workflow's: an override of one is refused, each named with
+    the key to set instead or why."""
+    cfg = paper_cfg(tmp_path)
+    cfg["train"]["verl_overrides"].update({
+        "data.train_files": "/other/data.parquet",
+        "actor_rollout_ref.model.path": "/other/model",
+        "++reward.custom_reward_function.path": "/other/reward.py",
+        "trainer.default_local_dir": "/other/ckpt",
+        "trainer.resume_mode": "disable",
+        "+trainer.resume_from_path": "/other/ckpt/global_step_2",
+        "+trainer.max_actor_ckpt_to_keep": 1,
+    })
+    with pytest.raises(pf.PreflightError) as err:
+        trajectory_of(cfg, verl, tmp_path)
+    msg = str(err.value)
+    for key, why in (("data.train_files", "set data.train.source instead"),
+                     ("actor_rollout_ref.model.path", "set model.source instead"),
+                     ("++reward.custom_reward_function.path",
+                      "set train.reward_function.path instead"),
+                     ("trainer.default_local_dir", "a checkpoint location key"),
+                     ("trainer.resume_mode", "a checkpoint location key"),
+                     ("+trainer.resume_from_path", "a checkpoint location key"),
+                     ("+trainer.max_actor_ckpt_to_keep", "retention is the workflow's")):
+        line = next((ln for ln in msg.splitlines() if f"train.verl_overrides.{key}:" in ln), "")
+        assert why in line, (key, msg)
+    assert not (tmp_path / "out").exists()  # refused before anything is written
+    # the same paths through the launch script's knobs: rule `knobs`, naming the key to set
+    from hy3rl.preflight.resolve import knob_env
+
+    cfg["train"]["env"].update(DATA_DIR="/other", MODEL_PATH="/other/model")
+    _, problems = knob_env(Config.from_dict(cfg), tmp_path / "t.parquet",
+                           tmp_path / "v.parquet", list(cfg["train"]["env"]))
+    assert problems == ["train.env.DATA_DIR: set data.train.source / data.val.source instead",
+                        "train.env.MODEL_PATH: set model.source / model.dir instead"]
+
+
+def complete_checkpoint(root: Path, step: int) -> None:
+    """verl's marks of a finished save (docs/formats/train.md): the actor's manifest, a whole
+    data.pt archive, the tracker; no weights (hy3rl.ckptdir reads only these)."""
+    import zipfile
+
+    actor = root / f"global_step_{step}" / "actor"
+    actor.mkdir(parents=True)
+    with zipfile.ZipFile(actor.parent / "data.pt", "w") as zf:
+        zf.writestr("data/data.pkl", b"dataloader state")
+    (actor / "ckpt_contents.json").write_text(json.dumps({"global_step": step}))
+    (root / "latest_checkpointed_iteration.txt").write_text(str(step))
+
+
+def test_memory_knobs_and_number_spellings_keep_the_trajectory(verl, tmp_path):
+    """Issue 27 item 8: an OOM fixed mid-run (vLLM's memory share, token budgets, micro
+    batches, offload) and the learning rate written as a YAML float keep the trajectory, so
+    a finished run's checkpoints resume."""
+    from hy3rl import ckptdir
+
+    cfg = paper_cfg(tmp_path)
+    first = trajectory_of(cfg, verl, tmp_path)
+    ckpt = Layout.from_config(cfg).checkpoint_dir
+    for step in (2, 4):
+        complete_checkpoint(ckpt, step)
+    d = ckptdir.decide_identity(ckpt, first["trajectory"], 4, "refuse")
+    ckptdir.apply_identity(ckpt, d, first["trajectory"], 4, 0)
+    cfg["train"]["env"].update(ROLLOUT_GPU_MEM_UTIL=0.5, PPO_MAX_TOKEN_LEN_PER_GPU=20480,
+                               ROLLOUT_LOG_PROB_MAX_TOKEN_LEN_PER_GPU=20480,
+                               REF_LOG_PROB_MAX_TOKEN_LEN_PER_GPU=20480,
+                               ROLLOUT_MAX_NUM_BATCHED_TOKENS=8192, ALL_OFFLOAD=False,
+                               ACTOR_PPO_MICRO_BATCH_SIZE_PER_GPU=1)
+    cfg["train"]["verl_overrides"]["actor_rollout_ref.actor.optim.lr"] = 1.0e-6  # YAML float
+    fixed = trajectory_of(cfg, verl, tmp_path)
+    assert fixed["trajectory"]["id"] == first["trajectory"]["id"]
+    assert ckptdir.decide_identity(ckpt, fixed["trajectory"], 4, "refuse").action == "same"
+    lr = "actor_rollout_ref.actor.optim.lr"
+    assert first["trajectory"]["values"][lr] == 1e-6  # typed, as verl reads it
+    changed = {**fixed["trajectory"], "values": {**fixed["trajectory"]["values"], lr: 2e-6}}
+    assert ckptdir.decide_identity(ckpt, changed, 4, "refuse").action == "refuse"
+
+
+def test_every_knob_and_resolved_key_has_a_kind(verl, tmp_path):
+    """Issue 27's key table: every knob of the launch script and every key of the paper
+    plan's `resolved` has an explicit kind in hy3rl.identity (none left to the default)."""
+    from hy3rl import identity
+    from hy3rl.preflight.resolve import DEFAULT_SCRIPT, resolve, script_knobs
+
+    knobs = script_knobs((verl.path / DEFAULT_SCRIPT).read_text())
+    assert knobs and [k for k in knobs if k not in identity.KNOBS] == []
+    cfg = Config.from_dict(paper_cfg(tmp_path))
+    res = resolve(cfg, verl.path, train_files=tmp_path / "t.parquet",
+                  val_files=tmp_path / "v.parquet", val_n=None,
+                  checkpoint_dir=tmp_path / "ckpt", reward_fn=tmp_path / "r.py")
+    keys = {o.key for o in res.overrides}
+    assert len(keys) > 80
+    assert sorted(k for k in keys if identity.verl_entry(k) is None) == []

@@ -207,7 +207,7 @@ def test_each_change_is_one_invocation_that_does_the_right_thing(tmp_path: Path,
     code, out = run()
     assert code != 0
     log = (run.res / "logs" / "preflight.log").read_text()
-    assert "actor_rollout_ref.actor.optim.lr" in log and "1e-6" in log and "5e-06" in log, log
+    assert "actor_rollout_ref.actor.optim.lr" in log and "1e-06 -> 5e-06" in log, log
     assert "on_config_change" in log
     assert not _ran(out, "train") and run.attempts() == [1, 2, 3]
 

@@ -411,7 +411,7 @@ def test_job_refuses_another_trajectory_and_is_not_resubmitted(slurm_train) -> N
     proc = st.run(check=False)
     assert proc.returncode != 0
     log = st.train_log()
-    assert 'actor_rollout_ref.actor.optim.lr (config): "1e-6" -> "5e-6"' in log, log[-3000:]
+    assert "actor_rollout_ref.actor.optim.lr (config): 1e-06 -> 5e-06" in log, log[-3000:]
     assert "on_config_change" in log
     assert records(st) == [a1]  # no attempt started
     assert len(submitted_jobs(st)) == 2  # the first run's job and this refused one, no third

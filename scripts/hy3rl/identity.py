@@ -1,21 +1,32 @@
-"""Which configuration makes a run's checkpoints: three kinds of keys, defined once here.
+"""Which configuration makes a run's checkpoints: four kinds of keys, defined once here.
 
-- **Trajectory**: whatever changes the weights a step produces. It is computed from
-  preflight's resolved plan (``plan.json``), so the launch script's own defaults and the
-  corrections are covered without a list to maintain: every resolved verl override except
-  the extent and operational ones below, the three pins (verl, Megatron-Bridge,
+- **Trajectory**: whatever changes the weights a step produces. Its identity is computed
+  from preflight's resolved plan (``plan.json``), so the launch script's own defaults and
+  the corrections are covered: every resolved verl override of kind trajectory (a key not
+  in :data:`VERL_KINDS` counts as trajectory), the three pins (verl, Megatron-Bridge,
   TransferQueue), the training data's content (sha256 of ``train.parquet``), the model's
-  identity (``model/manifest.json``) and the custom reward function's content. Path-valued
-  overrides count by their content, never by their path.
+  identity (``model/manifest.json``) and the custom reward function's content. Values count
+  as verl reads them (Hydra's override grammar: ``1e-6``, ``1.0e-6`` and ``"1e-6"`` are one
+  float; ``True`` and ``true`` one boolean). A path counts by what it names, never by its
+  name: the workflow-owned paths (:data:`OWNED_PATHS`) by the content the workflow made,
+  any other absolute path that exists by its content (a file by its sha256, a directory by
+  a manifest of its files' paths, sizes and sha256); an override of an owned path is
+  refused by preflight, naming the workflow key to set instead.
 - **Extent**: how far the run goes (``train.total_training_steps``, ``train.segment_steps``).
-- **Operational**: everything else (loggers, runtime, resources and node count, watchdog,
-  retention, ports, save and validation frequencies, names).
+- **Operational**: what changes no weight: loggers, names, the runtime, resources and node
+  count, the watchdog, retention, save and validation frequencies, the validation set, and
+  memory-only knobs (offload, recompute, token budgets of dynamic batching, micro batches,
+  vLLM's memory share), each with its reason in :data:`VERL_KINDS`.
+- **Location**: where the checkpoints are read or written (``run.name``,
+  ``train.checkpoint_root``; verl's ``trainer.default_local_dir``, resume and checkpoint
+  retention keys). They belong to the workflow: an override of one is refused by
+  preflight; a new location is a new checkpoint directory.
 
-The config-level form (:data:`TRAIN_TRIGGER_KEYS`) is what re-runs training in the same
-invocation (rule ``train_keys``'s params, rules/train.smk). Its verl-level form
-(:data:`EXTENT_VERL_KEYS`, :data:`OPERATIONAL_VERL`) decides what :func:`trajectory`
-leaves out; the same classification filters ``train.env`` knobs and ``train.verl_overrides``
-entries out of the triggers, so an operational override never resubmits a finished run.
+Every config key (:data:`CONFIG_KINDS`), launch-script knob (:data:`KNOBS`) and verl key
+(:data:`VERL_KINDS`) has its kind written here with a reason; :func:`kind_table` renders
+them for docs/formats/train.md. The config-level kinds decide what re-runs training in the
+same invocation (rule ``train_keys``'s params, rules/train.smk: trajectory, extent and
+location keys, ``train.env`` and ``train.verl_overrides`` by their trajectory entries).
 
 The identity of a checkpoint directory, its history and the decision on a rerun are
 :mod:`hy3rl.ckptdir`'s (docs/formats/train.md "Run identity").
@@ -23,97 +34,317 @@ The identity of a checkpoint directory, its history and the decision on a rerun 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import math
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
+
+TRAJECTORY, EXTENT, OPERATIONAL, LOCATION = "trajectory", "extent", "operational", "location"
+KINDS = (TRAJECTORY, EXTENT, OPERATIONAL, LOCATION)
+PER_ENTRY = "per entry"  # train.env, train.verl_overrides: each entry by its own kind
 
 # ---- config level ---------------------------------------------------------------------
 
-# Config keys (dotted; a mapping counts by its leaves) that may change the trajectory.
-# train.env and train.verl_overrides count only by their non-operational entries
-# (train_trigger_values).
-TRAJECTORY_CONFIG_KEYS = (
-    "deps.repos",
-    "data",
-    "model.source",
-    "model.revision",
-    "train.reward_mode",
-    "train.env",
-    "train.algorithm",
-    "train.reward_function",
-    "train.launch_script",
-    "train.verl_overrides",
-)
-EXTENT_CONFIG_KEYS = ("train.total_training_steps", "train.segment_steps")
-# Where the checkpoints live: a new place is a new checkpoint directory (training runs
-# there, or finds the run's checkpoints moved there).
-LOCATION_CONFIG_KEYS = ("run.name", "train.checkpoint_root")
-TRAIN_TRIGGER_KEYS = TRAJECTORY_CONFIG_KEYS + EXTENT_CONFIG_KEYS + LOCATION_CONFIG_KEYS
+# Config key (dotted; a section counts for every key below it; ``*`` one level) -> kind and
+# why. The longest matching entry decides; tests/test_identity.py fails on a schema key
+# that none matches.
+CONFIG_KINDS: dict[str, tuple[str, str]] = {
+    "run.name": (LOCATION, "names the checkpoint directory (`<checkpoint_root>/<run.name>`)"),
+    "run.results_root": (LOCATION, "holds the checkpoint directory when "
+                         "train.checkpoint_root is empty"),
+    "deps.dir": (OPERATIONAL, "where the clones live; their commits identify them"),
+    "deps.repos.*.url": (OPERATIONAL, "where a repository is fetched from: its commit, not "
+                         "its url, is what runs"),
+    "deps.repos.*.commit": (TRAJECTORY, "the code that trains (`pin.<name>`)"),
+    "data.max_prompt_length": (TRAJECTORY, "prompt length limit (MAX_PROMPT_LENGTH)"),
+    "data.train": (TRAJECTORY, "the training set (counted by content: data.train.sha256)"),
+    "data.val": (OPERATIONAL, "the validation set: verl's validation during training and the "
+                 "evaluation's test set (re-evaluated through its file), no weight"),
+    "data.heldout": (OPERATIONAL, "the selection set: evaluation only"),
+    "model.source": (TRAJECTORY, "the starting weights (counted by model.identity)"),
+    "model.revision": (TRAJECTORY, "the starting weights (counted by model.identity)"),
+    "model.dir": (OPERATIONAL, "where a hub checkpoint is stored; repo id and commit identify "
+                  "it"),
+    "model.tiny": (TRAJECTORY, "the generated tiny model's weights (model.identity)"),
+    "checks": (OPERATIONAL, "checks of the checkpoint before training"),
+    "cluster": (OPERATIONAL, "resources, node count, time limit: where and how long, not what"),
+    "preflight": (OPERATIONAL, "checks and estimates before the launch"),
+    "rehearsal": (OPERATIONAL, "the rehearsal's own run on its own checkpoint directory"),
+    "eval": (OPERATIONAL, "evaluation (rule eval_request re-runs it), never training"),
+    "report": (OPERATIONAL, "the report"),
+    "train.reward_mode": (TRAJECTORY, "which reward keys are live"),
+    "train.total_training_steps": (EXTENT, "how far the run goes"),
+    "train.segment_steps": (EXTENT, "where the run stops between jobs"),
+    "train.env": (PER_ENTRY, "each knob by its kind (knob table)"),
+    "train.verl_overrides": (PER_ENTRY, "each override by its verl key's kind (verl table); "
+                             "owned paths and location keys are refused"),
+    "train.loggers": (OPERATIONAL, "where metrics go"),
+    "train.algorithm": (TRAJECTORY, "advantage estimator, policy loss"),
+    "train.reward_function": (TRAJECTORY, "the custom reward (counted by content: "
+                              "reward_function.sha256) and its name"),
+    "train.launch_script": (TRAJECTORY, "the launch's overrides"),
+    "train.checkpoint_root": (LOCATION, "holds the checkpoint directory"),
+    "train.checkpoint_keep": (OPERATIONAL, "the workflow's retention"),
+    "train.keep_eval_checkpoints": (OPERATIONAL, "the workflow's retention"),
+    "train.prune_interval_s": (OPERATIONAL, "the workflow's retention"),
+    "train.on_config_change": (OPERATIONAL, "the choice after a refusal (still a training "
+                               "trigger: choosing fresh or resume launches at once)"),
+    "train.max_submissions": (OPERATIONAL, "resubmission"),
+    "train.restarts_per_job": (OPERATIONAL, "restarts inside an allocation"),
+    "train.watchdog": (OPERATIONAL, "hang and time limits"),
+    "train.time_limit_margin_min": (OPERATIONAL, "stop before the time limit"),
+    "train.node_logs_mb": (OPERATIONAL, "log copies"),
+    "train.notify_command": (OPERATIONAL, "notification"),
+    "train.ray_env_passthrough": (OPERATIONAL, "environment of the Ray job"),
+    "train.runtime": (OPERATIONAL, "container and interpreter (each attempt records its "
+                      "runtime identity)"),
+    "train.ray": (OPERATIONAL, "Ray's ports and timeouts"),
+}
+TRIGGER_KINDS = (TRAJECTORY, EXTENT, LOCATION)  # what re-runs a training job
 
 # ---- verl level -----------------------------------------------------------------------
 
-EXTENT_VERL_KEYS = ("trainer.total_training_steps", "trainer.total_epochs")
-# Resolved verl keys (a key or every key below it) that change no weight a step produces.
-OPERATIONAL_VERL = (
-    "trainer.logger", "trainer.project_name", "trainer.experiment_name",
-    "trainer.save_freq", "trainer.test_freq", "trainer.val_before_train", "trainer.val_only",
-    "trainer.resume_mode", "trainer.resume_from_path", "trainer.default_local_dir",
-    "trainer.max_actor_ckpt_to_keep", "trainer.max_critic_ckpt_to_keep",
-    "trainer.del_local_ckpt_after_load", "trainer.esi_redundant_time",
-    "trainer.log_val_generations", "trainer.rollout_data_dir", "trainer.validation_data_dir",
-    "trainer.ray_wait_register_center_timeout", "trainer.nnodes", "trainer.n_gpus_per_node",
-    "ray_kwargs", "data.val_files", "data.val_batch_size",
-    "actor_rollout_ref.rollout.val_kwargs",
-)
-# Path-valued keys that count by content (what replaces them in the trajectory).
-CONTENT_KEYS = {
-    "data.train_files": "data.train.sha256",
-    "actor_rollout_ref.model.path": "model.identity",
-    "reward.custom_reward_function.path": "reward_function.sha256",
+_DYNAMIC = ("token budget of dynamic micro-batches: verl normalises the loss over the whole "
+            "mini-batch (core_algos.agg_loss, global token / sequence counts), so the cut into "
+            "micro-batches changes summation order, not the gradient")
+_MICRO = "micro-batch size (gradient accumulation): same mini-batch normalisation as above"
+_LOGPROB = ("batching of a log-prob forward pass (no gradient): each sequence's values do not "
+            "depend on its neighbours")
+_OFFLOAD = "parameters / optimizer state kept in host memory between phases: same values"
+_RECOMPUTE = "activation recomputation: memory for compute, same gradients"
+_VLLM = "vLLM memory / scheduling: the sampling distribution is unchanged"
+_CKPT = "decides where checkpoints are read or written: the workflow's (train.checkpoint_root)"
+
+# Resolved verl key (a key or every key below it) -> kind and why. The longest matching
+# entry decides; a key none matches counts as trajectory (tests fail on one in the paper
+# plan).
+VERL_KINDS: dict[str, tuple[str, str]] = {
+    "algorithm": (TRAJECTORY, "advantages, KL, rollout correction"),
+    "reward": (TRAJECTORY, "the reward manager and its arguments"),
+    "reward_model": (TRAJECTORY, "legacy reward keys (live where migrated)"),
+    "model_engine": (TRAJECTORY, "the training engine"),
+    "data": (TRAJECTORY, "how training prompts are read and batched"),
+    "data.train_files": (TRAJECTORY, "counted by content (data.train.sha256); owned: "
+                         "data.train.source"),
+    "data.val_files": (OPERATIONAL, "validation set; owned: data.val.source"),
+    "data.val_batch_size": (OPERATIONAL, "validation batching"),
+    "actor_rollout_ref.hybrid_engine": (TRAJECTORY, "actor and rollout share the weights"),
+    "actor_rollout_ref.model": (TRAJECTORY, "the policy model and how it is built"),
+    "actor_rollout_ref.model.path": (TRAJECTORY, "counted by model.identity; owned: "
+                                     "model.source"),
+    "actor_rollout_ref.model.tokenizer_path": (TRAJECTORY, "owned: model.source"),
+    "actor_rollout_ref.model.enable_gradient_checkpointing": (OPERATIONAL, _RECOMPUTE),
+    "actor_rollout_ref.actor": (TRAJECTORY, "the policy update: optimiser, loss, clipping, KL, "
+                                "parallel layout"),
+    "actor_rollout_ref.actor.use_dynamic_bsz": (OPERATIONAL, _DYNAMIC),
+    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": (OPERATIONAL, _DYNAMIC),
+    "actor_rollout_ref.actor.ppo_micro_batch_size": (OPERATIONAL, _MICRO),
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": (OPERATIONAL, _MICRO),
+    "actor_rollout_ref.actor.megatron.param_offload": (OPERATIONAL, _OFFLOAD),
+    "actor_rollout_ref.actor.megatron.grad_offload": (OPERATIONAL, _OFFLOAD),
+    "actor_rollout_ref.actor.megatron.optimizer_offload": (OPERATIONAL, _OFFLOAD),
+    **{f"actor_rollout_ref.actor.megatron.override_transformer_config.{k}": (OPERATIONAL,
+                                                                             _RECOMPUTE)
+       for k in ("recompute_method", "recompute_granularity", "recompute_num_layers",
+                 "recompute_modules")},
+    "actor_rollout_ref.rollout": (TRAJECTORY, "sampling: backend, n, temperature, top_p, "
+                                  "lengths, parallel layout"),
+    "actor_rollout_ref.rollout.gpu_memory_utilization": (OPERATIONAL, _VLLM),
+    "actor_rollout_ref.rollout.max_num_batched_tokens": (OPERATIONAL, _VLLM),
+    "actor_rollout_ref.rollout.enable_chunked_prefill": (OPERATIONAL, _VLLM),
+    "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz": (OPERATIONAL, _LOGPROB),
+    "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu": (OPERATIONAL, _LOGPROB),
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size": (OPERATIONAL, _LOGPROB),
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": (OPERATIONAL, _LOGPROB),
+    "actor_rollout_ref.rollout.val_kwargs": (OPERATIONAL, "validation sampling"),
+    "actor_rollout_ref.ref": (TRAJECTORY, "the reference model (KL)"),
+    "actor_rollout_ref.ref.log_prob_use_dynamic_bsz": (OPERATIONAL, _LOGPROB),
+    "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu": (OPERATIONAL, _LOGPROB),
+    "actor_rollout_ref.ref.log_prob_micro_batch_size": (OPERATIONAL, _LOGPROB),
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": (OPERATIONAL, _LOGPROB),
+    "actor_rollout_ref.ref.megatron.param_offload": (OPERATIONAL, _OFFLOAD),
+    "trainer.balance_batch": (TRAJECTORY, "reorders samples across data-parallel ranks"),
+    "trainer.logger": (OPERATIONAL, "where metrics go"),
+    "trainer.project_name": (OPERATIONAL, "a name (W&B, logs)"),
+    "trainer.experiment_name": (OPERATIONAL, "a name (W&B, logs)"),
+    "trainer.save_freq": (OPERATIONAL, "when to save (steps lost to a crash)"),
+    "trainer.test_freq": (OPERATIONAL, "when to validate"),
+    "trainer.val_before_train": (OPERATIONAL, "validation"),
+    "trainer.val_only": (OPERATIONAL, "validation"),
+    "trainer.log_val_generations": (OPERATIONAL, "validation samples logged"),
+    "trainer.rollout_data_dir": (OPERATIONAL, "dump of generations"),
+    "trainer.validation_data_dir": (OPERATIONAL, "dump of generations"),
+    "trainer.esi_redundant_time": (OPERATIONAL, "save timing before a preemption"),
+    "trainer.ray_wait_register_center_timeout": (OPERATIONAL, "a timeout"),
+    "trainer.nnodes": (OPERATIONAL, "the allocation (cluster.nodes); the batch is "
+                       "data.train_batch_size"),
+    "trainer.n_gpus_per_node": (OPERATIONAL, "the allocation (cluster.gpus_per_node)"),
+    "trainer.total_training_steps": (EXTENT, "how far the run goes"),
+    "trainer.total_epochs": (EXTENT, "how far the run goes (total_training_steps bounds it)"),
+    "trainer.default_local_dir": (LOCATION, _CKPT),
+    "trainer.resume_mode": (LOCATION, "which checkpoint verl resumes from: the workflow's "
+                            "(auto, from the newest complete checkpoint)"),
+    "trainer.resume_from_path": (LOCATION, "which checkpoint verl resumes from: the "
+                                 "workflow's"),
+    "trainer.del_local_ckpt_after_load": (LOCATION, "deletes checkpoints: retention is the "
+                                          "workflow's (train.checkpoint_keep)"),
+    "trainer.max_actor_ckpt_to_keep": (LOCATION, "deletes checkpoints (and breaks after a "
+                                       "restart): retention is the workflow's"),
+    "trainer.max_critic_ckpt_to_keep": (LOCATION, "deletes checkpoints: retention is the "
+                                        "workflow's"),
+    "ray_kwargs": (OPERATIONAL, "Ray's start-up"),
 }
-# The launch script's environment knobs that set an operational or extent key (the rest of
-# train.env is trajectory): a change of one of them re-runs no finished training.
-NON_TRAJECTORY_KNOBS = {
-    "SAVE_FREQ": "trainer.save_freq", "TEST_FREQ": "trainer.test_freq",
-    "TOTAL_EPOCHS": "trainer.total_epochs", "VAL_N": "actor_rollout_ref.rollout.val_kwargs.n",
-    "VAL_TEMPERATURE": "actor_rollout_ref.rollout.val_kwargs.temperature",
-    "VAL_TOP_P": "actor_rollout_ref.rollout.val_kwargs.top_p",
+
+# Workflow-owned paths verl reads: the workflow key to set instead, and what the identity
+# counts in their place (None: not in the trajectory).
+OWNED_PATHS: dict[str, tuple[str, str | None]] = {
+    "data.train_files": ("data.train.source", "data.train.sha256"),
+    "data.val_files": ("data.val.source", None),
+    "actor_rollout_ref.model.path": ("model.source", "model.identity"),
+    "actor_rollout_ref.model.tokenizer_path": ("model.source", "model.identity"),
+    "reward.custom_reward_function.path": ("train.reward_function.path",
+                                           "reward_function.sha256"),
 }
+CONTENT_NAMES = ("data.train.sha256", "model.identity", "reward_function.sha256")
+
+# The pinned launch script's knobs (verl@220e903 examples/grpo_trainer/run_hy_v3_megatron.sh)
+# -> the verl keys each one sets; a knob's kind is the strongest of its keys' (trajectory,
+# location, extent, operational). A knob not listed counts as trajectory.
+_A, _R, _O = "actor_rollout_ref.actor.", "actor_rollout_ref.rollout.", "actor_rollout_ref.ref."
+KNOBS: dict[str, tuple[str, ...]] = {
+    "INFER_BACKEND": (_R + "name", "trainer.experiment_name"),
+    "DATA_DIR": ("data.train_files", "data.val_files"),
+    "MODEL_PATH": ("actor_rollout_ref.model.path",),
+    "NNODES": ("trainer.nnodes",),
+    "NGPUS_PER_NODE": ("trainer.n_gpus_per_node",),
+    "GPUS_PER_NODE": ("trainer.n_gpus_per_node",),
+    "TRAIN_FILES": ("data.train_files",),
+    "DAPO_MATH_TRAIN": ("data.train_files",),
+    "VAL_FILES": ("data.val_files",),
+    "AIME_VAL": ("data.val_files",),
+    "TRAIN_BATCH_SIZE": ("data.train_batch_size",),
+    "PPO_MINI_BATCH_SIZE": (_A + "ppo_mini_batch_size",),
+    "MAX_PROMPT_LENGTH": ("data.max_prompt_length", _R + "prompt_length"),
+    "MAX_RESPONSE_LENGTH": ("data.max_response_length", _R + "response_length",
+                            "reward_model.reward_kwargs.max_resp_len"),
+    "PPO_MAX_TOKEN_LEN_PER_GPU": (_A + "ppo_max_token_len_per_gpu",),
+    "ACTOR_LR": (_A + "optim.lr",),
+    "MIN_LR": (_A + "optim.min_lr",),
+    "ROLLOUT_IS": ("algorithm.rollout_correction.rollout_is",),
+    "ROLLOUT_IS_THRESHOLD": ("algorithm.rollout_correction.rollout_is_threshold",),
+    "ENTROPY_COEFF": (_A + "entropy_coeff",),
+    "ACTOR_CLIP_RATIO_LOW": (_A + "clip_ratio_low",),
+    "ACTOR_CLIP_RATIO_HIGH": (_A + "clip_ratio_high",),
+    "ACTOR_CLIP_RATIO_C": (_A + "clip_ratio_c",),
+    "ACTOR_PPO_MICRO_BATCH_SIZE_PER_GPU": (_A + "ppo_micro_batch_size_per_gpu",),
+    "USE_KL_LOSS": (_A + "use_kl_loss",),
+    "KL_LOSS_COEF": (_A + "kl_loss_coef",),
+    **{f"ACTOR_{p}": (f"{_A}megatron.{k}", f"{_O}megatron.{k}") for p, k in (
+        ("TP", "tensor_model_parallel_size"), ("PP", "pipeline_model_parallel_size"),
+        ("VPP", "virtual_pipeline_model_parallel_size"), ("EP", "expert_model_parallel_size"),
+        ("CP", "context_parallel_size"), ("ETP", "expert_tensor_parallel_size"))},
+    **{f"REF_{p}": (f"{_O}megatron.{k}",) for p, k in (
+        ("TP", "tensor_model_parallel_size"), ("PP", "pipeline_model_parallel_size"),
+        ("VPP", "virtual_pipeline_model_parallel_size"), ("EP", "expert_model_parallel_size"),
+        ("CP", "context_parallel_size"), ("ETP", "expert_tensor_parallel_size"))},
+    "ALL_OFFLOAD": (_A + "megatron.param_offload", _A + "megatron.optimizer_offload",
+                    _O + "megatron.param_offload"),
+    "ROLLOUT_TP": (_R + "tensor_model_parallel_size",),
+    "INFER_TP": (_R + "tensor_model_parallel_size",),
+    "ROLLOUT_GPU_MEM_UTIL": (_R + "gpu_memory_utilization",),
+    "ROLLOUT_N": (_R + "n",),
+    "ROLLOUT_MAX_NUM_BATCHED_TOKENS": (_R + "max_num_batched_tokens",),
+    "ROLLOUT_MAX_MODEL_LEN": (_R + "max_model_len",),
+    "ROLLOUT_TEMPERATURE": (_R + "temperature",),
+    "ROLLOUT_TOP_P": (_R + "top_p",),
+    "REF_LOG_PROB_MAX_TOKEN_LEN_PER_GPU": (_O + "log_prob_max_token_len_per_gpu",),
+    "REF_LOG_PROB_MICRO_BATCH_SIZE_PER_GPU": (_O + "log_prob_micro_batch_size_per_gpu",),
+    "ROLLOUT_LOG_PROB_MAX_TOKEN_LEN_PER_GPU": (_R + "log_prob_max_token_len_per_gpu",),
+    "ROLLOUT_LOG_PROB_MICRO_BATCH_SIZE_PER_GPU": (_R + "log_prob_micro_batch_size_per_gpu",),
+    "VAL_DO_SAMPLE": (_R + "val_kwargs.do_sample",),
+    "VAL_TEMPERATURE": (_R + "val_kwargs.temperature",),
+    "VAL_TOP_P": (_R + "val_kwargs.top_p",),
+    "VAL_N": (_R + "val_kwargs.n",),
+    "LOG_VAL_GENERATIONS": ("trainer.log_val_generations",),
+    "TOTAL_EPOCHS": ("trainer.total_epochs",),
+    "SAVE_FREQ": ("trainer.save_freq",),
+    "TEST_FREQ": ("trainer.test_freq",),
+    "PROJECT_NAME": ("trainer.project_name",),
+    "EXPERIMENT_NAME": ("trainer.experiment_name",),
+}
+_STRENGTH = (TRAJECTORY, LOCATION, EXTENT, OPERATIONAL)
+
+
+def _matches(pattern: str, key: str) -> bool:
+    p, k = pattern.split("."), key.split(".")
+    return len(k) >= len(p) and all(a in ("*", b) for a, b in zip(p, k, strict=False))
+
+
+def _entry(table: Mapping[str, tuple[str, str]], key: str) -> tuple[str, str] | None:
+    """The longest entry of ``table`` that is ``key`` or a section above it."""
+    hits = [p for p in table if _matches(p, key)]
+    return table[max(hits, key=lambda p: p.count(".") + 1)] if hits else None
+
+
+def config_kind(key: str) -> str | None:
+    """The kind of a config key (dotted leaf), None when no entry of CONFIG_KINDS names it."""
+    entry = _entry(CONFIG_KINDS, key)
+    return entry[0] if entry else None
+
+
+def verl_entry(key: str) -> tuple[str, str] | None:
+    """``(kind, why)`` of a resolved verl key (``+``/``~`` prefix ignored), None when no entry
+    of VERL_KINDS names it."""
+    return _entry(VERL_KINDS, key.lstrip("+~"))
 
 
 def verl_kind(key: str) -> str:
-    """``trajectory``, ``extent`` or ``operational`` for a resolved verl key (``+`` prefix
-    ignored)."""
-    key = key.lstrip("+~")
-    if key in EXTENT_VERL_KEYS:
-        return "extent"
-    if any(key == k or key.startswith(k + ".") for k in OPERATIONAL_VERL):
-        return "operational"
-    return "trajectory"
+    """The kind of a resolved verl key; trajectory for one no entry names (counted, to be
+    safe)."""
+    entry = verl_entry(key)
+    return entry[0] if entry else TRAJECTORY
 
 
-def _lookup(config: Mapping[str, Any], key: str) -> Any:
-    value: Any = config
-    for part in key.split("."):
-        value = value.get(part) if isinstance(value, Mapping) else None
-    return value
+def knob_kind(name: str) -> str:
+    """The kind of a launch-script knob: the strongest of the verl keys it sets (a knob
+    :data:`KNOBS` does not list counts as trajectory)."""
+    if name not in KNOBS:
+        return TRAJECTORY
+    kinds = {verl_kind(k) for k in KNOBS[name]}
+    return next(k for k in _STRENGTH if k in kinds)
+
+
+def refused_override(key: str) -> str | None:
+    """Why ``train.verl_overrides`` may not set verl key ``key`` (None: it may): a
+    workflow-owned path (named by the workflow key to set instead) or a location key."""
+    bare = key.lstrip("+~")
+    if bare in OWNED_PATHS:
+        return (f"the workflow owns this path (the run identity counts what it names); set "
+                f"{OWNED_PATHS[bare][0]} instead")
+    entry = verl_entry(bare)
+    if entry and entry[0] == LOCATION:
+        return f"a checkpoint location key: {entry[1]}"
+    return None
 
 
 def train_trigger_values(config: Mapping[str, Any], extent: bool = True) -> dict[str, str]:
-    """``key=<JSON value>`` for every trajectory, location and (``extent``) extent key of
-    the validated config (``hy3rl.smk.triggers``), ``train.env`` and
-    ``train.verl_overrides`` without their operational entries, and
-    ``train.on_config_change`` (choosing fresh or resume after a refusal launches at once)."""
-    from hy3rl.smk import triggers
+    """``key=<JSON value>`` (``hy3rl.smk.triggers``) for every leaf of the validated config
+    whose kind is trajectory, location or (``extent``) extent, ``train.env`` and
+    ``train.verl_overrides`` by their trajectory entries, and ``train.on_config_change``
+    (choosing fresh or resume after a refusal launches at once)."""
+    from hy3rl.smk import _leaves, triggers  # the leaves a trigger names
 
-    skip = {"train.env", "train.verl_overrides"} | (set() if extent else set(EXTENT_CONFIG_KEYS))
-    out = triggers(config, *(k for k in TRAIN_TRIGGER_KEYS if k not in skip),
-                   "train.on_config_change")
-    env = {k: v for k, v in (_lookup(config, "train.env") or {}).items()
-           if k not in NON_TRAJECTORY_KNOBS}
-    ovr = {k: v for k, v in (_lookup(config, "train.verl_overrides") or {}).items()
-           if verl_kind(k) == "trajectory"}
+    kinds = TRIGGER_KINDS if extent else (TRAJECTORY, LOCATION)
+    keys = [leaf for section in sorted(config) for leaf, _ in _leaves(config[section], section)
+            if config_kind(leaf) in kinds]
+    out = triggers(config, *keys, "train.on_config_change")
+    train = config.get("train") or {}
+    env = {k: v for k, v in (train.get("env") or {}).items() if knob_kind(k) == TRAJECTORY}
+    ovr = {k: v for k, v in (train.get("verl_overrides") or {}).items()
+           if verl_kind(k) == TRAJECTORY}
     out.update(triggers({"train": {"env": env, "verl_overrides": ovr}},
                         "train.env", "train.verl_overrides"))
     return out
@@ -164,41 +395,126 @@ def model_identity(manifest: Mapping[str, Any]) -> str:
     return "local:sha256:" + hashlib.sha256(json.dumps(rows).encode()).hexdigest()
 
 
+def path_identity(path: Path) -> str:
+    """What a path verl reads counts as: a file by its sha256, a directory by the sha256 of
+    its files' relative paths, sizes and sha256 (sorted)."""
+    from hy3rl.runtime_id import sha256_file
+
+    if path.is_file():
+        return f"file sha256:{sha256_file(path)}"
+    rows = [[p.relative_to(path).as_posix(), p.stat().st_size, sha256_file(p)]
+            for p in sorted(path.rglob("*")) if p.is_file()]
+    return "directory sha256:" + hashlib.sha256(json.dumps(rows).encode()).hexdigest()
+
+
+@functools.cache
+def _parser():
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    return OverridesParser.create()
+
+
+def _normal(value: Any) -> Any:
+    """Numbers as numbers (an integral float as its int: verl's float and int fields read
+    1 and 1.0 alike), containers recursively."""
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        return int(value)
+    if isinstance(value, Mapping):
+        return {str(k): _normal(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_normal(v) for v in value]
+    return value
+
+
+def typed_value(text: str) -> Any:
+    """An override's value as verl reads it: parsed with Hydra's override grammar
+    (``1e-6`` and ``1.0e-6`` one float, ``True``/``true`` one boolean, ``'x'`` a string),
+    numbers normalised (:func:`_normal`); the text itself when it is no single value (a
+    sweep)."""
+    from hydra.errors import HydraException
+
+    try:
+        override = _parser().parse_override(f"k={text}")
+    except HydraException:
+        return text
+    if override.is_sweep_override():
+        return text
+    return _normal(override.value())
+
+
 def digest(values: Mapping[str, Any]) -> str:
     """sha256 (hex) of the canonical JSON of ``values``."""
     return hashlib.sha256(json.dumps(values, sort_keys=True, default=str).encode()).hexdigest()
 
 
+def _verl_value(text: str) -> Any:
+    """A resolved trajectory value for the identity: typed; an absolute path that exists by
+    what it names (:func:`path_identity`), so a path counts by content, never by name."""
+    value = typed_value(text)
+    if isinstance(value, str) and value.startswith("/") and Path(value).exists():
+        return path_identity(Path(value))
+    return value
+
+
 def trajectory(*, resolved: Mapping[str, Mapping[str, Any]], pins: Mapping[str, str],
                train_sha256: str | None, model: str | None,
                reward_fn_sha256: str | None) -> dict[str, Any]:
-    """``{"id", "values", "origins"}``: the trajectory identity of a plan. ``resolved``:
-    plan.json's ``resolved`` (verl key -> ``{"value", "source"[, "origin"]}``); ``pins``:
-    repository name -> commit; the content identities of the training data, the model and
-    the custom reward function (None: none)."""
+    """``{"id", "values", "origins", "form"}``: the trajectory identity of a plan.
+    ``resolved``: plan.json's ``resolved`` (verl key -> ``{"value", "source"[, "origin"]}``,
+    the value as override text); ``pins``: repository name -> commit; the content identities
+    of the training data, the model and the custom reward function (None: none). Values are
+    typed (``form: typed``)."""
     values: dict[str, Any] = {f"pin.{name}": commit for name, commit in sorted(pins.items())}
     origins: dict[str, str] = {}
     content = {"data.train.sha256": train_sha256, "model.identity": model,
                "reward_function.sha256": reward_fn_sha256}
     for key, entry in sorted(resolved.items()):
         bare = key.lstrip("+~")
-        if verl_kind(bare) != "trajectory":
+        if verl_kind(bare) != TRAJECTORY:
             continue
-        if bare in CONTENT_KEYS:
-            values[CONTENT_KEYS[bare]] = content[CONTENT_KEYS[bare]]
+        if bare in OWNED_PATHS:
+            name = OWNED_PATHS[bare][1]
+            if name:
+                values[name] = content[name]
             continue
-        values[bare] = entry.get("value")
+        values[bare] = _verl_value(str(entry.get("value")))
         if entry.get("origin"):
             origins[bare] = str(entry["origin"])
     for name, value in content.items():
         values.setdefault(name, value)
-    return {"id": digest(values), "values": values, "origins": origins}
+    return {"id": digest(values), "values": values, "origins": origins, "form": "typed"}
+
+
+def comparable(traj: Mapping[str, Any]) -> dict[str, Any]:
+    """A trajectory's values as :func:`changes` compares them: the verl keys of kind
+    trajectory under the current :data:`VERL_KINDS` (an identity file written before a key
+    became operational still lists it), typed. A file written before typed values (no
+    ``form``) holds the override text: its verl values are parsed the same way (a path there
+    stays as it was recorded)."""
+    out = {}
+    for key, value in (traj.get("values") or {}).items():
+        if key.startswith("pin.") or key in CONTENT_NAMES:
+            out[key] = value
+        elif verl_kind(key) == TRAJECTORY:
+            legacy = traj.get("form") != "typed" and isinstance(value, str)
+            out[key] = typed_value(value) if legacy else value
+    return out
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal by type and value: numbers as numbers, a boolean never a number."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return type(a) is type(b) and a == b
+    if isinstance(a, int | float) and isinstance(b, int | float):
+        return a == b
+    return json.dumps(_normal(a), sort_keys=True) == json.dumps(_normal(b), sort_keys=True)
 
 
 def changes(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """Every key whose value differs (absent on one side: null), sorted by key."""
+    """Every key whose value differs (absent on one side: null), sorted by key; values are
+    compared by type and value (:func:`_same`), as :func:`comparable` gives them."""
     return [{"key": k, "old": old.get(k), "new": new.get(k)}
-            for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+            for k in sorted(set(old) | set(new)) if not _same(old.get(k), new.get(k))]
 
 
 def describe_changes(diff: list[dict[str, Any]], origins: Mapping[str, str]) -> str:
@@ -208,3 +524,34 @@ def describe_changes(diff: list[dict[str, Any]], origins: Mapping[str, str]) -> 
         where = f" ({origins[c['key']]})" if c["key"] in origins else ""
         parts.append(f"{c['key']}{where}: {json.dumps(c['old'])} -> {json.dumps(c['new'])}")
     return "; ".join(parts)
+
+
+# ---- the key table (docs/formats/train.md) --------------------------------------------
+
+TABLE_BEGIN = "<!-- key kinds: generated by hy3rl.identity.kind_table; do not edit -->"
+TABLE_END = "<!-- end of key kinds -->"
+
+
+def kind_table() -> str:
+    """The kinds of every config key, knob and verl key, as Markdown tables (the block
+    between :data:`TABLE_BEGIN` and :data:`TABLE_END` in docs/formats/train.md)."""
+    def rows(table: Mapping[str, tuple[str, str]]) -> list[str]:
+        return [f"| `{k}` | {kind} | {why} |" for k, (kind, why) in sorted(table.items())]
+
+    knob_rows = [f"| `{name}` | {knob_kind(name)} | "
+                 + ", ".join(f"`{k}`" for k in keys) + " |" for name, keys in sorted(KNOBS.items())]
+    owned = [f"| `{k}` | `{key}` | {f'`{name}`' if name else 'not in the trajectory'} |"
+             for k, (key, name) in sorted(OWNED_PATHS.items())]
+    return "\n".join([
+        TABLE_BEGIN, "",
+        "Config keys (a section counts for every key below it; `*` is one level; the longest "
+        "entry decides):", "",
+        "| config key | kind | why |", "|---|---|---|", *rows(CONFIG_KINDS), "",
+        "Launch-script knobs (`train.env`): the kind of the strongest verl key each sets:", "",
+        "| knob | kind | sets |", "|---|---|---|", *knob_rows, "",
+        "Resolved verl keys (`plan.json` `resolved`, `train.verl_overrides`; a key no entry "
+        "names counts as trajectory):", "",
+        "| verl key | kind | why |", "|---|---|---|", *rows(VERL_KINDS), "",
+        "Workflow-owned paths (an override is refused, naming the key to set):", "",
+        "| verl key | set instead | counted in the trajectory as |", "|---|---|---|", *owned,
+        "", TABLE_END])

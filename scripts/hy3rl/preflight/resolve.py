@@ -68,6 +68,8 @@ OWNED_KNOBS = {
     "TRAIN_FILES": "data (results/<run>/data/train.parquet)",
     "VAL_FILES": "data (results/<run>/data/val.parquet)",
     "MAX_PROMPT_LENGTH": "data.max_prompt_length",
+    "DATA_DIR": "data.train.source / data.val.source",
+    "DAPO_MATH_TRAIN": "data.train.source", "AIME_VAL": "data.val.source",
 }
 
 
@@ -471,15 +473,28 @@ def _customisations(ov: _Overrides, cfg: Config, reward_fn: Path
 
 def _verl_overrides(ov: _Overrides, overrides: Mapping[str, Any], knob_errors: list[str]
                     ) -> None:
-    """``train.verl_overrides``, last (they win)."""
+    """``train.verl_overrides``, last (they win). An override of a workflow-owned path or of
+    a checkpoint location key (:func:`hy3rl.identity.refused_override`) is refused, every one
+    named: the run identity counts what the workflow's keys name, and the checkpoint
+    location is the workflow's."""
+    from hy3rl.identity import refused_override
+
+    refused = []
     for key, value in overrides.items():
         prefix, bare, _ = split_override(str(key))
         if bare == "trainer.logger":
             knob_errors.append("train.verl_overrides.trainer.logger: use train.loggers (the "
                                "file logger is added to it)")
             continue
+        why = refused_override(bare)
+        if why:
+            refused.append(f"train.verl_overrides.{key}: {why}")
+            continue
         ov.append(Override(f"{prefix}{bare}={hydra_value(value)}", bare,
                            hydra_value(value), CONFIG, "train.verl_overrides"))
+    if refused:
+        raise PreflightError("refused override(s) (docs/formats/train.md \"What re-runs "
+                             "training\"):\n  " + "\n  ".join(refused))
 
 
 def resolve(cfg: Config, verl_dir: Path, *, train_files: Path, val_files: Path, val_n: Any,
