@@ -162,6 +162,14 @@ def preflight_targets():
     return [LAYOUT.preflight_plan]
 
 
+def reward_function_input():
+    """{"reward_function": train.reward_function.path} when it is set: preflight copies it
+    (content addressed) and hashes it into the run identity, so an edited reward re-runs
+    preflight; else nothing."""
+    path = CFG.train.reward_function.path
+    return {"reward_function": path} if path else {}
+
+
 # ---- train ----
 # The config values that re-run a training job (trajectory, extent and location keys,
 # hy3rl.identity) are rule train_keys' params; its output is a non-ancient input of the job,

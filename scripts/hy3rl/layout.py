@@ -161,10 +161,17 @@ class Layout:
         return self._p("preflight/launch.sh")
 
     @property
-    def preflight_reward_fn(self) -> str:
-        """The copy of ``train.reward_function.path`` the launch points at (only when set;
-        not a rule output)."""
-        return self._p("preflight/reward_fn.py")
+    def preflight_refused(self) -> str:
+        """``preflight/plan.refused.json``: the plan of a preflight whose rules refused the
+        launch (written instead of plan.json and launch.sh, which a refusal never touches;
+        removed by the next passing preflight)."""
+        return self._p("preflight/plan.refused.json")
+
+    def preflight_reward_fn(self, sha256: str) -> str:
+        """``preflight/reward/<sha256>.py``: the copy of ``train.reward_function.path`` the
+        launch points at, named by its content (only when set; written by a passing
+        preflight; not a rule output). An older copy stays: a running launch reads its own."""
+        return self._p(f"preflight/reward/{sha256}.py")
 
     # ---- train
     @property
