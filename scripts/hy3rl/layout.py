@@ -247,10 +247,12 @@ class Layout:
         """``train/launch/launch.sh``: the copy of preflight's launch a training job runs."""
         return self._p("train/launch/launch.sh")
 
-    def train_keys(self, stretch: str) -> str:
-        """``train/keys/<stretch>.json`` (``final`` or ``step<N>`` of a segment): the
-        config values that re-run that training job (rule train_keys; hy3rl.identity)."""
-        return self._p(f"train/keys/{stretch}.json")
+    def train_keys(self, stretch: str, digest: str) -> str:
+        """``train/keys/<stretch>.<digest>.json`` (``final`` or ``step<N>`` of a segment):
+        the training keys job ``stretch`` trained under, named by their digest
+        (hy3rl.train.keys_digest, record_keys): an output of that job and a target of
+        ``all``, so new keys (a missing record) run the job and restored ones run nothing."""
+        return self._p(f"train/keys/{stretch}.{digest}.json")
 
     def segment_sentinel(self, end: int | str) -> str:
         return self._p(f"train/segments/step{end}.json")
