@@ -60,6 +60,18 @@ def model_rule_inputs(wildcards):
     return {"model": ancient(CFG.model.path)}
 
 
+def model_local_files():
+    """Rule model's params for a local model.source other than the embedded default's tiny
+    model (which rule tiny_model builds): each file's size and mtime (hy3rl.hub
+    .local_file_stats, a stat per file while the DAG is built), so a directory changed in
+    place re-runs rule model and the run identity follows; none for a hub source."""
+    from hy3rl.hub import local_file_stats
+
+    if not CFG.model.is_local or builds_tiny_model():
+        return {}
+    return local_file_stats(CFG.model.path)
+
+
 def model_manifest():
     """Rule model's manifest, the input of every job reading the model directory
     (CFG.model.path), so the model is there, complete, before any of them runs."""
