@@ -61,10 +61,11 @@ def model_rule_inputs(wildcards):
 
 
 def model_local_files():
-    """Rule model's params for a local model.source other than the embedded default's tiny
-    model (which rule tiny_model builds): each file's size and mtime (hy3rl.hub
-    .local_file_stats, a stat per file while the DAG is built), so a directory changed in
-    place re-runs rule model and the run identity follows; none for a hub source."""
+    """Params of the model rule for a local model.source other than the embedded default's
+    tiny model (built by the tiny_model rule), each file's size and mtime
+    (hy3rl.hub.local_file_stats, a stat per file while the DAG is built), so that a
+    directory changed in place re-runs the model rule and the run identity follows; none
+    for a hub source."""
     from hy3rl.hub import local_file_stats
 
     if not CFG.model.is_local or builds_tiny_model():
@@ -192,16 +193,16 @@ from hy3rl.identity import eval_request_params
 
 
 def train_keys_digest(final):
-    """The digest naming rule train's (final) or the segments' keys record: a pure function
-    of the config (hy3rl.train.keys_digest)."""
+    """The digest in the name of the keys record of the final training job, or of every
+    segment, a pure function of the config (hy3rl.train.keys_digest)."""
     from hy3rl.train import keys_digest
 
     return keys_digest(config, final)
 
 
 def train_targets():
-    """rule train's `all` targets when cluster.gpu is true: done.json and the keys records of
-    the final job and of every segment (each missing when its keys changed)."""
+    """The `all` targets of the train stage when cluster.gpu is true: done.json and the
+    keys records of the final job and of every segment (missing after a keys change)."""
     if not gpu_enabled():
         return []
     segments = train_keys_digest(final=False)
