@@ -60,6 +60,19 @@ def model_rule_inputs(wildcards):
     return {"model": ancient(CFG.model.path)}
 
 
+def model_local_files():
+    """Params of the model rule for a local model.source other than the embedded default's
+    tiny model (built by the tiny_model rule), each file's size and mtime
+    (hy3rl.hub.local_file_stats, a stat per file while the DAG is built), so that a
+    directory changed in place re-runs the model rule and the run identity follows; none
+    for a hub source."""
+    from hy3rl.hub import local_file_stats
+
+    if not CFG.model.is_local or builds_tiny_model():
+        return {}
+    return local_file_stats(CFG.model.path)
+
+
 def model_manifest():
     """Rule model's manifest, the input of every job reading the model directory
     (CFG.model.path), so the model is there, complete, before any of them runs."""
@@ -162,22 +175,42 @@ def preflight_targets():
     return [LAYOUT.preflight_plan]
 
 
+def reward_function_input():
+    """{"reward_function": train.reward_function.path} when it is set: preflight copies it
+    (content addressed) and hashes it into the run identity, so an edited reward re-runs
+    preflight; else nothing."""
+    path = CFG.train.reward_function.path
+    return {"reward_function": path} if path else {}
+
+
 # ---- train ----
 # The config values that re-run a training job (trajectory, extent and location keys,
-# hy3rl.identity) are rule train_keys' params; its output is a non-ancient input of the job,
-# so a change re-runs it in the same invocation (snakemake#4166), and an operational change
-# (loggers, watchdog, retention, resources...) re-runs nothing.
-from hy3rl.identity import eval_request_params, train_keys_params
+# hy3rl.identity) name its keys record (Layout.train_keys), an output of the job and a
+# target of `all`: new values re-run it in the same invocation (a missing target is found
+# even behind a preflight that must run, snakemake#4166), restored ones re-run nothing, and
+# an operational change (loggers, watchdog, retention, resources...) changes no name.
+from hy3rl.identity import eval_request_params
 
 
-def train_keys_param(wildcards):
-    """Rule train_keys' param for `final` (rule train) or a segment `step<N>`."""
-    return train_keys_params(config, wildcards.stretch)
+def train_keys_digest(final):
+    """The digest in the name of the keys record of the final training job, or of every
+    segment, a pure function of the config (hy3rl.train.keys_digest)."""
+    from hy3rl.train import keys_digest
+
+    return keys_digest(config, final)
 
 
 def train_targets():
-    """rule train's `all` target when cluster.gpu is true."""
-    return [LAYOUT.train_done] if gpu_enabled() else []
+    """The `all` targets of the train stage when cluster.gpu is true: done.json and the
+    keys records of the final job and of every segment (missing after a keys change)."""
+    if not gpu_enabled():
+        return []
+    segments = train_keys_digest(final=False)
+    return [
+        LAYOUT.train_done,
+        LAYOUT.train_keys("final", train_keys_digest(final=True)),
+        *(LAYOUT.train_keys(f"step{end}", segments) for end in train_segment_ends()),
+    ]
 
 
 def train_job_resources():
@@ -275,14 +308,13 @@ def train_slurm_extra(wildcards, attempt):
     return with_exclude(base, decision.exclude)
 
 
-def train_base_inputs(stretch):
-    """Inputs of every training job (ancient: a re-rendered but unchanged plan never
-    retrains), and the job's keys from train_keys (not ancient; what should retrain).
-    With the rehearsal on, its record (ancient: a rehearsal re-run for a new runtime
-    retrains nothing, but a training job to run waits for it).
+def train_base_inputs():
+    """Inputs of every training job, all ancient (a re-rendered but unchanged plan never
+    retrains; what should retrain is the job's missing keys record, an output). With the
+    rehearsal on, its record (ancient: a rehearsal re-run for a new runtime retrains
+    nothing, but a training job to run waits for it).
     """
     inputs = {
-        "train_keys": LAYOUT.train_keys(stretch),
         "plan": ancient(LAYOUT.train_plan),
         "launch": ancient(LAYOUT.train_launch),
         "runtime_env": ancient(LAYOUT.deps_runtime_env),
@@ -300,7 +332,7 @@ def train_segment_ends():
 
 def train_inputs(wildcards):
     """Inputs of the train rule: the base ones, plus the last segment's sentinel."""
-    inputs = train_base_inputs("final")
+    inputs = train_base_inputs()
     ends = train_segment_ends()
     if ends:
         inputs["previous"] = LAYOUT.segment_sentinel(ends[-1])
@@ -309,7 +341,7 @@ def train_inputs(wildcards):
 
 def train_segment_inputs(wildcards):
     """Inputs of the train_segment rule: the base ones, plus the previous segment's."""
-    inputs = train_base_inputs(f"step{wildcards.end}")
+    inputs = train_base_inputs()
     previous = int(wildcards.end) - CFG.train.segment_steps
     if previous > 0:
         inputs["previous"] = LAYOUT.segment_sentinel(previous)

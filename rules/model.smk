@@ -5,6 +5,12 @@
 # (hy3rl.model.run; docs/formats/checkpoint.md) exists only for the embedded default's
 # model.source, hy3rl.layout's TINY_MODEL_DIR. Every rule that reads the model takes the
 # manifest as an input (model_manifest, common.smk), never the directory itself.
+# A local directory (other than the tiny model) is checked against what the manifest was
+# made from at every invocation: each file's size and mtime are params of rule model
+# (model_local_files: a stat per file while the DAG is built), so a file replaced or
+# rewritten in place re-runs rule model, Snakemake's reason naming the file with its size
+# and mtime before and now; the new manifest changes the run identity, which preflight and
+# every training job check (a run trained on the old files is refused, docs/formats/train.md).
 
 STAGE_TARGETS.append(model_targets)
 
@@ -48,5 +54,6 @@ rule model:
         **triggers(
             "model.source", "model.revision", "model.dir", "checks.checkpoint.sha256"
         ),
+        **model_local_files(),
     script:
         "../scripts/adapters/model.py"

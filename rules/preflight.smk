@@ -15,11 +15,16 @@ localrules:
 # Params: every config value preflight reads (cluster.gpu..gpu_memory_gb: the allocation
 # rules and the estimate; eval.steps: the checkpoints retention keeps, for the disk rule;
 # train.runtime: the runtime_tag warning; eval.select and the samples per problem: the
-# selection rule written into the plan; data.heldout is read through its file). With cluster.gpu, check_bridge's report is read:
+# selection rule written into the plan; data.heldout is read through its file, and
+# train.reward_function.path too: editing the reward re-runs preflight, which copies it to
+# preflight/reward/<sha256>.py, a path of its own). Outputs are written only when no rule
+# refuses (a refusal's plan goes to preflight/plan.refused.json, not an output).
+# With cluster.gpu, check_bridge's report is read:
 # a bridge check that is `not run` or `fail` stops the launch unless `preflight.waive: [bridge]`.
 rule preflight:
     input:
         **heldout_input(),
+        **reward_function_input(),
         lock=LAYOUT.deps_lock,
         summary=LAYOUT.data_summary,
         train=LAYOUT.data_train,

@@ -7,11 +7,16 @@
 # after a failure): the job takes it from the layout (Layout.checkpoint_dir, the path
 # preflight rendered as trainer.default_local_dir). The output is a sentinel written last.
 # The expensive inputs are ancient() (rules/common.smk): a re-rendered but unchanged plan
-# never retrains. What does re-run a training job is its keys file from rule train_keys
-# (trajectory, extent and location keys: hy3rl.identity), in the same invocation; an
-# operational change (a Ray timeout, loggers, names, retention, the watchdog, the time
-# limit, a memory-only knob, a repository's url, the validation set) or other evaluation
-# steps never retrain. The job itself then checks the checkpoint
+# never retrains. What does re-run a training job is its keys record,
+# train/keys/<stretch>.<digest>.json: an output named by the digest of the job's training
+# keys (trajectory, extent and location keys: hy3rl.identity; train_keys_digest), written
+# by the job once it succeeded, and a target of `all`. New keys name a missing record, which
+# Snakemake finds from `all` in this invocation and, after a refusal, in the next one (a
+# missing target is never masked behind preflight, snakemake#4166); keys restored after a
+# refused change name the record still there, so nothing is submitted and no record has
+# changed. An operational change (a Ray timeout, loggers, names, retention, the watchdog, the
+# time limit, a memory-only knob, a repository's url, the validation set) or other
+# evaluation steps never retrain. The job itself then checks the checkpoint
 # directory's run identity (hy3rl.ckptdir): same trajectory resumes or extends, another is
 # refused unless train.on_config_change says fresh or resume.
 # A relaunch while a live trainer holds the checkpoint directory stops in `onstart:`.
@@ -28,25 +33,6 @@ STAGE_TARGETS.append(train_targets)
 
 
 if gpu_enabled():
-
-    # The config values that re-run training job `stretch` (final: rule train; step<N>: a
-    # segment); no input, so Snakemake never masks it behind preflight (snakemake#4166).
-    rule train_keys:
-        output:
-            train_keys=LAYOUT.train_keys("{stretch}"),
-        log:
-            LAYOUT.log("train/keys_{stretch}"),
-        wildcard_constraints:
-            stretch=r"final|step\d+",
-        localrule: True
-        threads: 1
-        resources:
-            mem_mb=500,
-            runtime=1,
-        params:
-            train_keys=train_keys_param,
-        script:
-            "../scripts/adapters/train_keys.py"
 
     # Preflight's plan and launch, copied once preflight succeeded: the training jobs'
     # (ancient) inputs, which a failed preflight never deletes (hy3rl.train.stage_launch).
@@ -75,6 +61,7 @@ if gpu_enabled() and train_segment_ends():
             unpack(train_segment_inputs),
         output:
             sentinel=LAYOUT.segment_sentinel("{end}"),
+            train_keys=LAYOUT.train_keys("step{end}", train_keys_digest(final=False)),
         log:
             LAYOUT.log("train_segment_step{end}"),
         wildcard_constraints:
@@ -95,6 +82,7 @@ if gpu_enabled():
         output:
             done=LAYOUT.train_done,
             metrics=LAYOUT.train_metrics,
+            train_keys=LAYOUT.train_keys("final", train_keys_digest(final=True)),
         log:
             LAYOUT.log("train"),
         retries: train_retries()

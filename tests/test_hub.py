@@ -281,6 +281,63 @@ def test_local_directory_cheap_identity_without_hashes(tiny_hy3_copy, tmp_path: 
     assert model_identity(json.loads(manifest.read_text())) != before
 
 
+def test_local_directory_changed_in_place_changes_rule_models_params(tiny_hy3_copy,
+                                                                     tmp_path: Path) -> None:
+    """Issue 27 item 11: rule model's params for a local directory (local_file_stats: a
+    stat per file, at every invocation) change exactly for a file rewritten, replaced or
+    added in place, naming it with its size and mtime, so Snakemake re-runs rule model and
+    the manifest and the run identity follow the directory; .cache is not the checkpoint."""
+    src = tiny_hy3_copy("inplace")
+    (src / ".cache").mkdir()
+    (src / ".cache" / "ignored").write_text("not part of the checkpoint")
+    before = hub.local_file_stats(src)
+    assert sorted(v.split(":")[0] for v in before.values()) == hub.list_files(src)
+    assert hub.local_file_stats(src) == before  # stable: nothing read, nothing written
+    shard = src / SHARD
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 1
+    shard.write_bytes(bytes(data))  # same size, new content
+    os.utime(shard, ns=(shard.stat().st_atime_ns, shard.stat().st_mtime_ns + 1_000))
+    (src / "extra.txt").write_text("added")
+    after = hub.local_file_stats(src)
+    changed = {k: (before.get(k), after.get(k)) for k in before.keys() | after.keys()
+               if before.get(k) != after.get(k)}
+    st = shard.stat()
+    assert sorted(changed.values(), key=str) == sorted([
+        (next(v for v in before.values() if v.startswith(f"{SHARD}: ")),
+         f"{SHARD}: {st.st_size} bytes, mtime_ns {st.st_mtime_ns}"),
+        (None, f"extra.txt: 5 bytes, mtime_ns {(src / 'extra.txt').stat().st_mtime_ns}"),
+    ], key=str)
+    assert hub.local_file_stats(tmp_path / "nope") == {}
+
+
+@pytest.mark.slow  # a real run of rule model, then a dry run: ~20 s
+def test_rule_model_reruns_for_a_local_directory_changed_in_place(tiny_hy3_copy,
+                                                                  tmp_path: Path) -> None:
+    """Through Snakemake: rule model made the manifest of a local directory; a shard then
+    rewritten in place (same size) makes the next invocation re-run rule model, the reason
+    naming the file with its mtime before and now (the manifest, an input of preflight, and
+    the run identity follow)."""
+    from fixtures.common import REPO_ROOT, run_snakemake
+
+    src = tiny_hy3_copy("inplace")
+    override = tmp_path / "model.yaml"
+    override.write_text(f"model: {{source: {src}, revision: null}}\n")
+    target = "results/tiny-default/model/manifest.json"
+    args = [target, "--profile", str(REPO_ROOT / "profiles/local"), "--configfile",
+            str(REPO_ROOT / "config/config.yaml"), str(override)]
+    run_snakemake(args, tmp_path / "work")
+    shard = src / SHARD
+    old = shard.stat().st_mtime_ns
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 1
+    shard.write_bytes(bytes(data))
+    out = run_snakemake([*args, "-n"], tmp_path / "work").stdout
+    new = shard.stat().st_mtime_ns
+    assert (f"before: '{SHARD}: {len(data)} bytes, mtime_ns {old}' "
+            f"now: '{SHARD}: {len(data)} bytes, mtime_ns {new}'") in out, out[-3000:]
+
+
 def test_missing_local_directory_named(tmp_path: Path) -> None:
     with pytest.raises(hub.HubError, match=r"model\.source: .*is not a directory"):
         hub.run(str(tmp_path / "nope"), None, tmp_path / "m", manifest=tmp_path / "x.json")

@@ -5,6 +5,7 @@ value by value against the published hyperparameters. The stage runs in-process 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -147,7 +148,8 @@ def plan_for(cfg: dict, verl, tmp_path: Path, name: str = "out", lock: Path | No
              summary: Path | None = None, checkpoint_check: Path | None = None,
              bridge_check: Path | None | object = PASSING) -> pf.Plan:
     """``pf.run`` on ``cfg`` (a config mapping, validated and typed here) with its outputs
-    under ``tmp_path/name``; the plan also when rules are in error (pf.RulesFailed). The
+    under ``tmp_path/name``; the plan also when rules are in error (pf.RulesFailed: then
+    written to ``refused.json`` alone). The
     bridge report is a passing one unless given."""
     out = tmp_path / name
     if bridge_check is PASSING:
@@ -157,9 +159,11 @@ def plan_for(cfg: dict, verl, tmp_path: Path, name: str = "out", lock: Path | No
                       data_summary=summary, train_files=tmp_path / "data/train.parquet",
                       val_files=tmp_path / "data/val.parquet", checkpoint_check=checkpoint_check,
                       bridge_check=bridge_check, plan=out / "plan.json",
-                      launch=out / "launch.sh", reward_fn=out / "reward_fn.py")
+                      launch=out / "launch.sh", refused=out / "refused.json",
+                      reward_fn=lambda sha: out / "reward" / f"{sha}.py")
     except pf.RulesFailed as exc:
-        assert (out / "plan.json").is_file() and exc.plan.errors
+        assert (out / "refused.json").is_file() and exc.plan.errors
+        assert not (out / "plan.json").exists() and not (out / "launch.sh").exists()
         return exc.plan
 
 
@@ -386,7 +390,7 @@ def test_unknown_key_is_an_error_naming_it(verl, tmp_path, capsys):
     assert rc == 1
     err = capsys.readouterr().err
     assert "compose:" in err and "trainer.totl_training_steps" in err
-    plan = json.loads(Path(Layout.from_config(cfg).preflight_plan).read_text())
+    plan = json.loads(Path(Layout.from_config(cfg).preflight_refused).read_text())
     assert plan["ok"] is False and plan["rules"][2]["name"] == "compose"
     assert "trainer.totl_training_steps" in plan["errors"][0]
     # nothing composed, so none of verl's own checks ran: recorded, and why
@@ -416,12 +420,85 @@ def test_verl_overrides_algorithm_and_reward_function(verl, tmp_path):
     assert eff["algorithm.adv_estimator"] == "rloo"
     assert eff["actor_rollout_ref.actor.policy_loss.loss_mode"] == "gspo"
     assert eff["actor_rollout_ref.rollout.temperature"] == 1.0
-    copy_ = tmp_path / "out/reward_fn.py"
+    copy_ = tmp_path / "out/reward" / f"{hashlib.sha256(fn.read_bytes()).hexdigest()}.py"
     assert eff["reward.custom_reward_function.path"] == str(copy_)
     assert copy_.read_text() == fn.read_text()
     assert plan.overrides[-1].origin == "train.verl_overrides"
     assert plan.resolved["actor_rollout_ref.rollout.temperature"]["source"] == "config"
     assert rule(plan, "val_on_resume").status == "pass"
+
+
+def test_a_refused_preflight_leaves_the_approved_launch_as_it_was(verl, tmp_path, capsys):
+    """Issue 27 item 3: the reward function is copied to a content-addressed path that the
+    launch names, and only by a passing preflight. Editing the reward and running a preflight
+    that is refused (here an invalid SAVE_FREQ) leaves every file of the approved launch
+    byte-identical: plan.json, launch.sh and the reward copy it points at; the refusal's plan
+    goes to plan.refused.json alone, and the next passing preflight removes it."""
+    cfg = paper_cfg(tmp_path)
+    cfg["data"]["heldout"] = cfg["eval"]["select"] = None  # no held-out file written here
+    fn = tmp_path / "my_reward.py"
+    fn.write_text("def score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                  "    return 1.0\n")
+    cfg["train"]["reward_function"] = {"path": str(fn), "name": "score"}
+    layout = Layout.from_config(cfg)
+    assert hy3rl_preflight(cfg, tmp_path, verl.lock) == 0
+    copy_ = Path(layout.preflight_reward_fn(hashlib.sha256(fn.read_bytes()).hexdigest()))
+    launch = Path(layout.preflight_launch).read_text()
+    assert f"reward.custom_reward_function.path={copy_.absolute()}" in launch
+    approved = [Path(layout.preflight_plan), Path(layout.preflight_launch), copy_]
+    before = {p: p.read_bytes() for p in approved}
+
+    fn.write_text("def score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                  "    return 0.0\n")
+    save_freq = cfg["train"]["env"]["SAVE_FREQ"]
+    assert hy3rl_preflight(_set(cfg, env={"SAVE_FREQ": -1}), tmp_path, verl.lock) == 1
+    assert "save_test_freq: trainer.save_freq = -1" in capsys.readouterr().err
+    assert {p: p.read_bytes() for p in approved} == before
+    assert sorted(copy_.parent.iterdir()) == [copy_]  # the new reward was not copied
+    refused = json.loads(Path(layout.preflight_refused).read_text())
+    assert refused["ok"] is False and refused["errors"][0].startswith("save_test_freq: ")
+
+    # fixed: the new reward gets its own copy beside the old one, which stays
+    cfg["train"]["env"]["SAVE_FREQ"] = save_freq
+    assert hy3rl_preflight(cfg, tmp_path, verl.lock) == 0
+    new = Path(layout.preflight_reward_fn(hashlib.sha256(fn.read_bytes()).hexdigest()))
+    assert sorted(copy_.parent.iterdir()) == sorted([copy_, new])
+    assert copy_.read_bytes() == before[copy_] and new.read_bytes() == fn.read_bytes()
+    assert str(new.absolute()) in Path(layout.preflight_launch).read_text()
+    assert not Path(layout.preflight_refused).exists()
+
+
+def test_an_edited_reward_function_makes_preflight_out_of_date(tmp_path):
+    """The reward function is an input of rule preflight: with every input and output of the
+    stage in place (made by hand here, older than the plan), touching the reward file makes
+    a dry run re-run preflight for it, and for nothing else."""
+    from fixtures.common import run_snakemake
+
+    reward = tmp_path / "reward.py"
+    override = tmp_path / "reward.yaml"
+    override.write_text(yaml.safe_dump(
+        {"train": {"reward_function": {"path": str(reward), "name": "score"}}}))
+    cfg = cfgmod.load(REPO / "config/config.yaml", override)
+    layout = Layout.from_config(cfg)
+    work = tmp_path / "work"
+    made = [layout.deps_lock, layout.deps_runtime_env, layout.model_manifest, layout.data_train,
+            layout.data_val, layout.data_heldout, layout.data_summary, layout.checks_checkpoint]
+    (work / cfg["model"]["source"]).mkdir(parents=True)  # rule tiny_model's directory
+    for i, rel in enumerate([*made, layout.preflight_plan, layout.preflight_launch]):
+        path = work / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("{}")
+        os.utime(path, (1_000_000 + i, 1_000_000 + i))
+    os.utime(work / cfg["model"]["source"], (999_000, 999_000))
+    reward.write_text("def score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return 1.0\n")  # now: newer than the plan
+    proc = run_snakemake(["-n", layout.preflight_plan, "--profile", str(REPO / "profiles/local"),
+                          "--configfile",
+                          str(REPO / "config/config.yaml"), str(override)], work)
+    out = proc.stdout + proc.stderr
+    jobs = re.findall(r"^(?:local)?rule (\w+):$", out, flags=re.M)
+    assert jobs == ["preflight"], out[-3000:]
+    assert f"reason: Updated input files: {reward}" in out, out[-3000:]
 
 
 def test_recipe_script_gets_hy3_settings_carried_over(verl, tmp_path):
@@ -829,7 +906,8 @@ def test_cli_lists_all_errors_and_refuses_bad_inputs(verl, tmp_path, capsys):
     assert "save_test_freq: trainer.save_freq = -1" in err and "2 error(s)" in err
     assert "Traceback" not in err
     assert "WARNING ref_kl_zero: " in captured.out  # the summary: warnings and waivers
-    assert json.loads(Path(layout.preflight_plan).read_text())["ok"] is False  # kept to read
+    assert json.loads(Path(layout.preflight_refused).read_text())["ok"] is False  # to read
+    assert not Path(layout.preflight_plan).exists()  # a refusal writes no plan.json
     # an unknown waiver: the config is refused before anything runs
     bad = paper_cfg(tmp_path)
     bad["preflight"]["waive"] = ["dsik"]
@@ -895,7 +973,7 @@ def test_post_init_error_reaches_plan_json_with_verl_message_and_line(verl, tmp_
     verl and verl_checks) with verl's message and the file:line inside the clone."""
     cfg = _set(default_cfg(tmp_path), over={"actor_rollout_ref.rollout.mode": "sync"})
     plan_for(cfg, verl, tmp_path, bridge_check=None)
-    doc = json.loads((tmp_path / "out/plan.json").read_text())
+    doc = json.loads((tmp_path / "out/refused.json").read_text())
     line = line_of(verl.path / WORKERS_CONFIG, "has been removed")
     got = {c["name"]: c for c in doc["verl_checks"]["checks"]}
     rollout = got["actor_rollout_ref.rollout"]
@@ -1074,9 +1152,11 @@ def test_preflight_errors_stop_the_workflow_on_the_slurm_cluster(
                 "max_model_len: rollout.max_model_len = 100 < max_prompt_length + "
                 "max_response_length",
                 "save_test_freq: trainer.save_freq = 50 > total_training_steps = 2",
-                "6 error(s) (plan: results/tiny-default/preflight/plan.json)"):
+                "6 error(s) (plan: results/tiny-default/preflight/plan.refused.json)"):
         assert msg in out, f"{msg!r} not in Snakemake's output:\n{out[-4000:]}"
     assert not (res / "preflight" / "launch.sh").exists()
+    assert not (res / "preflight" / "plan.json").exists()
+    assert not json.loads((res / "preflight" / "plan.refused.json").read_text())["ok"]
 
     train["env"] = {}
     site.write_text(json.dumps({"train": train, "model": {"source": str(model)}, **no_heldout}))
@@ -1085,6 +1165,7 @@ def test_preflight_errors_stop_the_workflow_on_the_slurm_cluster(
     assert good.returncode == 0, out[-4000:]
     plan = json.loads((res / "preflight" / "plan.json").read_text())
     assert plan["ok"] and plan["launched"], plan["errors"]
+    assert not (res / "preflight" / "plan.refused.json").exists()
     assert plan["effective"]["trainer.nnodes"] == 2
     assert plan["effective"]["trainer.n_gpus_per_node"] == 2
     assert "WARNING ref_kl_zero:" in (res / "logs" / "preflight.log").read_text()

@@ -283,7 +283,8 @@ def test_rehearsal_plan_of_the_paper_run_against_real_pinned_verl(tmp_path: Path
     main = tmp_path / "main" / "plan.json"
     preflight.run(cfg, lock=lock, data_summary=None, checkpoint_check=None,
                   bridge_check=bridge, plan=main, launch=main.with_name("launch.sh"),
-                  reward_fn=main.with_name("reward_fn.py"), **data)
+                  refused=main.with_name("refused.json"),
+                  reward_fn=lambda sha: main.with_name(f"{sha}.py"), **data)
     rh.plan(cfg, layout, lock=lock, data_summary=tmp_path / "none.json",
             checkpoint_check=None, bridge_check=bridge, main_plan=main, **data)
     doc = json.loads(Path(layout.rehearsal_layout().preflight_plan).read_text())

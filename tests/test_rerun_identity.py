@@ -198,11 +198,12 @@ def test_each_change_is_one_invocation_that_does_the_right_thing(tmp_path: Path,
     run.cfg["train"]["env"] = {"SAVE_FREQ": 2}
     code, out = run("-n")
     assert code == 0, out[-3000:]
-    assert not _ran(out, "train") and not _ran(out, "train_keys"), out[-3000:]
+    assert not _ran(out, "train"), out[-3000:]
     assert _ran(out, "preflight"), out[-3000:]
     del run.cfg["train"]["env"]
 
     # (5) a learning-rate change on existing checkpoints: refused before any training job
+    done_bytes = (run.res / "train" / "done.json").read_bytes()
     run.cfg["train"]["env"] = {"ACTOR_LR": 5e-6}
     code, out = run()
     assert code != 0
@@ -210,6 +211,13 @@ def test_each_change_is_one_invocation_that_does_the_right_thing(tmp_path: Path,
     assert "actor_rollout_ref.actor.optim.lr" in log and "1e-06 -> 5e-06" in log, log
     assert "on_config_change" in log
     assert not _ran(out, "train") and run.attempts() == [1, 2, 3]
+    # ... which changed no record (issue 27): done.json is as it was; the old value restored
+    # plans no training job (its keys record is still in place)
+    assert (run.res / "train" / "done.json").read_bytes() == done_bytes
+    del run.cfg["train"]["env"]
+    code, out = run("-n")
+    assert code == 0 and not _ran(out, "train"), out[-3000:]
+    run.cfg["train"]["env"] = {"ACTOR_LR": 5e-6}
 
     # (6) the same change, continued on purpose, with two more steps
     run.cfg["train"].update(on_config_change="resume", total_training_steps=5)

@@ -400,13 +400,10 @@ def _workdir(tmp: Path, run: str, held: bool = False,
     (work / layout.preflight_launch).write_text("#!/bin/sh\nexit 1\n")
     (work / layout.deps_runtime_env).parent.mkdir(parents=True)
     (work / layout.deps_runtime_env).write_text("{}\n")
-    # what rules train_launch and train_keys (not allowed to run here) would write
+    # what rule train_launch (not allowed to run here) would write
     (work / layout.train_plan).parent.mkdir(parents=True)
     shutil.copy2(work / layout.preflight_plan, work / layout.train_plan)
     shutil.copy2(work / layout.preflight_launch, work / layout.train_launch)
-    for stretch in ("final", *(f"step{k}" for k in range(1, 9))):
-        (work / layout.train_keys(stretch)).parent.mkdir(parents=True, exist_ok=True)
-        (work / layout.train_keys(stretch)).write_text("{}")
     cfg = tmp / "override.yaml"
     cfg.write_text(yaml.safe_dump(override))
     return work, layout, ["--configfile", str(REPO_ROOT / "config/config.yaml"), str(cfg),

@@ -334,6 +334,64 @@ def test_nothing_to_launch_rewrites_done(tmp_path: Path, ckpt_writer) -> None:
     assert not (layout.checkpoint_dir / ckptdir.LOCK_NAME).exists()
 
 
+def _records(layout: Layout) -> dict[Path, tuple[bytes, int]]:
+    """Every file of the run's train/ directory and of its checkpoint directory: bytes and
+    modification time."""
+    files = [p for root in (Path(layout.train_dir), layout.checkpoint_dir)
+             for p in sorted(root.rglob("*")) if p.is_file()]
+    return {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in files}
+
+
+def test_a_refused_change_changes_no_record_and_restoring_it_submits_nothing(
+        tmp_path: Path, ckpt_writer) -> None:
+    """Issue 27 item 12, through the real functions on a real finished run (checkpoints of
+    steps 2 and 4, the run identity, done.json, the final job's keys record): a learning-rate
+    change names a keys record that is missing (the training job is in the DAG) and is
+    refused by the identity check; nothing under train/ or in the checkpoint directory has
+    changed (done.json is not set aside). Restoring the old value names the record still
+    there: the job is complete, nothing is submitted. A job that does train under the new
+    value removes the old record, so returning to it runs the job again."""
+    from fixtures.common import REPO_ROOT as root
+    from hy3rl.config import deep_merge, load
+    from hy3rl.settings import Config
+
+    cfg, layout, paths = _setup(tmp_path)
+    before = load(root / "config" / "config.yaml")
+    before = deep_merge(before, {"run": {"name": "run"}, "cluster": {"gpu": True},
+                                 "train": {"checkpoint_root": str(tmp_path / "ckpt")}})
+    for step in (2, 4):
+        ckpt_writer(layout.checkpoint_dir, step)
+    _run(cfg, layout, paths)  # the finished run: nothing to launch, done.json
+    record_a = Path(layout.train_keys("final", train.keys_digest(before, final=True)))
+    train.record_keys(layout, "final", record_a, before)
+    values = json.loads(record_a.read_text())["values"]
+    assert f"train.checkpoint_root={json.dumps(str(tmp_path / 'ckpt'))}" in values
+    assert not [v for v in values if v.startswith(("train.watchdog", "train.checkpoint_keep"))]
+    records = _records(layout)
+    assert Path(layout.train_done) in records and record_a in records
+
+    changed = deep_merge(before, {"train": {"env": {"ACTOR_LR": 5e-6}}})
+    Config.from_dict(changed)  # a valid config
+    record_b = Path(layout.train_keys("final", train.keys_digest(changed, final=True)))
+    assert record_b != record_a and not record_b.exists()  # the job is to run
+    plan_b = plan_json(layout.checkpoint_dir, 4, 2, "run", lr="5e-6")
+    d = ckptdir.decide_identity(layout.checkpoint_dir, plan_b["identity"]["trajectory"], 4,
+                                "refuse")
+    assert d.action == "refuse" and "actor_rollout_ref.actor.optim.lr" in d.error
+    assert _records(layout) == records  # a refused change changed no record
+
+    # the old value restored: its record is in place, the job complete, nothing submitted
+    assert Path(layout.train_keys("final", train.keys_digest(before, final=True))).is_file()
+    assert _records(layout) == records
+
+    # a job that trained under the new value: the old record goes, returning re-runs
+    train.record_keys(layout, "final", record_b, changed)
+    assert record_b.is_file() and not record_a.exists()
+    # a segment's record is named by the segments' common keys and its own end
+    assert train.keys_digest(before, final=False) == train.keys_digest(
+        deep_merge(before, {"train": {"total_training_steps": 40}}), final=False)
+
+
 # ---------------------------------------------------------------- launcher pieces
 
 
@@ -416,9 +474,19 @@ def test_segment_steps_chain_in_the_dag(tmp_path: Path) -> None:
     assert re.search(r"^train_segment\s+2$", out, re.M), out[-3000:]
     for end in (2, 4):
         assert re.search(rf"rule train_segment:\n(?:    .*\n)*?    output: results/tiny-default/"
-                         rf"train/segments/step{end}\.json\n(?:    .*\n)*?    wildcards: "
+                         rf"train/segments/step{end}\.json, results/tiny-default/train/keys/"
+                         rf"step{end}\.[0-9a-f]{{16}}\.json\n(?:    .*\n)*?    wildcards: "
                          rf"end={end}\n", out), out[-3000:]
     assert "results/tiny-default/train/segments/step4.json" in out.split("rule train:")[1]
+    # the keys records: outputs named by the digest of the configured training keys
+    from hy3rl.config import load
+
+    config = load(root / "config" / "config.yaml", override)
+    final = f"results/tiny-default/train/keys/final.{train.keys_digest(config, True)}.json"
+    assert f"output: results/tiny-default/train/done.json, " \
+           f"results/tiny-default/train/metrics.jsonl, {final}" in out, out[-3000:]
+    segment = train.keys_digest(config, False)
+    assert f"results/tiny-default/train/keys/step4.{segment}.json" in out, out[-3000:]
     assert "--config-json" not in out
 
 

@@ -11,13 +11,14 @@ bridge = snakemake.input.get("bridge_check", None) or []
 bridge = [bridge] if isinstance(bridge, str) else list(bridge)
 
 with rule_job(snakemake) as cfg:
+    layout = Layout.from_config(cfg)
     preflight.run(cfg, lock=Path(snakemake.input.lock),
                   data_summary=Path(snakemake.input.summary),
                   train_files=Path(snakemake.input.train), val_files=Path(snakemake.input.val),
                   checkpoint_check=Path(snakemake.input.checkpoint_check),
                   bridge_check=Path(bridge[0]) if bridge else None,
                   plan=Path(snakemake.output.plan), launch=Path(snakemake.output.launch),
-                  reward_fn=Path(Layout.from_config(cfg).preflight_reward_fn),
+                  refused=Path(layout.preflight_refused), reward_fn=layout.preflight_reward_fn,
                   model_manifest=Path(snakemake.input.model_manifest),
                   heldout=Path(snakemake.input.heldout) if snakemake.input.get("heldout")
                   else None)

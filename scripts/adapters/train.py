@@ -13,3 +13,4 @@ with rule_job(snakemake) as cfg:
               rehearsed=rehearsal.passed_identity(inp.get("rehearsal")),
               sentinel=Path(snakemake.output.done),
               metrics=Path(snakemake.output.metrics))
+    train.record_keys(layout, "final", Path(snakemake.output.train_keys), snakemake.config)

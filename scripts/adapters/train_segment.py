@@ -14,3 +14,5 @@ with rule_job(snakemake) as cfg:
               rehearsed=rehearsal.passed_identity(inp.get("rehearsal")),
               sentinel=Path(snakemake.output.sentinel),
               metrics=Path(layout.train_metrics), until=int(snakemake.wildcards.end))
+    train.record_keys(layout, f"step{snakemake.wildcards.end}", Path(snakemake.output.train_keys),
+                      snakemake.config)

@@ -86,7 +86,7 @@ def _preflight(cfg: Config, layout: Layout, args: argparse.Namespace) -> None:
                   checkpoint_check=Path(layout.checks_checkpoint),
                   bridge_check=Path(layout.checks_bridge) if cfg.cluster.gpu else None,
                   plan=Path(layout.preflight_plan), launch=Path(layout.preflight_launch),
-                  reward_fn=Path(layout.preflight_reward_fn),
+                  refused=Path(layout.preflight_refused), reward_fn=layout.preflight_reward_fn,
                   heldout=Path(layout.data_heldout) if cfg.data.heldout else None)
 
 

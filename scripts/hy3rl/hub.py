@@ -290,6 +290,25 @@ def list_files(root: Path) -> list[str]:
     return sorted(out)
 
 
+def local_file_stats(root: str | Path) -> dict[str, str]:
+    """Rule model's params for a local ``model.source``: one per file of ``root``
+    (:func:`list_files`), ``"<path>: <size> bytes, mtime_ns <mtime>"``, keyed by a name made
+    from the path. A stat of each file, nothing read: cheap enough to run every time the DAG
+    is built, and free of side effects. A file replaced, rewritten, added or removed in
+    place changes a value, so Snakemake re-runs rule model (the manifest, and with it the
+    run identity, follow the directory) and its reason names each such file with its size
+    and mtime before and now. Empty when ``root`` is not a directory (rule model names it)."""
+    root = Path(root).expanduser()
+    if not root.is_dir():
+        return {}
+    out = {}
+    for rel in list_files(root):
+        st = (root / rel).stat()
+        key = "file_" + hashlib.sha1(rel.encode(), usedforsecurity=False).hexdigest()[:16]
+        out[key] = f"{rel}: {st.st_size} bytes, mtime_ns {st.st_mtime_ns}"
+    return out
+
+
 def verify(manifest_path: str | Path, model_dir: str | Path, *, sha256: bool, threads: int,
            progress: bool = True) -> list[str]:
     """Problems of ``model_dir`` against the manifest (empty: it matches).

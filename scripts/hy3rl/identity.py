@@ -25,8 +25,8 @@
 Every config key (:data:`CONFIG_KINDS`), launch-script knob (:data:`KNOBS`) and verl key
 (:data:`VERL_KINDS`) has its kind written here with a reason; :func:`kind_table` renders
 them for docs/formats/train.md. The config-level kinds decide what re-runs training in the
-same invocation (rule ``train_keys``'s params, rules/train.smk: trajectory, extent and
-location keys, ``train.env`` and ``train.verl_overrides`` by their trajectory entries).
+same invocation (the training keys that name a job's keys record, rules/train.smk:
+trajectory, extent and location keys, ``train.env`` and ``train.verl_overrides`` by their trajectory entries).
 
 The identity of a checkpoint directory, its history and the decision on a rerun are
 :mod:`hy3rl.ckptdir`'s (docs/formats/train.md "Run identity").
@@ -351,7 +351,8 @@ def train_trigger_values(config: Mapping[str, Any], extent: bool = True) -> dict
 
 
 def train_keys_params(config: Mapping[str, Any], stretch: str) -> str:
-    """Rule ``train_keys``'s one param for a training job: ``final`` (rule train) takes
+    """A training job's training keys (their digest names its keys record,
+    ``hy3rl.train.keys_digest``): ``final`` (rule train) takes
     every trigger, a segment ``step<N>`` every one but the total (an extension re-runs no
     finished segment), plus its own end. One ``key=value`` a line, sorted."""
     values = train_trigger_values(config, extent=stretch == "final")

@@ -161,10 +161,17 @@ class Layout:
         return self._p("preflight/launch.sh")
 
     @property
-    def preflight_reward_fn(self) -> str:
-        """The copy of ``train.reward_function.path`` the launch points at (only when set;
-        not a rule output)."""
-        return self._p("preflight/reward_fn.py")
+    def preflight_refused(self) -> str:
+        """``preflight/plan.refused.json``: the plan of a preflight whose rules refused the
+        launch (written instead of plan.json and launch.sh, which a refusal never touches;
+        removed by the next passing preflight)."""
+        return self._p("preflight/plan.refused.json")
+
+    def preflight_reward_fn(self, sha256: str) -> str:
+        """``preflight/reward/<sha256>.py``: the copy of ``train.reward_function.path`` the
+        launch points at, named by its content (only when set; written by a passing
+        preflight; not a rule output). An older copy stays: a running launch reads its own."""
+        return self._p(f"preflight/reward/{sha256}.py")
 
     # ---- train
     @property
@@ -240,10 +247,12 @@ class Layout:
         """``train/launch/launch.sh``: the copy of preflight's launch a training job runs."""
         return self._p("train/launch/launch.sh")
 
-    def train_keys(self, stretch: str) -> str:
-        """``train/keys/<stretch>.json`` (``final`` or ``step<N>`` of a segment): the
-        config values that re-run that training job (rule train_keys; hy3rl.identity)."""
-        return self._p(f"train/keys/{stretch}.json")
+    def train_keys(self, stretch: str, digest: str) -> str:
+        """``train/keys/<stretch>.<digest>.json`` (``final`` or ``step<N>`` of a segment):
+        the training keys job ``stretch`` trained under, named by their digest
+        (hy3rl.train.keys_digest, record_keys): an output of that job and a target of
+        ``all``, so new keys (a missing record) run the job and restored ones run nothing."""
+        return self._p(f"train/keys/{stretch}.{digest}.json")
 
     def segment_sentinel(self, end: int | str) -> str:
         return self._p(f"train/segments/step{end}.json")

@@ -191,7 +191,8 @@ def plan(cfg: Config, layout: Layout, *, lock: Path, data_summary: Path, train_f
     preflight.run(rcfg, lock=lock, data_summary=data_summary, train_files=train_files,
                   val_files=val_files, checkpoint_check=checkpoint_check,
                   bridge_check=bridge_check, plan=out, launch=Path(rl.preflight_launch),
-                  reward_fn=Path(rl.preflight_reward_fn), model_manifest=model_manifest,
+                  refused=Path(rl.preflight_refused), reward_fn=rl.preflight_reward_fn,
+                  model_manifest=model_manifest,
                   checkpoint_dir=rl.checkpoint_dir)
     doc = json.loads(out.read_text())
     doc["rehearsal"] = {

@@ -100,10 +100,10 @@ def triggers(config: Mapping[str, Any], *keys: str) -> dict[str, str]:
 
 
 def write_keys(snakemake: Any) -> None:
-    """Rules train_keys and eval_request: write the rule's one param (the config values
-    that re-run the job downstream, one ``key=value`` a line) as JSON to its output. Those
-    rules have no input, so Snakemake never masks them behind an upstream job that must run
-    (snakemake#4166): their output, a non-ancient input of the training or generation job,
+    """Rules eval_request and rehearsal_runtime: write the rule's one param (the config
+    values that re-run the job downstream, one ``key=value`` a line) as JSON to its output.
+    Those rules have no input, so Snakemake never masks them behind an upstream job that
+    must run (snakemake#4166): their output, a non-ancient input of the generation job,
     re-runs that job in the same invocation, and only when the values change (the profiles'
     rerun triggers leave out code)."""
     from hy3rl.atomic import write_json_atomic

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -421,20 +422,37 @@ def write_job_exit(layout: Layout, job: str, attempts: list[int], step: JobStep 
         "exclude": list(step.exclude) if step else []})
 
 
-def retire_sentinel(sentinel: Path) -> Path | None:
-    """Rule train_keys, after the training keys of a job changed: its sentinel (done.json or
-    a segment's) describes another configuration, so it is renamed ``<name>.previous.json``
-    (replacing an older one). Snakemake then finds the sentinel missing and runs the job
-    in this invocation and in every later one until it succeeds, also when a refused
-    preflight stopped this one (a job behind preflight is otherwise masked,
-    snakemake#4166). Returns the new path, None when there was no sentinel."""
-    sentinel = Path(sentinel)
-    if not sentinel.exists():
-        return None
-    previous = sentinel.with_name(sentinel.name.removesuffix(".json") + ".previous.json")
-    os.replace(sentinel, previous)
-    log.info("the training keys changed: %s set aside as %s", sentinel, previous.name)
-    return previous
+def keys_digest(config: Mapping[str, Any], final: bool) -> str:
+    """The first 16 hex digits of the sha256 of the training keys
+    (:func:`hy3rl.identity.train_keys_params`) of rule train (``final``) or of every segment
+    (their common keys: a segment's end is in its record's name, Layout.train_keys). Pure
+    and cheap: computed while the DAG is built, it names the record a training job writes
+    when it succeeded, a target of ``all``."""
+    from hy3rl.identity import train_keys_params
+
+    text = train_keys_params(config, "final" if final else "segment")
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def record_keys(layout: Layout, stretch: str, path: Path, config: Mapping[str, Any]) -> None:
+    """Training job ``stretch`` (``final`` or ``step<N>``) succeeded: write its keys record
+    ``path`` (``Layout.train_keys(stretch, keys_digest(...))``: the training keys it trained
+    under, one ``key=value`` a line), and remove the records of the stretch's other keys,
+    which no longer describe its sentinel, so returning to those values runs the job again.
+    Only a training job that ran changes these records: a change refused by preflight
+    changes none, and restoring the values it changed finds the record still there and
+    submits nothing (docs/formats/train.md)."""
+    from hy3rl.identity import train_keys_params
+
+    path = Path(path)
+    pattern = Path(layout.train_keys(stretch, "*"))
+    for old in sorted(Path(path.parent).glob(pattern.name)):
+        if old.name != path.name:
+            old.unlink()
+            log.info("training keys record %s removed: job %s trained under other keys",
+                     old.name, stretch)
+    write_json_atomic(path, {"stretch": stretch, "written_at": utc_now(),
+                             "values": train_keys_params(config, stretch).splitlines()})
 
 
 def stage_launch(plan: Path, launch: Path, out_plan: Path, out_launch: Path) -> None:
@@ -442,7 +460,8 @@ def stage_launch(plan: Path, launch: Path, out_plan: Path, out_launch: Path) -> 
     them (``Layout.train_plan``, ``Layout.train_launch``). A failed preflight's outputs are
     deleted by Snakemake; these copies are not, so a training job's (ancient) inputs still
     exist after a refusal and the next invocation re-runs training only when its keys
-    changed (rule train_keys), not because preflight failed once."""
+    changed (its keys record is missing: :func:`record_keys`), not because preflight failed
+    once."""
     for src, dest in ((Path(plan), Path(out_plan)), (Path(launch), Path(out_launch))):
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = dest.with_name(f".{dest.name}.tmp")

@@ -13,22 +13,27 @@
 4. renders ``plan.json`` (every value with its source) and ``launch.sh`` (:mod:`.render`).
 
 It raises :class:`PreflightError` (a StageError: exit 1) for an unusable input, before
-writing anything, and :class:`RulesFailed` after writing the plan when a rule is in error.
+writing anything, and :class:`RulesFailed` when a rule is in error, after writing the plan
+to the refused-plan path only: a refusal never touches plan.json, launch.sh or a reward
+copy, the files an approved launch reads.
 Formats: docs/formats/preflight.md.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from hy3rl.atomic import write_json_atomic
 from hy3rl.layout import Layout
 from hy3rl.preflight.estimate import NOT_COMPOSED, add_costs, estimate_gpu_hours
 from hy3rl.preflight.heldout import selection_record
@@ -53,7 +58,8 @@ __all__ = ["NOT_WAIVABLE", "RULES", "Override", "Plan", "PreflightError", "RuleR
 
 
 class RulesFailed(PreflightError):
-    """Rules are in error; the plan (``.plan``) is written, the message lists the errors."""
+    """Rules are in error; the plan (``.plan``) is written to the refused-plan path, the
+    message lists the errors."""
 
     def __init__(self, plan: Plan, plan_path: Path) -> None:
         self.plan = plan
@@ -138,19 +144,19 @@ def verl_record(checks: list[VerlCheck], model_dir: Path) -> dict[str, Any]:
 
 
 def run_identity(cfg: Config, res: Any, lock_doc: Mapping[str, Any],
-                 summary: Mapping[str, Any] | None, model_manifest: Path | None) -> dict:
+                 summary: Mapping[str, Any] | None, model_manifest: Path | None,
+                 reward_sha: str | None) -> dict:
     """plan.json ``identity``: the trajectory of this launch (:func:`hy3rl.identity.trajectory`
     over the resolved overrides, the pins of deps/lock.json, the training data's sha256 from
     the data summary, the model's identity from its manifest, the custom reward function's
-    content), the extent and ``train.on_config_change``."""
+    content: ``reward_sha``, the sha256 of the bytes copied), the extent and
+    ``train.on_config_change``."""
     from hy3rl import identity
-    from hy3rl.runtime_id import sha256_file
 
     pins = {name: str(entry.get("head") or entry.get("commit"))
             for name, entry in sorted((lock_doc.get("repos") or {}).items())}
     train_sha = (((summary or {}).get("splits") or {}).get("train") or {}).get("sha256")
     manifest = read_json(model_manifest, "model manifest")
-    reward_sha = sha256_file(res.reward_fn_copy[0]) if res.reward_fn_copy else None
     resolved = {o.key: {"value": o.value, "origin": o.origin} for o in res.overrides}
     traj = identity.trajectory(resolved=resolved, pins=pins, train_sha256=train_sha,
                                model=identity.model_identity(manifest) if manifest else None,
@@ -163,15 +169,19 @@ def run_identity(cfg: Config, res: Any, lock_doc: Mapping[str, Any],
 
 def run(cfg: Config, *, lock: Path, data_summary: Path | None, train_files: Path,
         val_files: Path, checkpoint_check: Path | None, bridge_check: Path | None,
-        plan: Path, launch: Path, reward_fn: Path, model_manifest: Path | None = None,
-        heldout: Path | None = None, checkpoint_dir: Path | None = None) -> Plan:
-    """Resolve, compose, check; write ``plan`` (plan.json), ``launch`` (launch.sh) and, with
-    ``train.reward_function.path``, its copy at ``reward_fn``. ``data_summary`` and
+        plan: Path, launch: Path, refused: Path, reward_fn: Callable[[str], str | Path],
+        model_manifest: Path | None = None, heldout: Path | None = None,
+        checkpoint_dir: Path | None = None) -> Plan:
+    """Resolve, compose, check; when no rule is in error, write ``plan`` (plan.json),
+    ``launch`` (launch.sh) and, with ``train.reward_function.path``, its copy at
+    ``reward_fn(<sha256 of its bytes>)`` (``Layout.preflight_reward_fn``: content addressed,
+    so a launch already running keeps reading its own copy); when one is, write the plan to
+    ``refused`` only and raise :class:`RulesFailed`. ``data_summary`` and
     ``checkpoint_check`` may be None or absent (their rules are then `not run`).
     ``bridge_check`` is checks/bridge.json: read when ``cluster.gpu`` is true, where None or
     absent is an error (rule ``bridge``) unless waived. The checkpoint directory is the
-    layout's; the eval steps retention keeps are ``cfg.eval_keep_steps``. Returns the plan;
-    raises :class:`RulesFailed` (plan written) when a rule is in error. ``heldout``:
+    layout's; the eval steps retention keeps are ``cfg.eval_keep_steps``. Returns the plan.
+    ``heldout``:
     data/heldout.parquet (data.heldout), checked against the test and training sets and
     hashed into the selection rule (plan ``selection``). ``checkpoint_dir``: where the
     launch saves (default: the run layout's; the rehearsal passes its own)."""
@@ -185,15 +195,17 @@ def run(cfg: Config, *, lock: Path, data_summary: Path | None, train_files: Path
     facts = summary_facts(summary)
     ckpt_check = read_json(checkpoint_check, "checkpoint checks")
     bridge = read_json(bridge_check, "bridge checks") if cfg.cluster.gpu else None
+    reward = reward_copy(cfg, reward_fn)
     res = resolve(cfg, verl_dir, train_files=train_files.absolute(),
                   val_files=val_files.absolute(), val_n=facts.get("val_n"),
                   checkpoint_dir=checkpoint_dir or Layout.from_config(cfg).checkpoint_dir,
-                  reward_fn=reward_fn)
+                  reward_fn=reward[1] if reward else Path(os.devnull))
     head = git_head(verl_dir)
     weights, weights_from = model_bytes(cfg)
 
     model_dir = Path(cfg.model.path)
-    ident = run_identity(cfg, res, lock_doc, summary, model_manifest)
+    ident = run_identity(cfg, res, lock_doc, summary, model_manifest,
+                         hashlib.sha256(reward[0]).hexdigest() if reward else None)
     if res.composed is None:
         eff: dict[str, Any] = {}
         verl_checks = [VerlCheck(RUNNER, NOT_RUN, reason=NOT_COMPOSED_VERL)]
@@ -218,11 +230,28 @@ def run(cfg: Config, *, lock: Path, data_summary: Path | None, train_files: Path
                         verl_checks=verl_record(verl_checks, model_dir),
                         estimate=estimate, launch=launch, launch_text=launch_text,
                         identity=ident, selection=selection_record(cfg, heldout))
-    write_outputs(result, res, plan_path=plan, launch=launch, launch_text=launch_text)
-    _log_summary(result, plan)
     if result.errors:
-        raise RulesFailed(result, plan)
+        write_json_atomic(refused, asdict(result), default=str)
+        _log_summary(result, refused)
+        raise RulesFailed(result, refused)
+    write_outputs(result, plan_path=plan, launch=launch, launch_text=launch_text,
+                  reward=reward)
+    Path(refused).unlink(missing_ok=True)
+    _log_summary(result, plan)
     return result
+
+
+def reward_copy(cfg: Config, reward_fn: Callable[[str], str | Path]) -> tuple[bytes, Path] | None:
+    """``train.reward_function.path``'s bytes, read once, and the content-addressed path of
+    their copy (``reward_fn(sha256)``); None without one, or when the path is not a file
+    (resolve refuses it, naming the key)."""
+    if not cfg.train.reward_function.path:
+        return None
+    src = Path(cfg.train.reward_function.path)
+    if not src.is_file():
+        return None
+    data = src.read_bytes()
+    return data, Path(reward_fn(hashlib.sha256(data).hexdigest())).absolute()
 
 
 def _log_summary(result: Plan, plan: Path) -> None:

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from hy3rl.atomic import write_json_atomic, write_text_atomic
+from hy3rl.atomic import write_bytes_atomic, write_json_atomic, write_text_atomic
 from hy3rl.preflight.resolve import Override, Resolution
 from hy3rl.preflight.rules import RuleResult, effective_sources
 from hy3rl.timefmt import utc_now
@@ -130,12 +130,12 @@ def build_plan(*, run: str, gpu: bool, res: Resolution, commit: str, head: str |
     )
 
 
-def write_outputs(plan: Plan, res: Resolution, *, plan_path: Path, launch: Path,
-                  launch_text: str) -> None:
-    """The reward function's copy (if any), launch.sh (executable), then plan.json; each
-    written atomically."""
-    if res.reward_fn_copy:
-        src, dest = res.reward_fn_copy
-        write_text_atomic(dest, src.read_text())
+def write_outputs(plan: Plan, *, plan_path: Path, launch: Path, launch_text: str,
+                  reward: tuple[bytes, Path] | None) -> None:
+    """A passing preflight's files, each written atomically: the reward function's copy
+    (``reward``: its bytes as read once, and its content-addressed path), launch.sh
+    (executable), then plan.json, last."""
+    if reward:
+        write_bytes_atomic(reward[1], reward[0])
     write_text_atomic(launch, launch_text, mode=0o755)
     write_json_atomic(plan_path, asdict(plan), default=str)
