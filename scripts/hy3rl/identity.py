@@ -107,9 +107,10 @@ TRIGGER_KINDS = (TRAJECTORY, EXTENT, LOCATION)  # what re-runs a training job
 
 # ---- verl level -----------------------------------------------------------------------
 
-_DYNAMIC = ("token budget of dynamic micro-batches: verl normalises the loss over the whole "
-            "mini-batch (core_algos.agg_loss, global token / sequence counts), so the cut into "
-            "micro-batches changes summation order, not the gradient")
+_DYNAMIC = ("token budget of dynamic micro-batches: verl@220e903 divides each micro-batch's "
+            "loss by the whole mini-batch's token / sequence count (core_algos.agg_loss with "
+            "global_batch_info), so the cut into micro-batches changes summation order, not "
+            "the gradient")
 _MICRO = "micro-batch size (gradient accumulation): same mini-batch normalisation as above"
 _LOGPROB = ("batching of a log-prob forward pass (no gradient): each sequence's values do not "
             "depend on its neighbours")
