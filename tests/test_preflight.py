@@ -1411,7 +1411,7 @@ def trajectory_of(cfg: dict, verl, tmp_path: Path) -> dict:
                   val_files=tmp_path / "data/val.parquet", val_n=None,
                   checkpoint_dir=Layout.from_config(cfg).checkpoint_dir,
                   reward_fn=tmp_path / "out/reward_fn.py")
-    return pf.run_identity(typed, res, json.loads(verl.lock.read_text()), None, None)
+    return pf.run_identity(typed, res, json.loads(verl.lock.read_text()), None, None, None)
 
 
 def test_overrides_of_owned_paths_and_checkpoint_locations_are_refused(verl, tmp_path):

@@ -26,7 +26,8 @@ Every config key (:data:`CONFIG_KINDS`), launch-script knob (:data:`KNOBS`) and 
 (:data:`VERL_KINDS`) has its kind written here with a reason; :func:`kind_table` renders
 them for docs/formats/train.md. The config-level kinds decide what re-runs training in the
 same invocation (the training keys that name a job's keys record, rules/train.smk:
-trajectory, extent and location keys, ``train.env`` and ``train.verl_overrides`` by their trajectory entries).
+trajectory, extent and location keys, ``train.env`` and ``train.verl_overrides`` by their
+trajectory entries).
 
 The identity of a checkpoint directory, its history and the decision on a rerun are
 :mod:`hy3rl.ckptdir`'s (docs/formats/train.md "Run identity").
