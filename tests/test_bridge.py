@@ -121,6 +121,7 @@ def test_capture_bridge_warnings_all_channels(capsys):
     assert "unexpected key" in capsys.readouterr().out  # still shown in the log
 
 
+@pytest.mark.slow  # quick loop: left out (a workflow run or a heavy subprocess)
 def test_compare_state_dicts_on_real_tensors(tiny_hy3_dir: Path):
     before = br.load_state_dict(tiny_hy3_dir)
     after = {k: v.clone() for k, v in before.items()}
@@ -174,6 +175,7 @@ def test_check_bridge_without_gpu_is_not_run(tmp_path: Path):
                for c in doc["checks"])
 
 
+@pytest.mark.slow  # quick loop: left out (a workflow run or a heavy subprocess)
 def test_check_bridge_where_the_bridge_does_not_import_fails_each_check(tmp_path: Path,
                                                                        monkeypatch):
     """A GPU and Transformer Engine but no importable bridge (here: none installed): the
@@ -191,6 +193,7 @@ def test_check_bridge_where_the_bridge_does_not_import_fails_each_check(tmp_path
     assert doc["ok"] is False and doc["environment"]["bridge_imported"] is True
 
 
+@pytest.mark.slow  # quick loop: left out (a workflow run or a heavy subprocess)
 def test_run_in_this_runtime_records_not_run(tmp_path: Path, bridge_repo_factory, capfd):
     """run(): the check runs as `python -m hy3rl.bridge` in the training runtime (here: no
     train.runtime prefix, so this interpreter); without a GPU every check is `not run`."""
@@ -392,6 +395,7 @@ STUB_MODULES = {
     ('        mappings.append(AutoMapping(megatron_param="x.*", hf_param="model.odd.*"))\n',
      "fail"),
 ])
+@pytest.mark.slow  # quick loop: left out (a workflow run or a heavy subprocess)
 def test_import_agreement_with_stand_in_package(tiny_hy3_dir, bridge_repo_factory,
                                                 monkeypatch, extra, status):
     """The parsed table comes from the pinned commit; the import reads the clone's files.
@@ -417,6 +421,7 @@ def test_import_agreement_with_stand_in_package(tiny_hy3_dir, bridge_repo_factor
         assert "agrees with the parsed table (41 mappings)" in r.details
 
 
+@pytest.mark.slow  # quick loop: left out (a workflow run or a heavy subprocess)
 def test_import_failure_is_not_run_with_the_error(tiny_hy3_dir, bridge_repo_factory,
                                                   monkeypatch):
     _, _, lock = bridge_repo_factory(name="no-package")  # the bridge file only, no package
@@ -433,6 +438,7 @@ def test_import_failure_is_not_run_with_the_error(tiny_hy3_dir, bridge_repo_fact
     ('        mappings.append(AutoMapping(megatron_param="x.*", hf_param="model.odd.*"))\n',
      "fail"),
 ])
+@pytest.mark.slow  # quick loop: left out (a workflow run or a heavy subprocess)
 def test_check_bridge_table_agreement_with_stand_in_package(tiny_hy3_dir, bridge_repo_factory,
                                                             monkeypatch, extra, status):
     """check_bridge's own agreement check (the GPU job is where the pinned bridge imports):

@@ -384,6 +384,7 @@ def test_run_writes_report_and_fails_on_a_failed_check(tiny_hy3_copy, lock, tmp_
     assert doc["ok"] is False and "FAIL     index" in capfd.readouterr().out
 
 
+@pytest.mark.slow  # quick loop: left out (a workflow run or a heavy subprocess)
 def test_hy3rl_check_checkpoint_exit_code_and_message(tiny_hy3_copy, lock, tmp_path: Path):
     """`hy3rl model` then `hy3rl check_checkpoint`: the layout's paths, exit 0 on pass; on a
     failed check the report is written, the message names the check, exit 1 (no
@@ -413,6 +414,7 @@ def test_hy3rl_check_checkpoint_exit_code_and_message(tiny_hy3_copy, lock, tmp_p
     assert json.loads(out.read_text())["ok"] is False
 
 
+@pytest.mark.slow  # quick loop: left out (a workflow run or a heavy subprocess)
 def test_workflow_builds_tiny_model_then_checks_it(deps_upstreams, tmp_path: Path,
                                                    tiny_hy3_dir: Path):
     """The real rules: deps (local mirrors) -> tiny_model -> model -> check_checkpoint,

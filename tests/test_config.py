@@ -61,6 +61,7 @@ def test_every_schema_key_has_description_and_default():
         walk(yaml.safe_load(f.read_text()), f.stem.split(".")[0])
 
 
+@pytest.mark.slow  # quick loop: left out (a workflow run or a heavy subprocess)
 def test_snakemake_stops_before_any_job_naming_the_key(tmp_path: Path):
     """A misspelled key and a bad value in a second --configfile: the real Snakemake run
     (not a dry run) stops at startup, names both key paths, and runs no job."""
@@ -197,6 +198,7 @@ def test_hy3rl_cli_prints_the_resolved_config_and_names_bad_keys(tmp_path: Path)
     assert err.returncode == 2 and "train.totl_training_steps" in err.stderr, err.stderr
 
 
+@pytest.mark.slow  # quick loop: left out (a workflow run or a heavy subprocess)
 def test_model_source_hub_or_local_and_its_path(tmp_path: Path):
     """model.path (not a key) is model.dir for a hub repository, model.source itself for a
     local directory (hy3rl.hub.is_local_source decides, as rule model does); a hub source

@@ -325,6 +325,7 @@ BAD_CASES = {
 }
 
 
+@pytest.mark.slow  # quick loop: left out (a workflow run or a heavy subprocess)
 @pytest.mark.parametrize("case", sorted(BAD_CASES))
 @pytest.mark.parametrize("split", ["train", "val"])
 def test_bad_input_names_file_row_column_and_leaves_nothing(
@@ -592,6 +593,7 @@ def hy3rl_data(work: Path, override: dict, env: dict[str, str] | None = None
     )
 
 
+@pytest.mark.slow  # quick loop: left out (a workflow run or a heavy subprocess)
 def test_hub_source_offline_is_a_clear_error(tmp_path, tiny_tokenizer_dir):
     """The hub path itself cannot run here (no network); offline it must fail clearly,
     naming the dataset id, and leave nothing behind."""
@@ -622,6 +624,7 @@ def test_bad_config_and_tokenizer(tmp_path, files, tiny_tokenizer_dir):
     assert not out.exists()
 
 
+@pytest.mark.slow  # quick loop: left out (a workflow run or a heavy subprocess)
 def test_data_rule_through_snakemake(tmp_path, files, tiny_tokenizer_dir):
     """The real `data` rule with local sources and a model directory holding the
     tokenizer (what an offline user configures)."""

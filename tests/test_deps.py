@@ -149,6 +149,7 @@ BAD_PINS = [
 ]
 
 
+@pytest.mark.slow  # quick loop: left out (a workflow run or a heavy subprocess)
 @pytest.mark.parametrize("commit, expected", BAD_PINS)
 def test_bad_pins_refused_naming_the_key(deps_upstreams: Upstreams, tmp_path: Path,
                                          commit: str, expected: str):
@@ -248,6 +249,7 @@ def test_moving_the_pin_updates_the_clone(deps_upstreams: Upstreams, tmp_path: P
     assert not (deps_dir / "verl/verl/new.py").exists()
 
 
+@pytest.mark.slow  # quick loop: left out (a workflow run or a heavy subprocess)
 @pytest.mark.parametrize("change", ["modified", "untracked"])
 def test_dirty_clone_is_refused_and_kept(deps_upstreams: Upstreams, tmp_path: Path,
                                          change: str):
@@ -324,6 +326,7 @@ def test_interrupted_clone_leftovers_are_removed(deps_upstreams: Upstreams, tmp_
     assert not leftover.exists()
 
 
+@pytest.mark.slow  # quick loop: left out (a workflow run or a heavy subprocess)
 def test_deps_rule_through_snakemake(deps_upstreams: Upstreams, tmp_path: Path):
     """The real `deps` rule on the embedded default config, with the URLs pointed at local
     repositories (what a user behind a firewall does with mirrors)."""

@@ -90,6 +90,7 @@ def test_bad_validation_rows_are_named(tmp_path):
         load_problems(path)
 
 
+@pytest.mark.slow  # quick loop: left out (a workflow run or a heavy subprocess)
 def test_presets_and_overrides():
     unset = {"n_samples": None, "max_tokens": None}  # the embedded default sets these two
     pub = resolve_sampling(_ev(**unset))
@@ -143,6 +144,7 @@ def test_vllm_sampling_params_and_prompts():
                        "seed": reqs[4].seed, "skip_special_tokens": True}
 
 
+@pytest.mark.slow  # quick loop: left out (a workflow run or a heavy subprocess)
 def test_vllm_engine_layout():
     _, sampling = _requests()
 
@@ -216,6 +218,7 @@ def reference(tmp_path_factory, tiny_hy3_dir):
     return val, out, meta
 
 
+@pytest.mark.slow  # quick loop: left out (a workflow run or a heavy subprocess)
 def test_transformers_end_to_end_on_tiny_hy3(tmp_path, tiny_hy3_dir, reference):
     from transformers import AutoTokenizer
 
@@ -243,6 +246,7 @@ def test_transformers_end_to_end_on_tiny_hy3(tmp_path, tiny_hy3_dir, reference):
     assert [r["response"] for r in _lines(other)] != [r["response"] for r in recs]
 
 
+@pytest.mark.slow  # quick loop: left out (a workflow run or a heavy subprocess)
 def test_finish_reason_stop_when_the_eos_token_is_drawn(tmp_path, tiny_hy3_copy, reference):
     """Make the token the reference run drew first for sample (0, 0) an EOS token of a copy
     of the model: with the same seed that sample now stops after one token."""
@@ -266,6 +270,7 @@ def test_finish_reason_stop_when_the_eos_token_is_drawn(tmp_path, tiny_hy3_copy,
 # ---------------------------------------------------------------------- resume
 
 
+@pytest.mark.slow  # quick loop: left out (a workflow run or a heavy subprocess)
 def test_resume_after_interrupt_in_process(tmp_path, tiny_hy3_dir, reference):
     from transformers import AutoTokenizer
 
@@ -327,6 +332,7 @@ def _configfile(tmp_path: Path, model: Path, **ev) -> Path:
     return path
 
 
+@pytest.mark.slow  # quick loop: left out (a workflow run or a heavy subprocess)
 def test_resume_after_sigkill(tmp_path, tiny_hy3_dir, reference):
     """Kill the real `hy3rl evaluate` with SIGKILL after its first saved batch, rerun: no
     duplicates, and the file equals the uninterrupted run's."""
@@ -436,6 +442,7 @@ def test_snakemake_evaluate_on_embedded_default(tmp_path, tiny_hy3_copy):
 # ---------------------------------------------------------------------- tags and models
 
 
+@pytest.mark.slow  # quick loop: left out (a workflow run or a heavy subprocess)
 def test_tags_and_their_models(tmp_path):
     from hy3rl.settings import Config
 
@@ -506,6 +513,7 @@ def test_ray_launch_script_runs_the_job_inside_ray(tmp_path):
     assert shlex.split(exec_line)[1:] == ["/env/bin/python", "-m", "hy3rl.evaluate", str(job)]
 
 
+@pytest.mark.slow  # quick loop: left out (a workflow run or a heavy subprocess)
 def test_ray_job_file_round_trip(tmp_path, tiny_hy3_dir, reference):
     """The job file a multi-node vLLM evaluation hands to its Ray job (the eval section and
     the paths) runs the same generation: here with transformers, in-process."""

@@ -154,6 +154,7 @@ def test_resolve_falls_back_and_says_why(tmp_path):
         resolve_math_dapo(bad)
 
 
+@pytest.mark.slow  # quick loop: left out (a workflow run or a heavy subprocess)
 def test_pool_cuts_off_a_hanging_math_verify(tmp_path):
     """9^(9^(9^9)): sympy never finishes comparing it; the sample is a grader failure, the
     other tasks are graded, the run ends."""
@@ -171,6 +172,7 @@ def test_pool_cuts_off_a_hanging_math_verify(tmp_path):
     assert res[3]["status"] == "ok" and res[3]["acc"] is True
 
 
+@pytest.mark.slow  # quick loop: left out (a workflow run or a heavy subprocess)
 def test_pool_kills_a_grader_that_ignores_the_timer(tmp_path):
     """A grader stuck where the timer cannot interrupt it (SIGALRM blocked) is killed by the
     parent; its task fails with `timeout`, the worker is replaced, the rest is graded."""
@@ -206,6 +208,7 @@ def test_grader_exception_is_an_error_not_a_crash():
     assert res["status"] == "error" and res["acc"] is False and "boom" in res["error"]
 
 
+@pytest.mark.slow  # quick loop: left out (a workflow run or a heavy subprocess)
 def test_run_scores_samples(tmp_path, eval_val_parquet):
     samples = tmp_path / "samples.jsonl"
     rows = [{"problem_id": "2", "sample_index": k, "seed": k, "prompt_hash": "h",

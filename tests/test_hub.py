@@ -455,6 +455,7 @@ def test_token_sent_and_written_nowhere(fake_hub: FakeHub, tmp_path: Path,
 # --------------------------------------------------------------------------- the stage
 
 
+@pytest.mark.slow  # quick loop: left out (a workflow run or a heavy subprocess)
 def test_hy3rl_model_and_check_checkpoint_on_the_layout(fake_hub: FakeHub, tmp_path: Path,
                                                         bridge_repo_factory) -> None:
     """`hy3rl model` (what rule model's adapter runs) on a hub source: the manifest at the

@@ -19,6 +19,7 @@ def _triggers(**sections) -> dict[str, str]:
 # ---- the kinds of keys ----
 
 
+@pytest.mark.slow  # quick loop: left out (a workflow run or a heavy subprocess)
 def test_training_triggers_move_with_trajectory_and_extent_keys_only():
     base = _triggers()
     assert _triggers() == base

@@ -37,6 +37,7 @@ def test_ruff_clean():
     assert proc.returncode == 0, f"ruff check {' '.join(dirs)}:\n{proc.stdout}{proc.stderr}"
 
 
+@pytest.mark.slow  # quick loop: left out (a workflow run or a heavy subprocess)
 @pytest.mark.parametrize("path", WORKFLOW_FILES)
 def test_snakefmt_clean(path: str):
     proc = subprocess.run([tool("snakefmt"), "--diff", path], cwd=REPO, capture_output=True,
@@ -110,6 +111,7 @@ DECLINED_LINTS = {
 }
 
 
+@pytest.mark.slow  # quick loop: left out (a workflow run or a heavy subprocess)
 @pytest.mark.parametrize("path", WORKFLOW_FILES)
 def test_snakemake_lint_clean(snakemake_lints: dict[str, list[str]], path: str):
     unknown = sorted(set(snakemake_lints) - set(WORKFLOW_FILES))

@@ -116,6 +116,7 @@ def test_refuses_non_empty_output_and_bad_sizes(tmp_path: Path):
     assert not list(tmp_path.glob(".z.tmp-*"))
 
 
+@pytest.mark.slow  # quick loop: left out (a workflow run or a heavy subprocess)
 def test_run_and_hy3rl_tiny_model(tmp_path: Path):
     """`hy3rl tiny_model` builds model.tiny into the layout's TINY_MODEL_DIR; a second run
     refuses the non-empty directory with one clear line and exit status 1."""
@@ -136,6 +137,7 @@ def test_run_and_hy3rl_tiny_model(tmp_path: Path):
         tiny.run(make_config(model={"tiny": {"seed": 3}}).model.tiny, out=out)
 
 
+@pytest.mark.slow  # quick loop: left out (a workflow run or a heavy subprocess)
 def test_schema_default_is_the_tiny_model_path(tiny_hy3_dir: Path):
     schema = yaml.safe_load((REPO / "config/schema/model.schema.yaml").read_text())
     assert schema["properties"]["source"]["default"] == TINY_MODEL_DIR

@@ -239,6 +239,7 @@ def test_file_vanishing_or_relinked_after_the_scan_is_skipped(tmp_path: Path) ->
     assert not (tmp_path / "out" / "worker-b-01-2.out").exists()
 
 
+@pytest.mark.slow  # quick loop: left out (a workflow run or a heavy subprocess)
 def test_thousands_of_files_are_quick(tmp_path: Path) -> None:
     files = {f"worker-{i:040x}-01000000-{i}.out": lines(20, f"w{i}") for i in range(3000)}
     files["raylet.out"] = lines(100_000)

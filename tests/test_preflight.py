@@ -311,6 +311,7 @@ def test_segment_steps_with_constant_schedule_passes(verl, tmp_path):
     assert plan.estimate["inputs"]["starts"] == 4  # 200 steps / 50: four jobs, four starts
 
 
+@pytest.mark.slow  # quick loop: left out (a workflow run or a heavy subprocess)
 def test_reward_mode_scripted_keeps_upstream_behaviour(verl, tmp_path):
     cfg = paper_cfg(tmp_path)
     cfg["train"]["reward_mode"] = "scripted"
@@ -402,6 +403,7 @@ def test_unknown_key_is_an_error_naming_it(verl, tmp_path, capsys):
                                 "messages": ["not run: the config did not compose"]}
 
 
+@pytest.mark.slow  # quick loop: left out (a workflow run or a heavy subprocess)
 def test_verl_overrides_algorithm_and_reward_function(verl, tmp_path):
     cfg = paper_cfg(tmp_path)
     fn = tmp_path / "my_reward.py"
@@ -428,6 +430,7 @@ def test_verl_overrides_algorithm_and_reward_function(verl, tmp_path):
     assert rule(plan, "val_on_resume").status == "pass"
 
 
+@pytest.mark.slow  # quick loop: left out (a workflow run or a heavy subprocess)
 def test_a_refused_preflight_leaves_the_approved_launch_as_it_was(verl, tmp_path, capsys):
     """Issue 27 item 3: the reward function is copied to a content-addressed path that the
     launch names, and only by a passing preflight. Editing the reward and running a preflight
@@ -468,6 +471,7 @@ def test_a_refused_preflight_leaves_the_approved_launch_as_it_was(verl, tmp_path
     assert not Path(layout.preflight_refused).exists()
 
 
+@pytest.mark.slow  # quick loop: left out (a workflow run or a heavy subprocess)
 def test_an_edited_reward_function_makes_preflight_out_of_date(tmp_path):
     """The reward function is an input of rule preflight: with every input and output of the
     stage in place (made by hand here, older than the plan), touching the reward file makes
@@ -566,6 +570,7 @@ WANDB_CASES = {  # environment, netrc text (None: no file) -> status, message pa
 }
 
 
+@pytest.mark.slow  # quick loop: left out (a workflow run or a heavy subprocess)
 @pytest.mark.parametrize("case", sorted(WANDB_CASES))
 def test_wandb_rule(verl, tmp_path, monkeypatch, wandb_login, case):
     """Rule wandb on the paper plan (the script's loggers: console, wandb): verl calls
@@ -587,6 +592,7 @@ def test_wandb_rule(verl, tmp_path, monkeypatch, wandb_login, case):
     assert FAKE_KEY not in json.dumps(res.messages)
 
 
+@pytest.mark.slow  # quick loop: left out (a workflow run or a heavy subprocess)
 def test_wandb_rule_not_run_without_gpu_and_waivable(verl, tmp_path, wandb_login):
     wandb_login.unlink()  # no key anywhere
     plan = plan_for(default_cfg(tmp_path), verl, tmp_path, bridge_check=None)
@@ -715,6 +721,7 @@ MORE_ERROR_CASES = {
 }
 
 
+@pytest.mark.slow  # quick loop: left out (a workflow run or a heavy subprocess)
 @pytest.mark.parametrize("case", sorted(MORE_ERROR_CASES))
 def test_rule_other_failure_modes(verl, tmp_path, case):
     mutate, message = MORE_ERROR_CASES[case]
@@ -751,6 +758,7 @@ def test_waivers(verl, tmp_path):
                          "preflight": {"waive": ["dsik"]}})
 
 
+@pytest.mark.slow  # quick loop: left out (a workflow run or a heavy subprocess)
 @pytest.mark.parametrize("name", sorted(ERROR_CASES))
 def test_each_rule_fails_with_its_numbers(verl, tmp_path, name):
     mutate, message = ERROR_CASES[name]
@@ -767,6 +775,7 @@ def test_each_rule_fails_with_its_numbers(verl, tmp_path, name):
     assert not any(e.startswith(f"{name}: ") for e in waived.errors)
 
 
+@pytest.mark.slow  # quick loop: left out (a workflow run or a heavy subprocess)
 def test_disk_rule_uses_free_space(verl, tmp_path):
     cfg = paper_cfg(tmp_path)
     cfg["preflight"]["waive"] = []
@@ -790,6 +799,7 @@ def test_disk_rule_uses_free_space(verl, tmp_path):
     assert small.checkpoint["bytes_per_checkpoint"] == 7 * 10**6
 
 
+@pytest.mark.slow  # quick loop: left out (a workflow run or a heavy subprocess)
 def test_disk_rule_counts_what_the_checkpoint_directory_holds(verl, tmp_path, ckpt_writer):
     """Issue 19, 9: complete checkpoints already there hold their space; leftovers the job
     removes at its start (older incomplete saves, an interrupted retention) count as free."""
@@ -862,6 +872,7 @@ WARNING_CASES = {
 }
 
 
+@pytest.mark.slow  # quick loop: left out (a workflow run or a heavy subprocess)
 @pytest.mark.parametrize("name", sorted(WARNING_CASES))
 def test_each_warning_names_its_cost_or_knob(verl, tmp_path, name):
     mutate, message = WARNING_CASES[name]
@@ -895,6 +906,7 @@ def test_prompts_over_max_from_data_summary(verl, tmp_path):
     assert plan.estimate["inputs"]["mean_prompt_tokens"] == 180.5
 
 
+@pytest.mark.slow  # quick loop: left out (a workflow run or a heavy subprocess)
 def test_cli_lists_all_errors_and_refuses_bad_inputs(verl, tmp_path, capsys):
     cfg = _set(paper_cfg(tmp_path), env={"ROLLOUT_MAX_MODEL_LEN": 9000, "SAVE_FREQ": -1})
     cfg["data"]["heldout"] = cfg["eval"]["select"] = None  # no held-out file written here
@@ -925,6 +937,7 @@ def test_cli_lists_all_errors_and_refuses_bad_inputs(verl, tmp_path, capsys):
     assert "Traceback" not in err and not Path(no_lock.preflight_dir).exists()
 
 
+@pytest.mark.slow  # quick loop: left out (a workflow run or a heavy subprocess)
 def test_rendered_launch_drives_the_train_stage_double(fake_verl_repo, tmp_path):
     """Contract check with the train stage: the real launch.sh, run in the verl dir with
     VERL_FILE_LOGGER_PATH, drives the trainer double (tests/fixtures/trainer_double.py) to
@@ -1002,6 +1015,7 @@ def test_dapo_assert_of_the_old_default_caught_by_our_rule_and_verls(verl, tmp_p
     assert not plan.ok and len(plan.errors) == 2
 
 
+@pytest.mark.slow  # quick loop: left out (a workflow run or a heavy subprocess)
 def test_a_verl_check_that_cannot_run_is_an_error_unless_waived(fake_verl_repo, tmp_path):
     verl = fake_verl_repo(extra_files={
         "verl/utils/config.py": "import hy3rl_absent_requirement  # noqa: F401\n"})
@@ -1029,6 +1043,7 @@ def test_a_verl_check_that_cannot_run_is_an_error_unless_waived(fake_verl_repo, 
 # --------------------------------------------------------------------------- GPU-only checks
 
 
+@pytest.mark.slow  # quick loop: left out (a workflow run or a heavy subprocess)
 def test_bridge_not_run_in_a_runtime_without_transformer_engine_stops_the_launch(
         verl, tmp_path, bridge_repo_factory, capsys):
     """check_bridge run for real through a train.runtime prefix whose python has no
@@ -1066,6 +1081,7 @@ def test_bridge_not_run_in_a_runtime_without_transformer_engine_stops_the_launch
     assert {r["name"]: r["status"] for r in on_disk["rules"]}["bridge"] == "waived"
 
 
+@pytest.mark.slow  # quick loop: left out (a workflow run or a heavy subprocess)
 def test_bridge_report_missing_or_failed_stops_the_launch(verl, tmp_path):
     cfg = paper_cfg(tmp_path)
     missing = tmp_path / "no-checks" / "bridge.json"
@@ -1093,6 +1109,7 @@ def test_bridge_report_missing_or_failed_stops_the_launch(verl, tmp_path):
     ("", "pass"),
     ("apptainer exec --nv docker://registry.example:5000/verl", "warning"),
 ])
+@pytest.mark.slow  # quick loop: left out (a workflow run or a heavy subprocess)
 def test_runtime_tag(verl, tmp_path, prefix, status):
     cfg = paper_cfg(tmp_path)
     cfg["train"]["runtime"]["prefix"] = prefix

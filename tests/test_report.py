@@ -210,6 +210,7 @@ def _real_eval(results: Path, tags: tuple[str, ...], n: int = 8) -> dict[str, di
     return out
 
 
+@pytest.mark.slow  # quick loop: left out (a workflow run or a heavy subprocess)
 def test_report_reads_what_train_and_evaluate_really_write(tmp_path: Path):
     """The contract with the upstream stages, through their own writers (hy3rl.train's
     records, merge and sentinel; hy3rl.metrics' metrics.json): every number on the page
@@ -323,6 +324,7 @@ def _heldout_and_selection(results: Path, values: dict[str, float],
     return doc
 
 
+@pytest.mark.slow  # quick loop: left out (a workflow run or a heavy subprocess)
 def test_the_checkpoint_selection_section_and_the_curves(tmp_path: Path):
     """Held-out results and eval/selected.json: the rule as the plan holds it, a change
     since training started, the candidates, the selected step, AIME-2024 of base, selected
@@ -389,6 +391,7 @@ def test_the_checkpoint_selection_section_and_the_curves(tmp_path: Path):
     assert "Not evaluated on the held-out set yet: final." in section
 
 
+@pytest.mark.slow  # quick loop: left out (a workflow run or a heavy subprocess)
 def test_a_report_without_a_selection_rule(tmp_path: Path, report_run_factory):
     """eval.select null (and a plan that says so): the section says so, and the curves
     figure still has the test set's steps and the held-out set's avg@n."""
@@ -408,6 +411,7 @@ def test_a_report_without_a_selection_rule(tmp_path: Path, report_run_factory):
         report_run_factory(RunSpec(eval_tags=("base",)), run="plain"), cfg)["index.html"].decode()
 
 
+@pytest.mark.slow  # quick loop: left out (a workflow run or a heavy subprocess)
 def test_bad_log_line_names_file_and_line(tmp_path: Path, report_run_factory):
     """In-process a StageError naming file and line; `hy3rl report` prints it and exits 1,
     writing nothing."""
@@ -432,6 +436,7 @@ def test_bad_log_line_names_file_and_line(tmp_path: Path, report_run_factory):
     assert not (results / "report").exists()
 
 
+@pytest.mark.slow  # quick loop: left out (a workflow run or a heavy subprocess)
 def test_the_console_script_writes_every_file(tmp_path: Path, report_run_factory):
     """`hy3rl report --configfile ...` writes the layout's report files of the run."""
     results = report_run_factory()
@@ -449,6 +454,7 @@ def test_the_console_script_writes_every_file(tmp_path: Path, report_run_factory
     assert sorted(p.name for p in (results / "report").iterdir()) == OUTPUTS
 
 
+@pytest.mark.slow  # quick loop: left out (a workflow run or a heavy subprocess)
 def test_a_report_of_a_run_still_going(tmp_path: Path, report_run_factory):
     """`hy3rl report --out DIR` mid-run: what exists now, the open training attempt marked
     running, written to DIR only (the run's own report outputs, which Snakemake compares
@@ -484,6 +490,7 @@ def test_a_report_of_a_run_still_going(tmp_path: Path, report_run_factory):
 # ---- the page and its files ----
 
 
+@pytest.mark.slow  # quick loop: left out (a workflow run or a heavy subprocess)
 def test_full_resumed_run_renders_every_section(report_run_factory):
     results = report_run_factory()
     files = _build(results, _config())
@@ -541,6 +548,7 @@ def test_actor_loss_panel_says_which_key():
                            r"val-core/.+/acc/mean@\d+") == "val-core/aime/acc/mean@32"
 
 
+@pytest.mark.slow  # quick loop: left out (a workflow run or a heavy subprocess)
 def test_curves_mark_resume_points(report_run_factory):
     """The same run drawn without its second attempt's record differs exactly by the
     resume markers: the markers are really drawn."""
@@ -556,6 +564,7 @@ def test_curves_mark_resume_points(report_run_factory):
     assert a.shape == b.shape and not np.array_equal(a, b)
 
 
+@pytest.mark.slow  # quick loop: left out (a workflow run or a heavy subprocess)
 def test_secrets_never_reach_any_output(report_run_factory, tmp_path: Path, monkeypatch):
     spec = RunSpec(extra_attempt={
         "exit_reason": f"launcher error: HF_TOKEN={SECRET_HF} rejected",
@@ -591,6 +600,7 @@ def test_secrets_never_reach_any_output(report_run_factory, tmp_path: Path, monk
     assert env_rows["HF_TOKEN"] == "[REDACTED]"  # listed (HF_ prefix), its value never
 
 
+@pytest.mark.slow  # quick loop: left out (a workflow run or a heavy subprocess)
 def test_model_provenance_repo_revision_and_manifest_hash(report_run_factory):
     """The checkpoint's provenance (hy3rl.hub.provenance of model/manifest.json): repo id,
     the resolved revision (a 40-hex SHA, not taken for a secret) and the manifest's sha256,
@@ -641,6 +651,7 @@ def test_redactor_rules():
         "api_key": "[REDACTED]", "total_num_tokens": 5, "tokenizer": "resources/t"}
 
 
+@pytest.mark.slow  # quick loop: left out (a workflow run or a heavy subprocess)
 def test_rule_params_hold_no_config_and_the_job_redacts_it(report_run_factory):
     """The rule's params are its rerun triggers only (run.name and the report section:
     they reach `snakemake --report`'s record); the job reads the whole config, hashes it
@@ -698,6 +709,7 @@ def test_embedded_default_without_training_renders_and_says_why(tmp_path: Path):
     assert "220e9039902c6db56860e2afd659803dc34ec005" in (out / "provenance.csv").read_text()
 
 
+@pytest.mark.slow  # quick loop: left out (a workflow run or a heavy subprocess)
 def test_cpu_stages_and_base_eval_only(report_run_factory):
     """The embedded default after its CPU stages: no training, base evaluation only."""
     results = report_run_factory(RunSpec(eval_tags=("base",)), training=False)
@@ -764,6 +776,7 @@ def _report_rule_inputs(workdir: Path, configfile: Path) -> list[str]:
     return [ln.strip() for ln in block.splitlines() if ln.startswith("        ")]
 
 
+@pytest.mark.slow  # quick loop: left out (a workflow run or a heavy subprocess)
 @pytest.mark.parametrize("gpu", [False, True], ids=["embedded-default", "with-training"])
 def test_snakemake_report_rule_and_snakemake_report(gpu: bool, tmp_path: Path):
     """`snakemake report` (only the report rule may run; the other stages' targets are made
@@ -814,6 +827,7 @@ def test_snakemake_report_rule_and_snakemake_report(gpu: bool, tmp_path: Path):
             assert secret.encode() not in blob, f"{secret} in {where}"
 
 
+@pytest.mark.slow  # quick loop: left out (a workflow run or a heavy subprocess)
 def test_provenance_names_the_runtime_of_the_newest_attempt(report_run_factory):
     """The training runtime (docs/formats/train.md `runtime`) as the newest attempt record
     names it: the image digest, both sides' Ray; an interpreter with its freeze; an older
@@ -864,6 +878,7 @@ def test_provenance_names_the_runtime_of_the_newest_attempt(report_run_factory):
     assert rows(_build(results, _config()))["runtime"]["value"] == "not recorded"
 
 
+@pytest.mark.slow  # quick loop: left out (a workflow run or a heavy subprocess)
 def test_failed_attempts_link_their_logs_and_the_wandb_run(report_run_factory, tmp_path):
     """Attempt 1 hung: the page lists its outcome, exit reason and error, and links its
     folder, each node's Ray logs (copied by hy3rl.nodelogs, listed as the train stage lists
@@ -927,6 +942,7 @@ def test_failed_attempts_link_their_logs_and_the_wandb_run(report_run_factory, t
            f'<a href="{url}">{url}</a>' in runs[0]
 
 
+@pytest.mark.slow  # quick loop: left out (a workflow run or a heavy subprocess)
 def test_an_offline_wandb_run_is_named_without_a_link(report_run_factory):
     results = report_run_factory(RunSpec(extra_attempt={
         "wandb": {"run_id": "test-run-0123abcd", "project": None, "url": None}}))
@@ -936,6 +952,7 @@ def test_an_offline_wandb_run_is_named_without_a_link(report_run_factory):
         in runs[0] and "no run page recorded" in runs[0] and "href" not in runs[0]
 
 
+@pytest.mark.slow  # quick loop: left out (a workflow run or a heavy subprocess)
 def test_the_time_profile_and_the_supervisors_model(report_run_factory):
     """Where the training time went (verl's own validation share: TEST_FREQ) from the
     merged metrics, and the newest attempt's time model (hy3rl.watchdog) with its basis."""

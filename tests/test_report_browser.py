@@ -150,6 +150,7 @@ def _not_blank(png_b64: str) -> float:
     return float(np.std(img))
 
 
+@pytest.mark.slow  # quick loop: left out (a workflow run or a heavy subprocess)
 @pytest.mark.parametrize("kind", ["resumed-run", "embedded-default"])
 def test_page_in_headless_chromium(kind, browser, report_run_factory, tmp_path: Path):
     if kind == "resumed-run":

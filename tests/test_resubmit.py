@@ -415,6 +415,7 @@ def _decisions(work: Path, layout: Layout) -> list[dict]:
     return [json.loads(ln) for ln in path.read_text().splitlines()] if path.exists() else []
 
 
+@pytest.mark.slow  # quick loop: left out (a workflow run or a heavy subprocess)
 @pytest.mark.parametrize("rule", ["train", "train_segment"])
 def test_snakemake_resubmits_a_training_job_max_submissions_minus_one_times(tmp_path: Path,
                                                                            rule: str):
@@ -434,6 +435,7 @@ def test_snakemake_resubmits_a_training_job_max_submissions_minus_one_times(tmp_
     assert "; not resubmitted" in out
 
 
+@pytest.mark.slow  # quick loop: left out (a workflow run or a heavy subprocess)
 def test_snakemake_stops_a_bad_input_before_resubmitting(tmp_path: Path):
     """The job refuses preflight's plan: job-exit.json says a retry cannot help, and the
     controller stops before the second submission with the job's message."""
@@ -449,6 +451,7 @@ def test_snakemake_stops_a_bad_input_before_resubmitting(tmp_path: Path):
     assert "refused by tests/test_resubmit.py" in line["stop"]
 
 
+@pytest.mark.slow  # quick loop: left out (a workflow run or a heavy subprocess)
 def test_snakemake_stops_before_the_third_job_when_two_left_nothing(tmp_path: Path):
     work, layout, args = _workdir(tmp_path, "resubmit", held=True, max_submissions=5)
     proc = run_snakemake([layout.train_done, *args, "--allowed-rules", "train"], work,
@@ -473,6 +476,7 @@ def _crash_loop_records(work: Path, layout: Layout) -> str:
             "error: RuntimeError: boom")
 
 
+@pytest.mark.slow  # quick loop: left out (a workflow run or a heavy subprocess)
 def test_snakemake_stops_a_crash_loop_before_resubmitting(tmp_path: Path):
     work, layout, args = _workdir(tmp_path, "resubmit", max_submissions=5)
     message = _crash_loop_records(work, layout)
@@ -491,6 +495,7 @@ def test_snakemake_stops_a_crash_loop_before_resubmitting(tmp_path: Path):
     assert state["state"] == "stopped" and state["reason"] == f"{message}; not resubmitted"
 
 
+@pytest.mark.slow  # quick loop: left out (a workflow run or a heavy subprocess)
 def test_dry_run_and_the_jobs_own_snakemake_decide_nothing(tmp_path: Path):
     work, layout, args = _workdir(tmp_path, "resubmit", max_submissions=5)
     _crash_loop_records(work, layout)

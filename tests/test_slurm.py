@@ -225,6 +225,7 @@ def test_cluster_state_is_discoverable_and_joined(slurm_cluster):
 # ---------------------------------------------------------------------------- no cluster
 
 
+@pytest.mark.slow  # quick loop: left out (a workflow run or a heavy subprocess)
 def test_paper_dry_run_shows_the_training_shape(tmp_path):
     """(d) config/paper.yaml + profiles/slurm (+ a site's partition/account), the whole DAG:
     the training job (and the probe, same shape) is 16 nodes x 8 H20 per node, one task per
@@ -255,6 +256,7 @@ def test_paper_dry_run_shows_the_training_shape(tmp_path):
         assert "slurm_account=hy3rl-test" in line, line
 
 
+@pytest.mark.slow  # quick loop: left out (a workflow run or a heavy subprocess)
 def test_gpu_shape_untyped_with_constraint(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text(yaml.safe_dump({"cluster": {"gpu": True, "nodes": 4, "gpus_per_node": 8,
@@ -266,6 +268,7 @@ def test_gpu_shape_untyped_with_constraint(tmp_path):
     assert res["nodes"] == "4" and res["gres"] == "gpu:8" and res["constraint"] == "h20", res
 
 
+@pytest.mark.slow  # quick loop: left out (a workflow run or a heavy subprocess)
 def test_profile_install_makes_the_literal_command_work(tmp_path):
     env = {"XDG_CONFIG_HOME": str(tmp_path / "xdg"), "HOME": str(tmp_path / "home")}
     pyenv = {**os.environ, **env}  # hy3rl is installed: no PYTHONPATH

@@ -458,6 +458,7 @@ def test_scope_kill_stops_only_its_processes() -> None:
             p.wait()
 
 
+@pytest.mark.slow  # quick loop: left out (a workflow run or a heavy subprocess)
 def test_segment_steps_chain_in_the_dag(tmp_path: Path) -> None:
     from fixtures.common import run_snakemake
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from fixtures.trainer_double import run_double
 
 
@@ -35,6 +36,7 @@ def test_step_and_save_times_are_measured(tmp_path: Path):
     assert json.loads(faults.read_text()) == {"slow_from": 3}  # persistent
 
 
+@pytest.mark.slow  # quick loop: left out (a workflow run or a heavy subprocess)
 def test_crash_always_at_crashes_every_attempt_at_the_same_step(tmp_path: Path):
     """crash_always_at stays in the faults file: each attempt resumes from step 1's save
     and crashes at step 2 with the same error; a one-shot crash_at is gone after firing."""

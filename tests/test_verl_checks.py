@@ -124,6 +124,7 @@ def test_unknown_reward_manager_and_missing_model_fail(fake_verl_pkg, tmp_path):
     assert model.status == FAIL and str(tmp_path / "no-such-model") in model.message
 
 
+@pytest.mark.slow  # quick loop: left out (a workflow run or a heavy subprocess)
 def test_missing_requirement_is_not_run_with_the_module_named(fake_verl_pkg, tmp_path,
                                                               model_dir):
     verl = fake_verl_pkg(extra_files={
@@ -138,6 +139,7 @@ def test_missing_requirement_is_not_run_with_the_module_named(fake_verl_pkg, tmp
     assert got["reward_manager"].status == PASS  # what can still run, runs
 
 
+@pytest.mark.slow  # quick loop: left out (a workflow run or a heavy subprocess)
 def test_a_part_verl_lacks_is_not_run(fake_verl_pkg, tmp_path, model_dir):
     verl = fake_verl_pkg(extra_files={"verl/trainer/ppo/reward.py": "# no load_reward_manager\n"})
     cfg = default_cfg(tmp_path)
@@ -146,6 +148,7 @@ def test_a_part_verl_lacks_is_not_run(fake_verl_pkg, tmp_path, model_dir):
     assert "cannot import name 'load_reward_manager'" in got["reward_manager"].reason
 
 
+@pytest.mark.slow  # quick loop: left out (a workflow run or a heavy subprocess)
 def test_runner_timeout_reports_every_planned_check_not_run(fake_verl_pkg, tmp_path,
                                                             model_dir):
     verl = fake_verl_pkg(extra_files={"verl/utils/device.py": (

@@ -98,6 +98,7 @@ def _run_ids(work: Path) -> list[str]:
     return ids
 
 
+@pytest.mark.slow  # quick loop: left out (a workflow run or a heavy subprocess)
 def test_two_attempts_of_the_double_log_into_one_wandb_run(tmp_path: Path):
     """Attempt 1 saves step 1 and crashes at step 2; attempt 2 resumes from step 1 and
     finishes. Both get env()'s variables, as the Ray job does: one W&B run id."""
@@ -120,6 +121,7 @@ def test_two_attempts_of_the_double_log_into_one_wandb_run(tmp_path: Path):
     assert steps == [1, 2, 3]  # attempt 2's file log (val at the resumed step, then 2, 3)
 
 
+@pytest.mark.slow  # quick loop: left out (a workflow run or a heavy subprocess)
 def test_without_the_variables_each_attempt_is_a_new_wandb_run(tmp_path: Path):
     """verl's wandb.init alone (no WANDB_RUN_ID): every attempt opens a run of its own."""
     work = tmp_path / "verl"
