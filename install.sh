@@ -32,6 +32,9 @@ PIP=(.venv/bin/python -m pip install -q --require-hashes)
 "${PIP[@]}" --no-build-isolation -r "$LOCK"
 # 3. The package itself, editable; its dependencies are the lock above. Gives `hy3rl`.
 .venv/bin/python -m pip install -q --no-deps --no-build-isolation -e .
+# 4. Its bytecode, once: an editable package is never compiled by pip, and where
+#    PYTHONDONTWRITEBYTECODE is set (this machine) every process would compile it anew.
+PYTHONDONTWRITEBYTECODE= .venv/bin/python -m compileall -q scripts >/dev/null
 if [ "${1:-}" = "--test" ]; then
     if ! command -v slurmctld >/dev/null || ! command -v munged >/dev/null || ! command -v chromium >/dev/null; then
         export DEBIAN_FRONTEND=noninteractive
