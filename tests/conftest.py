@@ -20,7 +20,8 @@ pytest_plugins = sorted(
 # Tests that start real clusters (the SLURM test cluster, Ray on this machine, Ray inside
 # SLURM jobs) share the machine's daemons, ports and 2 x 2 fake GPUs: under pytest-xdist
 # (`-n 2 --dist loadgroup`, pyproject.toml) they all run on one worker, one after another,
-# while the other worker takes the unit tests.
+# while the other worker takes the unit tests. They are the longest stretch of the suite,
+# so they come first (the scheduler hands out work in collection order).
 CLUSTER_MARKS = ("slurm", "ray")
 
 
@@ -30,3 +31,4 @@ def pytest_collection_modifyitems(config, items):
         if (any(item.get_closest_marker(m) for m in CLUSTER_MARKS)
                 or "slurm_cluster" in getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.xdist_group("cluster"))
+    items.sort(key=lambda item: item.get_closest_marker("xdist_group") is None)

@@ -54,7 +54,7 @@ CPUS_PER_NODE = 2
 REAL_MEMORY_MB = 8000
 BASE_PORT = int(os.environ.get("HY3RL_SLURM_BASE_PORT", "17817"))
 READY_TIMEOUT_S = 90
-START_ATTEMPTS = 3
+START_ATTEMPTS = 2  # a start that fails is tried once more, in a fresh state directory
 
 
 class ClusterError(RuntimeError):
@@ -454,8 +454,7 @@ def _check_prerequisites() -> None:
 
 
 def _start_locked(persistent: bool) -> ClusterInfo:
-    """Start a fresh cluster; the caller holds START_LOCK."""
-    _check_prerequisites()
+    """Start a fresh cluster; the caller holds START_LOCK and checked the prerequisites."""
     CONF_DIR.mkdir(parents=True, exist_ok=True)
     state = Path(tempfile.mkdtemp(prefix="hy3rl-slurm-", dir=os.environ.get("HY3RL_SLURM_TMP")))
     state.chmod(0o755)
@@ -502,16 +501,19 @@ def _start_locked(persistent: bool) -> ClusterInfo:
 
 
 def _start_fresh(persistent: bool) -> ClusterInfo:
-    """:func:`_start_locked`, tried again (in a new state dir) when a daemon died while
-    starting. Seen here under full test runs only: a slurmd gone within its first 0.2 s,
-    no line logged, and a slurmctld taken for dead while it ran (both when liveness still
-    read /proc/<pid>/environ; see :func:`_alive`). Raises with every attempt's error if all
-    fail."""
+    """:func:`_start_locked`, tried once more (in a new state dir, the failed one kept for
+    its logs) when the start fails: a daemon that died, one that never wrote its pid file,
+    nodes not ready, each bounded in time (never a wait until pytest's timeout). Seen here
+    under full test runs only: a slurmd gone within its first 0.2 s, no line logged, and a
+    slurmctld taken for dead while it ran (both when liveness still read
+    /proc/<pid>/environ; see :func:`_alive`). Raises with every attempt's error, each with
+    the daemons' log tails, if both fail; missing prerequisites are not retried."""
+    _check_prerequisites()
     errors = []
     for _ in range(START_ATTEMPTS):
         try:
             return _start_locked(persistent)
-        except DaemonDied as exc:
+        except ClusterError as exc:
             errors.append(str(exc))
     raise ClusterError(f"{START_ATTEMPTS} starts failed:\n" + "\n\n".join(errors))
 

@@ -8,8 +8,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -367,3 +369,35 @@ def test_conf_backup_and_restore(tmp_path, monkeypatch):
     assert (conf / "slurm.conf").read_text() == "ClusterName=site\n"
     assert (conf / "cgroup.conf").read_text() == "CgroupPlugin=autodetect\n"
     assert not (conf / "gres.conf").exists()
+
+
+@pytest.mark.slurm
+def test_a_cluster_that_cannot_start_is_retried_once_then_fails_with_its_log_tail(
+        tmp_path, monkeypatch, request):
+    """A test cluster whose slurmctld dies at once (a stand-in on PATH, as a port already
+    bound would make it): the start is tried once more in a fresh state directory, then
+    fails with each attempt's daemon log tail; the configuration directory is restored."""
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    ctld = fake_bin / "slurmctld"
+    ctld.write_text("#!/bin/sh\necho 'slurmctld: fatal: Unable to bind listen port 1 (test)'\n"
+                    "exit 1\n")
+    ctld.chmod(0o755)
+    conf = tmp_path / "etc-slurm"
+    # munged (user munge) must reach its state dir: not under pytest's 0700 tmp_path
+    states = Path(tempfile.mkdtemp(prefix="hy3rl-test-starts-"))
+    states.chmod(0o755)
+    request.addfinalizer(lambda: shutil.rmtree(states, ignore_errors=True))
+    monkeypatch.setenv("PATH", f"{fake_bin}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("HY3RL_SLURM_TMP", str(states))
+    monkeypatch.setattr(cluster_mod, "CONF_DIR", conf)
+    with pytest.raises(cluster_mod.ClusterError) as err:
+        cluster_mod._start_fresh(persistent=False)
+    msg = str(err.value)
+    assert msg.startswith(f"{cluster_mod.START_ATTEMPTS} starts failed"), msg
+    assert cluster_mod.START_ATTEMPTS == 2
+    assert msg.count("slurmctld: fatal: Unable to bind listen port 1 (test)") == 2, msg
+    assert msg.count("daemons died: slurmctld") == 2, msg
+    tried = sorted(states.iterdir())  # one fresh state directory per start, kept for its logs
+    assert len(tried) == 2 and all(str(d) in msg for d in tried), msg
+    assert not (conf / "slurm.conf").exists() and not (conf / "gres.conf").exists()
