@@ -394,3 +394,42 @@ def test_an_unfinished_or_aborted_sample_fails_the_finish_reasons_check(reason) 
     assert failed["finish_reasons"] == (
         f'1 of 8 sample(s) with a finish reason other than stop or length ("length": 7, '
         f"{shown}: 1); first: sample 5 (problem 'p2', index 1): {reason!r}")
+
+
+def test_the_silent_failures_fail_by_name_as_read_back_from_the_record_files(
+        tmp_path: Path) -> None:
+    """The records on disk as the trainer and the vLLM backend write them: verl's file logger
+    (json.dumps: NaN and Infinity as JSON literals) and samples.jsonl lines of
+    hy3rl.evaluate's records (a finish reason None as null), read by Records.read."""
+    from dataclasses import asdict
+
+    from hy3rl.atomic import write_jsonl_atomic
+    from hy3rl.evaluate import Request, vllm_output_to_record
+
+    cfg = make_config(run={"results_root": str(tmp_path / "results")})
+    rl = Layout.from_config(cfg).rehearsal_layout()
+    lines = _merged_with(2, **{"actor/grad_norm": float("nan"),
+                               "actor/pg_loss": float("inf"), "response_length/mean": 0.0})
+    metrics = Path(rl.train_metrics)
+    metrics.parent.mkdir(parents=True, exist_ok=True)
+    metrics.write_text("".join(json.dumps(ln) + "\n" for ln in lines))
+    assert "NaN" in metrics.read_text() and "Infinity" in metrics.read_text()
+    reqs = [Request(f"p{i // 2}", i % 2, 1000 + i, "q", "9f2c", (("user", "q"),))
+            for i in range(8)]
+    outs = [("", [], None) if i < 7 else ("", [], "abort") for i in range(8)]
+    samples = Path(rl.eval_samples("final"))
+    samples.parent.mkdir(parents=True, exist_ok=True)
+    write_jsonl_atomic(samples, (asdict(vllm_output_to_record(r, *o))
+                                 for r, o in zip(reqs, outs, strict=True)))
+    rec = rh.Records.read(rl, 8)
+    checks = {c.name: c for c in rh.check_records(rec)}
+    assert checks["finite"].status == "fail"
+    assert checks["finite"].detail == "step 2: actor/pg_loss = inf; step 2: actor/grad_norm = nan"
+    assert checks["generated"].status == "fail"
+    assert checks["generated"].detail == (
+        "step 2: response_length/mean 0: the rollouts generated nothing; evaluation: 8 "
+        "samples, mean 0 tokens, 8 empty: the evaluation generated nothing")
+    assert checks["finish_reasons"].status == "fail"
+    assert checks["finish_reasons"].detail.startswith(
+        "8 of 8 sample(s) with a finish reason other than stop or length (null: 7, "
+        "\"abort\": 1); first: sample 0 (problem 'p0', index 0): None")
