@@ -41,6 +41,7 @@ from hy3rl.evaluate import (
     vllm_dp_gpu_groups,
     vllm_dp_shards,
     vllm_engine_kwargs,
+    vllm_output_to_record,
     vllm_prompts,
     vllm_sampling_kwargs,
 )
@@ -142,6 +143,20 @@ def test_vllm_sampling_params_and_prompts():
     assert payload == {"model": "hy3", "messages": [{"role": "user", "content": "q1"}],
                        "n": 1, "temperature": 1.0, "top_p": 0.7, "max_tokens": 20480,
                        "seed": reqs[4].seed, "skip_special_tokens": True}
+
+
+def test_vllm_finish_reasons_are_recorded_as_vllm_reports_them():
+    """None (unfinished) and "abort" are not masked as "stop": the rehearsal's
+    finish_reasons check has to see them (issue 28)."""
+    reqs, _ = _requests()
+    got = {reason: dataclasses.asdict(vllm_output_to_record(reqs[1], "ab", [7, 8], reason))
+           for reason in ("stop", "length", None, "abort")}
+    assert {k: r["finish_reason"] for k, r in got.items()} == {
+        "stop": "stop", "length": "length", None: None, "abort": "abort"}
+    assert got[None] == {"problem_id": "0", "sample_index": 1, "seed": reqs[1].seed,
+                         "prompt_hash": reqs[1].prompt_hash, "response": "ab",
+                         "num_tokens": 2, "finish_reason": None}
+    assert json.loads(json.dumps(got["abort"]))["finish_reason"] == "abort"
 
 
 @pytest.mark.slow  # quick loop: left out (a workflow run or a heavy subprocess)

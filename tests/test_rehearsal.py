@@ -83,7 +83,9 @@ def test_reductions_list_every_value_that_differs() -> None:
 
 # --------------------------------------------------------------------------- the checks
 
-KEYS = {k: 0.5 for k in rh.STEP_KEYS}
+# verl@220e903's actor keys as the trainer double logs them (tests/fixtures/trainer_double.py)
+KEYS = {**{k: 0.5 for k in rh.STEP_KEYS}, "response_length/mean": 2001.0,
+        "actor/entropy": 0.45, "actor/pg_loss": -0.01, "actor/grad_norm": 0.3}
 
 
 def _line(step: int, **data) -> dict:
@@ -91,6 +93,13 @@ def _line(step: int, **data) -> dict:
     if step % 1 == 0:
         d["timing_s/save_checkpoint"] = 0.25
     return {"step": step, "data": d}
+
+
+def _sample(i: int, finish_reason: str | None, num_tokens: int) -> dict:
+    """A samples.jsonl line (docs/formats/eval.md) of problem p<i // 2>."""
+    return {"problem_id": f"p{i // 2}", "sample_index": i % 2, "seed": 1000 + i,
+            "prompt_hash": "9f2c", "response": "x" * num_tokens, "num_tokens": num_tokens,
+            "finish_reason": finish_reason}
 
 
 def _records(**change) -> rh.Records:
@@ -109,7 +118,8 @@ def _records(**change) -> rh.Records:
         merged=[val, _line(1), _line(2), _line(3)], done={"final_step": 3},
         complete={1: (True, ""), 2: (True, ""), 3: (True, "")},
         driver_logs={1: "step:1 - critic/rewards/mean:0.0\n", 2: ""},
-        samples=[{"problem_id": f"p{i // 2}", "finish_reason": "length"} for i in range(8)],
+        samples=[_sample(i, "length" if i % 3 else "stop", 4 if i % 3 else 2)
+                 for i in range(8)],
         samples_meta={"status": "complete", "backend": "vllm", "seconds": 41.0},
         expected_samples=8)
     base.update(change)
@@ -145,7 +155,8 @@ def test_a_crash_fails_with_the_phase_and_the_trainers_error_line() -> None:
                    samples=None, samples_meta=None)
     status = _status(rec)
     assert {k for k, v in status.items() if v == "fail"} == {
-        "trained", "steps_logged", "checkpoints", "killed", "resumed", "evaluation", "phases"}
+        "trained", "steps_logged", "checkpoints", "killed", "resumed", "evaluation",
+        "generated", "finish_reasons", "phases"}
     fail = rh.failure_of(rec)
     assert fail == {"phase": "step+save", "attempt": 1,
                     "error": "RuntimeError: CUDA error: no kernel image is available",
@@ -153,7 +164,7 @@ def test_a_crash_fails_with_the_phase_and_the_trainers_error_line() -> None:
     doc = {"checks": [vars(c) for c in rh.check_records(rec)], "failure": fail}
     msg = rh.failure_message(doc, Path("rehearsal/checks.json"))
     assert "died in phase step+save (attempt 1): RuntimeError: CUDA error" in msg
-    assert msg.count("|") == 6 and "preflight.waive: [rehearsal]" in msg
+    assert msg.count("|") == 8 and "preflight.waive: [rehearsal]" in msg
     # a resumed attempt that dies before its first line died in the resume
     a2 = {**a1, "attempt": 2, "timing": {"phase": "startup"}}
     killed = {**a1, "outcome": "planned_kill"}
@@ -173,9 +184,6 @@ def test_missing_metric_keys_reward_errors_and_incomplete_samples_fail() -> None
     logs = {1: "", 2: "  File reward_fn.py, in compute_score\nValueError: math_dapo failed"}
     checks = {c.name: c for c in rh.check_records(_records(driver_logs=logs))}
     assert checks["reward"].status == "fail" and "attempt 2" in checks["reward"].detail
-    samples = [{"problem_id": "p", "finish_reason": None}] * 8
-    checks = {c.name: c for c in rh.check_records(_records(samples=samples))}
-    assert checks["evaluation"].detail == "8 sample(s) without a finish reason"
     not_run = {"status": "not run", "reason": "no module named vllm", "backend": "vllm"}
     checks = {c.name: c for c in rh.check_records(_records(samples=None,
                                                            samples_meta=not_run))}
@@ -306,7 +314,7 @@ def test_the_reports_row_says_what_the_rehearsal_did() -> None:
 
     gpu = make_config(cluster={"gpu": True})
     passed = {"checks": [{"name": n, "status": "pass"} for n in rh.CHECKS]}
-    assert rehearsal_status(gpu, passed) == ("pass", "9 checks passed")
+    assert rehearsal_status(gpu, passed) == ("pass", f"{len(rh.CHECKS)} checks passed")
     failed = {"checks": [{"name": "resumed", "status": "fail"}, {"name": "plan",
                                                                  "status": "pass"}]}
     assert rehearsal_status(gpu, failed) == ("fail", "1 of 2 checks failed: resumed")
@@ -317,3 +325,111 @@ def test_the_reports_row_says_what_the_rehearsal_did() -> None:
     not_run = {"checks": [{"name": n, "status": "not run", "detail": "not run: no GPU"}
                           for n in rh.CHECKS]}
     assert rehearsal_status(gpu, not_run) == ("not run", "not run: no GPU")
+
+
+# ---------------------------------------------------------------- the silent failures (issue 28)
+
+
+def _failed(rec: rh.Records) -> dict[str, str]:
+    return {c.name: c.detail for c in rh.check_records(rec) if c.status != "pass"}
+
+
+def _merged_with(step: int, **data) -> list[dict]:
+    """The good records' merged lines with ``data`` over step ``step``'s line."""
+    return [m if m["step"] != step else _line(step, **data) for m in _records().merged]
+
+
+def test_good_records_record_the_figures_of_the_silent_failure_checks() -> None:
+    checks = {c.name: c for c in rh.check_records(_records())}
+    assert checks["generated"].detail == (
+        "response_length/mean: step 1 2001, step 2 2001, step 3 2001; evaluation: 8 samples, "
+        "mean 3.25 tokens, 0 empty")
+    assert checks["finish_reasons"].detail == '"stop": 3, "length": 5'
+    assert checks["finite"].detail == ("steps 1, 2, 3: actor/pg_loss -0.01..-0.01, "
+                                       "actor/grad_norm 0.3..0.3, actor/entropy 0.45..0.45")
+
+
+def test_empty_generations_in_training_fail_the_generated_check() -> None:
+    failed = _failed(_records(merged=_merged_with(2, **{"response_length/mean": 0.0})))
+    assert set(failed) == {"generated"}
+    assert failed["generated"] == ("step 2: response_length/mean 0: the rollouts generated "
+                                   "nothing")
+
+
+def test_empty_evaluation_samples_fail_the_generated_check() -> None:
+    samples = [_sample(i, "stop", 0) for i in range(8)]
+    failed = _failed(_records(samples=samples))
+    assert set(failed) == {"generated"}
+    assert failed["generated"] == ("evaluation: 8 samples, mean 0 tokens, 8 empty: the "
+                                   "evaluation generated nothing")
+    # one empty sample among others is a figure, not a failure (a model may stop at once)
+    some = [_sample(i, "stop", 0 if i == 0 else 3) for i in range(8)]
+    detail = {c.name: c for c in rh.check_records(_records(samples=some))}["generated"]
+    assert detail.status == "pass" and "mean 2.625 tokens, 1 empty" in detail.detail
+
+
+@pytest.mark.parametrize(("key", "value", "says"), [
+    ("actor/grad_norm", float("nan"), "step 2: actor/grad_norm = nan"),
+    ("actor/pg_loss", float("inf"), "step 2: actor/pg_loss = inf"),
+    ("actor/entropy", float("nan"), "step 2: actor/entropy = nan"),
+    ("actor/loss", float("-inf"), "step 2: actor/loss = -inf")])
+def test_a_non_finite_loss_gradient_or_entropy_fails_the_finite_check(key, value, says) -> None:
+    failed = _failed(_records(merged=_merged_with(2, **{key: value})))
+    assert failed == {"finite": says}
+
+
+def test_a_missing_actor_key_fails_the_finite_check_as_missing() -> None:
+    merged = [m if m["step"] != 3 else
+              {"step": 3, "data": {k: v for k, v in m["data"].items() if k != "actor/grad_norm"}}
+              for m in _records().merged]
+    assert _failed(_records(merged=merged)) == {"finite": "step 3: actor/grad_norm missing"}
+
+
+@pytest.mark.parametrize("reason", [None, "abort"])
+def test_an_unfinished_or_aborted_sample_fails_the_finish_reasons_check(reason) -> None:
+    samples = [_sample(i, reason if i == 5 else "length", 4) for i in range(8)]
+    failed = _failed(_records(samples=samples))
+    assert set(failed) == {"finish_reasons"}
+    shown = "null" if reason is None else '"abort"'
+    assert failed["finish_reasons"] == (
+        f'1 of 8 sample(s) with a finish reason other than stop or length ("length": 7, '
+        f"{shown}: 1); first: sample 5 (problem 'p2', index 1): {reason!r}")
+
+
+def test_the_silent_failures_fail_by_name_as_read_back_from_the_record_files(
+        tmp_path: Path) -> None:
+    """The records on disk as the trainer and the vLLM backend write them: verl's file logger
+    (json.dumps: NaN and Infinity as JSON literals) and samples.jsonl lines of
+    hy3rl.evaluate's records (a finish reason None as null), read by Records.read."""
+    from dataclasses import asdict
+
+    from hy3rl.atomic import write_jsonl_atomic
+    from hy3rl.evaluate import Request, vllm_output_to_record
+
+    cfg = make_config(run={"results_root": str(tmp_path / "results")})
+    rl = Layout.from_config(cfg).rehearsal_layout()
+    lines = _merged_with(2, **{"actor/grad_norm": float("nan"),
+                               "actor/pg_loss": float("inf"), "response_length/mean": 0.0})
+    metrics = Path(rl.train_metrics)
+    metrics.parent.mkdir(parents=True, exist_ok=True)
+    metrics.write_text("".join(json.dumps(ln) + "\n" for ln in lines))
+    assert "NaN" in metrics.read_text() and "Infinity" in metrics.read_text()
+    reqs = [Request(f"p{i // 2}", i % 2, 1000 + i, "q", "9f2c", (("user", "q"),))
+            for i in range(8)]
+    outs = [("", [], None) if i < 7 else ("", [], "abort") for i in range(8)]
+    samples = Path(rl.eval_samples("final"))
+    samples.parent.mkdir(parents=True, exist_ok=True)
+    write_jsonl_atomic(samples, (asdict(vllm_output_to_record(r, *o))
+                                 for r, o in zip(reqs, outs, strict=True)))
+    rec = rh.Records.read(rl, 8)
+    checks = {c.name: c for c in rh.check_records(rec)}
+    assert checks["finite"].status == "fail"
+    assert checks["finite"].detail == "step 2: actor/pg_loss = inf; step 2: actor/grad_norm = nan"
+    assert checks["generated"].status == "fail"
+    assert checks["generated"].detail == (
+        "step 2: response_length/mean 0: the rollouts generated nothing; evaluation: 8 "
+        "samples, mean 0 tokens, 8 empty: the evaluation generated nothing")
+    assert checks["finish_reasons"].status == "fail"
+    assert checks["finish_reasons"].detail.startswith(
+        "8 of 8 sample(s) with a finish reason other than stop or length (null: 7, "
+        "\"abort\": 1); first: sample 0 (problem 'p0', index 0): None")

@@ -217,7 +217,7 @@ class SampleRecord:
     prompt_hash: str
     response: str
     num_tokens: int
-    finish_reason: str
+    finish_reason: str | None
 
 
 def batches(items: Sequence[Any], size: int) -> Iterator[list[Any]]:
@@ -295,9 +295,11 @@ def openai_chat_payload(model_name: str, request: Request, sampling: Sampling) -
 
 def vllm_output_to_record(request: Request, text: str, token_ids: Sequence[int],
                           finish_reason: str | None) -> SampleRecord:
-    reason = "length" if finish_reason == "length" else "stop"
+    """One vLLM output as a sample, its finish reason as vLLM reports it: ``stop`` or
+    ``length`` for a finished request; ``None`` (unfinished) and ``abort`` stay as they are,
+    for the rehearsal's finish_reasons check to see."""
     return SampleRecord(request.problem_id, request.sample_index, request.seed,
-                        request.prompt_hash, text, len(token_ids), reason)
+                        request.prompt_hash, text, len(token_ids), finish_reason)
 
 
 class VllmEngine:

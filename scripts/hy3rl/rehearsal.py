@@ -62,9 +62,16 @@ VAL_KEY = re.compile(r"^val-core/.+/acc/mean@\d+$")
 REWARD_ERROR = re.compile(
     r"(reward|compute_score|math_dapo|grader|score_fn)[^\n]{0,200}(Error|Exception|Traceback)"
     r"|(Error|Exception)[^\n]{0,200}(reward|compute_score|math_dapo|grader)", re.I)
+# The silent failures (issue 28): verl's keys at the pin for the generated length and the
+# actor's loss, gradient norm and entropy (``actor/loss`` is checked when a step logs it).
+LENGTH_KEY = "response_length/mean"
+FINITE_KEYS = ("actor/pg_loss", "actor/grad_norm", "actor/entropy")
+FINITE_OPTIONAL = ("actor/loss",)
+# The finish reasons vLLM reports for a finished request (None while unfinished, "abort").
+FINISHED = ("stop", "length")
 PASS, FAIL, NOT_RUN = "pass", "fail", "not run"
 CHECKS = ("plan", "trained", "steps_logged", "checkpoints", "killed", "resumed", "reward",
-          "evaluation", "phases")
+          "evaluation", "generated", "finish_reasons", "finite", "phases")
 
 
 class RehearsalError(StageError):
@@ -394,14 +401,12 @@ def check_records(rec: Records) -> list[Check]:
     else:
         if len(rec.samples) != rec.expected_samples:
             problems.append(f"{len(rec.samples)} samples, expected {rec.expected_samples}")
-        unfinished = sum(1 for s in rec.samples if not s.get("finish_reason"))
-        if unfinished:
-            problems.append(f"{unfinished} sample(s) without a finish reason")
         if meta.get("status") != "complete":
             problems.append(f"samples.meta.json status {meta.get('status')!r}")
     out.append(Check.of("evaluation", problems,
-                        f"{rec.expected_samples} samples with finish reasons "
-                        f"({meta.get('backend')})"))
+                        f"{rec.expected_samples} samples ({meta.get('backend')})"))
+    out += [_check_generated(rec, by_step), _check_finish_reasons(rec),
+            _check_finite(by_step)]
 
     times = phase_times(rec)
     missing = [p for p in ("startup", "step", "save", "resume", "evaluation")
@@ -410,6 +415,85 @@ def check_records(rec: Records) -> list[Check]:
                         else [], ", ".join(f"{p} {v:.1f}s" for p, v in times.items()
                                            if v is not None)))
     return out
+
+
+def _check_generated(rec: Records, by_step: Mapping[int, Mapping[str, Any]]) -> Check:
+    """Tokens were generated: verl's ``response_length/mean`` > 0 at every logged training
+    step, and the evaluation samples' mean token count > 0 (every sample empty fails)."""
+    problems, lengths = [], {}
+    for s in sorted(by_step):
+        v = finite_number(by_step[s].get(LENGTH_KEY))
+        if v is None:
+            problems.append(f"step {s}: {LENGTH_KEY} missing or not a finite number "
+                            f"({by_step[s].get(LENGTH_KEY)!r})")
+        elif v <= 0:
+            problems.append(f"step {s}: {LENGTH_KEY} {v:g}: the rollouts generated nothing")
+        lengths[s] = v
+    if not by_step:
+        problems.append("no training step logged")
+    evaluation = "no evaluation samples"
+    if rec.samples is None:
+        problems.append(evaluation)
+    else:
+        counts = [finite_number(s.get("num_tokens")) for s in rec.samples]
+        bad = [i for i, n in enumerate(counts) if n is None]
+        if bad:
+            problems.append(f"{len(bad)} evaluation sample(s) without a token count (sample "
+                            f"{bad[0]}: {rec.samples[bad[0]].get('num_tokens')!r})")
+        numbers = [n for n in counts if n is not None]
+        mean = sum(numbers) / len(numbers) if numbers else 0.0
+        empty = sum(1 for n in numbers if n <= 0)
+        evaluation = (f"evaluation: {len(rec.samples)} samples, mean {mean:g} tokens, "
+                      f"{empty} empty")
+        if not bad and mean <= 0:
+            problems.append(f"{evaluation}: the evaluation generated nothing")
+    shown = ", ".join(f"step {s} {v:g}" for s, v in lengths.items() if v is not None)
+    return Check.of("generated", problems, f"{LENGTH_KEY}: {shown}; {evaluation}")
+
+
+def _check_finish_reasons(rec: Records) -> Check:
+    """Every evaluation sample finished as vLLM reports a finished request (:data:`FINISHED`);
+    ``None`` (unfinished) or ``"abort"`` fail, with their count and the first such sample."""
+    if rec.samples is None:
+        return Check.of("finish_reasons", ["no evaluation samples"], "")
+    counts: dict[str, int] = {}
+    for s in rec.samples:
+        key = json.dumps(s.get("finish_reason"))
+        counts[key] = counts.get(key, 0) + 1
+    bad = [(i, s) for i, s in enumerate(rec.samples) if s.get("finish_reason") not in FINISHED]
+    problems = []
+    if bad:
+        i, s = bad[0]
+        problems.append(
+            f"{len(bad)} of {len(rec.samples)} sample(s) with a finish reason other than "
+            f"{' or '.join(FINISHED)} ({', '.join(f'{k}: {n}' for k, n in counts.items())}); "
+            f"first: sample {i} (problem {s.get('problem_id')!r}, index "
+            f"{s.get('sample_index')}): {s.get('finish_reason')!r}")
+    return Check.of("finish_reasons", problems,
+                    ", ".join(f"{k}: {n}" for k, n in counts.items()) or "no samples")
+
+
+def _check_finite(by_step: Mapping[int, Mapping[str, Any]]) -> Check:
+    """The actor's loss, gradient norm and entropy (:data:`FINITE_KEYS`, and
+    :data:`FINITE_OPTIONAL` where logged) are finite numbers at every logged training step."""
+    problems, ranges = [], {}
+    for s in sorted(by_step):
+        data = by_step[s]
+        for k in (*FINITE_KEYS, *(k for k in FINITE_OPTIONAL if k in data)):
+            if k not in data:
+                problems.append(f"step {s}: {k} missing")
+                continue
+            v = finite_number(data[k])
+            if v is None:
+                problems.append(f"step {s}: {k} = {data[k]!r}")
+            else:
+                lo, hi = ranges.get(k, (v, v))
+                ranges[k] = (min(lo, v), max(hi, v))
+    if not by_step:
+        problems.append("no training step logged")
+    return Check.of("finite", problems,
+                    f"steps {', '.join(map(str, sorted(by_step)))}: " + ", ".join(
+                        f"{k} {lo:g}..{hi:g}" for k, (lo, hi) in ranges.items()))
 
 
 def failure_of(rec: Records) -> dict[str, Any] | None:
