@@ -406,7 +406,8 @@ def eval_generate_inputs(wildcards):
     eval_checkpoint, once the checkpoint is complete, so the generation runs while training
     goes on); for final train/done.json (ancient: the checkpoints are not outputs, and a
     finished training that is rerun re-evaluates nothing; hy3rl.evaluate.model_for_tag
-    finds the weights); for vLLM, the Ray runtime env written by deps (a multi-node engine
+    finds the weights) and the final training job's keys record (new keys: a new record,
+    so the new final checkpoint is evaluated); for vLLM, the Ray runtime env written by deps (a multi-node engine
     starts Ray with it; ancient, as for training: a rewritten deps output re-evaluates
     nothing)."""
     from hy3rl.layout import split_tag
@@ -418,6 +419,9 @@ def eval_generate_inputs(wildcards):
         inputs["model_manifest"] = model_manifest()
     elif model == "final":
         inputs["train_done"] = ancient(LAYOUT.train_done)
+        # not ancient: training keys that changed name a new record, written by the training
+        # job that ran for them, so the final checkpoint it made is evaluated again
+        inputs["train_keys"] = LAYOUT.train_keys("final", train_keys_digest(final=True))
     else:
         inputs["ready"] = LAYOUT.eval_ready(model)
     if CFG.eval.backend == "vllm":
