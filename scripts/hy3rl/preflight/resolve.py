@@ -109,7 +109,6 @@ class Resolution:
     reward: dict[str, Any]
     loggers: list[str]
     checkpoint_dir: str
-    reward_fn_copy: tuple[Path, Path] | None  # (source, destination)
     composed: Any = None
     compose_error: str | None = None
     knob_errors: list[str] = field(default_factory=list)
@@ -449,10 +448,10 @@ def _run_corrections(ov: _Overrides, cfg: Config, checkpoint_dir: str) -> list[s
     return loggers
 
 
-def _customisations(ov: _Overrides, cfg: Config, reward_fn: Path
-                    ) -> tuple[Path, Path] | None:
+def _customisations(ov: _Overrides, cfg: Config, reward_fn: Path) -> None:
     """Published-guide customisations (config, not code edits): ``train.algorithm`` and a
-    custom reward function; returns the reward function's (source, copy)."""
+    custom reward function, read by verl from its copy ``reward_fn`` (preflight writes the
+    copy, content addressed, only when the plan passes)."""
     algo = cfg.train.algorithm
     if algo.adv_estimator:
         ov.add("algorithm.adv_estimator", algo.adv_estimator, CONFIG, "train.algorithm")
@@ -461,14 +460,13 @@ def _customisations(ov: _Overrides, cfg: Config, reward_fn: Path
                "train.algorithm")
     rfn = cfg.train.reward_function
     if not rfn.path:
-        return None
+        return
     src = Path(rfn.path)
     if not src.is_file():
         raise PreflightError(f"train.reward_function.path: {src} is not a file")
     ov.add("reward.custom_reward_function.path", str(reward_fn.absolute()), CONFIG,
-           "train.reward_function (copied next to the plan)")
+           "train.reward_function (its content-addressed copy, preflight/reward/)")
     ov.add("reward.custom_reward_function.name", rfn.name, CONFIG, "train.reward_function")
-    return src, reward_fn
 
 
 def _verl_overrides(ov: _Overrides, overrides: Mapping[str, Any], knob_errors: list[str]
@@ -530,13 +528,13 @@ def resolve(cfg: Config, verl_dir: Path, *, train_files: Path, val_files: Path, 
         _recipe_carry_over(ov, script_vals, hy3_vals)
     reward = _reward(ov, cfg.train.reward_mode, cap.module, script_vals, verl_dir)
     loggers = _run_corrections(ov, cfg, str(checkpoint_dir))
-    reward_fn_copy = _customisations(ov, cfg, reward_fn)
+    _customisations(ov, cfg, reward_fn)
     _verl_overrides(ov, cfg.train.verl_overrides, knob_errors)
 
     res = Resolution(verl_dir=verl_dir, script=script, module=cap.module, config_dir=config_dir,
                      config_name=config_name, knobs=knobs, exports=cap.exports,
                      overrides=ov.items, reward=reward, loggers=loggers,
-                     checkpoint_dir=str(checkpoint_dir), reward_fn_copy=reward_fn_copy,
+                     checkpoint_dir=str(checkpoint_dir),
                      knob_errors=knob_errors)
     if base_error:
         res.compose_error = base_error
