@@ -175,6 +175,15 @@ def preflight_targets():
     return [LAYOUT.preflight_plan]
 
 
+def override_path_inputs():
+    """The files that train.verl_overrides and train.env name for trajectory keys
+    (hy3rl.identity.override_paths): the identity counts them by content, so an edited one
+    re-runs preflight."""
+    from hy3rl.identity import override_paths
+
+    return {f"override_path_{i}": path for i, path in enumerate(override_paths(config))}
+
+
 def reward_function_input():
     """{"reward_function": train.reward_function.path} when it is set: preflight copies it
     (content addressed) and hashes it into the run identity, so an edited reward re-runs
@@ -189,7 +198,7 @@ def reward_function_input():
 # target of `all`: new values re-run it in the same invocation (a missing target is found
 # even behind a preflight that must run, snakemake#4166), restored ones re-run nothing, and
 # an operational change (loggers, watchdog, retention, resources...) changes no name.
-from hy3rl.identity import eval_request_params
+from hy3rl.identity import eval_request_digest, eval_request_params
 
 
 def train_keys_digest(final):
@@ -386,7 +395,7 @@ def eval_targets():
     follows in the same invocation."""
     from hy3rl.evaluate import eval_tags
 
-    return [LAYOUT.eval_summary, *(LAYOUT.eval_request(tag) for tag in eval_tags(CFG))]
+    return [LAYOUT.eval_summary, *(eval_request(tag) for tag in eval_tags(CFG))]
 
 
 def eval_wait_resources():
@@ -414,7 +423,7 @@ def eval_generate_inputs(wildcards):
 
     tag = wildcards.tag
     model, _ = split_tag(tag)
-    inputs = {"val": eval_val(tag), "request": LAYOUT.eval_request(tag)}
+    inputs = {"val": eval_val(tag), "request": eval_request(tag)}
     if model == "base":
         inputs["model_manifest"] = model_manifest()
     elif model == "final":
@@ -439,45 +448,30 @@ def eval_checkpoint_inputs(wildcards):
     from hy3rl.layout import heldout_tag
 
     tag = f"step{wildcards.step}"
-    inputs = {"request": LAYOUT.eval_request(tag), "plan": ancient(LAYOUT.train_plan)}
+    inputs = {"request": eval_request(tag), "plan": ancient(LAYOUT.train_plan)}
     if rehearsal_enabled():
         inputs["rehearsal"] = ancient(LAYOUT.rehearsal_record)
     if CFG.data.heldout:
-        inputs["heldout_request"] = LAYOUT.eval_request(heldout_tag(tag))
+        inputs["heldout_request"] = eval_request(heldout_tag(tag))
     return inputs
 
 
-# The settings of a generation (params of eval_generate, and of eval_request, an
-# input-less rule that Snakemake cannot mask, so that a new or changed tag is evaluated in
-# the same invocation).
-EVAL_GENERATION_KEYS = (
-    "eval.backend",
-    "eval.preset",
-    "eval.temperature",
-    "eval.top_p",
-    "eval.n_samples",
-    "eval.max_tokens",
-    "eval.num_problems",
-    "eval.seed",
-    "eval.transformers",
-    "eval.vllm.tensor_parallel_size",
-    "eval.vllm.data_parallel_size",
-    "eval.vllm.nodes",
-    "eval.vllm.gpus_per_node",
-    "eval.vllm.gpu_memory_utilization",
-    "eval.vllm.max_model_len",
-    "eval.vllm.enforce_eager",
-    "model.source",
-    "model.revision",
-    "model.dir",
-)
+# The settings of a generation (params of eval_generate; with a checkpoint tag's training
+# keys, what names the tag's request: hy3rl.identity.eval_request_digest).
+from hy3rl.identity import EVAL_GENERATION_KEYS
+
+
+def eval_request(tag):
+    """The tag's request, named by the digest of what it asks (Layout.eval_request): values
+    never seen name a missing request, restored ones the request still in place."""
+    return LAYOUT.eval_request(tag, eval_request_digest(config, tag))
 
 
 def eval_request_param(wildcards):
     """Rule eval_request's param: the tag, its generation settings and, for a checkpoint
     tag, the training keys (final: with the total, hy3rl.identity.eval_request_params).
     """
-    return eval_request_params(config, wildcards.tag, EVAL_GENERATION_KEYS)
+    return eval_request_params(config, wildcards.tag)
 
 
 def eval_generate_threads():

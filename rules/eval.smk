@@ -10,14 +10,20 @@
 STAGE_TARGETS.append(eval_targets)
 
 
-# What a tag is asked to evaluate (an input of its generation): no input, so never masked
-# behind training or preflight; it re-runs (and its generation with it) when its settings
-# change, for `final` also when the total changes (hy3rl.identity.eval_request_params).
+# What a tag is asked to evaluate (an input of its generation), named by the digest of its
+# values (eval_request in rules/common.smk; hy3rl.identity.eval_request_params): its
+# settings, for a checkpoint tag the training keys, for `final` with the total. No input, so
+# never masked behind training or preflight: new values name a missing request, made (and
+# the tag evaluated) in the same invocation; values restored after a refused change name the
+# request still in place, and nothing is evaluated again. The generation removes the tag's
+# other requests, so returning to older values evaluates again.
 rule eval_request:
     output:
-        request=LAYOUT.eval_request("{tag}"),
+        request=LAYOUT.eval_request("{tag}", "{digest}"),
     log:
-        LAYOUT.log("eval/{tag}.request"),
+        LAYOUT.log("eval/{tag}.request.{digest}"),
+    wildcard_constraints:
+        digest=r"[0-9a-f]{16}",
     localrule: True
     threads: 1
     resources:

@@ -17,7 +17,8 @@ localrules:
 # train.runtime: the runtime_tag warning; eval.select and the samples per problem: the
 # selection rule written into the plan; data.heldout is read through its file, and
 # train.reward_function.path too: editing the reward re-runs preflight, which copies it to
-# preflight/reward/<sha256>.py, a path of its own). Outputs are written only when no rule
+# preflight/reward/<sha256>.py, a path of its own; so do the files that overrides name for
+# trajectory keys, which the identity counts by content). Outputs are written only when no rule
 # refuses (a refusal's plan goes to preflight/plan.refused.json, not an output).
 # With cluster.gpu, check_bridge's report is read:
 # a bridge check that is `not run` or `fail` stops the launch unless `preflight.waive: [bridge]`.
@@ -25,6 +26,7 @@ rule preflight:
     input:
         **heldout_input(),
         **reward_function_input(),
+        **override_path_inputs(),
         lock=LAYOUT.deps_lock,
         summary=LAYOUT.data_summary,
         train=LAYOUT.data_train,

@@ -18,6 +18,7 @@ import pytest
 from fixtures.common import make_config
 from fixtures.trainer_double import partial_checkpoint
 from hy3rl import ckptdir, evalckpt
+from hy3rl.identity import eval_request_digest
 from hy3rl.layout import Layout, heldout_tag
 
 TRAJ = {"id": "a" * 64, "values": {"k": 1}, "origins": {}}
@@ -138,8 +139,10 @@ def _cfg(keep_eval: str, steps=(2, 4)):
                        train={"keep_eval_checkpoints": keep_eval, "checkpoint_keep": 1})
 
 
-def _request(layout: Layout, tag: str, text: str = "r1") -> Path:
-    p = Path(layout.eval_request(tag))
+def _request(layout: Layout, cfg, tag: str, text: str = "r1", digest: str | None = None
+             ) -> Path:
+    """Tag ``tag``'s request under ``cfg`` (or of another ``digest``)."""
+    p = Path(layout.eval_request(tag, digest or eval_request_digest(cfg.raw, tag)))
     p.parent.mkdir(parents=True, exist_ok=True)
     p.write_text(text)
     return p
@@ -156,18 +159,19 @@ def test_retention_keeps_a_checkpoint_until_every_evaluation_read_it(layout, ckp
     for step in (2, 4, 6):
         ckpt_writer(ckpt, step)
     tags = ["step2", heldout_tag("step2")]
-    reqs = {t: _request(layout, t) for t in tags}
+    reqs = {t: _request(layout, cfg, t) for t in tags}
     protect = evalckpt.protector(cfg, layout)
     assert ckptdir.prune(ckpt, 1, protect) == []  # 2 and 4 unread: kept, nothing else old
     assert sorted(c.step for c in ckptdir.scan(ckpt)) == [2, 4, 6]
     evalckpt.mark_read(ckpt / "global_step_2", tags[0], reqs[tags[0]])
     # one of its two evaluations is still reading: a fresh pruner (restart) keeps it too
     assert ckptdir.prune(ckpt, 1, evalckpt.protector(cfg, layout)) == []
-    # a request that changed since (a re-evaluation is coming): its old read does not count
-    _request(layout, tags[0], "r2")
-    evalckpt.mark_read(ckpt / "global_step_2", tags[1], reqs[tags[1]])
+    # a read under other values (a request of another digest: a re-evaluation is coming)
+    # does not count
+    old = _request(layout, cfg, tags[1], "r0", digest="0" * 16)
+    evalckpt.mark_read(ckpt / "global_step_2", tags[1], old)
     assert evalckpt.protected_steps(cfg, layout) == [2, 4]
-    evalckpt.mark_read(ckpt / "global_step_2", tags[0], reqs[tags[0]])
+    evalckpt.mark_read(ckpt / "global_step_2", tags[1], reqs[tags[1]])
     assert evalckpt.protected_steps(cfg, layout) == [4]
     assert ckptdir.prune(ckpt, 1, protect) == [2]
     assert sorted(c.step for c in ckptdir.scan(ckpt)) == [4, 6]
@@ -179,7 +183,7 @@ def test_retention_all_keeps_every_evaluation_step(layout, ckpt_writer) -> None:
     for step in (2, 4, 6):
         ckpt_writer(ckpt, step)
     for tag in ("step2", heldout_tag("step2")):
-        evalckpt.mark_read(ckpt / "global_step_2", tag, _request(layout, tag))
+        evalckpt.mark_read(ckpt / "global_step_2", tag, _request(layout, cfg, tag))
     assert evalckpt.protected_steps(cfg, layout) == [2, 4]
     assert ckptdir.prune(ckpt, 1, evalckpt.protector(cfg, layout)) == []
 
@@ -336,7 +340,7 @@ def _evaluate_step(cfg, layout: Layout, step: int, tmp_path: Path) -> None:
         Path(layout.eval_samples_meta(tag)).write_text(json.dumps(
             {"tag": tag, "status": "complete", "step": step}))
         evalckpt.mark_read(layout.checkpoint_dir / f"global_step_{step}", tag,
-                           _request(layout, tag))
+                           _request(layout, cfg, tag))
 
 
 def _kept(cfg, identity) -> list[str]:
@@ -384,3 +388,17 @@ def test_an_evaluated_and_pruned_step_never_blocks_a_rerun(tmp_path, ckpt_writer
     status, msg = _kept(_changed(cfg, steps=(1, 4)), ident)
     assert status == "error" and "eval.steps [1]: no complete checkpoint" in msg
     assert "no finished evaluation of it under this run identity" in msg
+
+
+def test_a_generation_keeps_only_its_own_request(layout) -> None:
+    """Issue 27: the request a generation ran under stays, the tag's requests of other
+    values go (returning to those values must evaluate again), other tags' stay."""
+    cfg = _cfg("selected")
+    mine = _request(layout, cfg, "step2")
+    other = _request(layout, cfg, "step2", "r0", digest="0" * 16)
+    heldout = _request(layout, cfg, heldout_tag("step2"), "r0", digest="0" * 16)
+    step4 = _request(layout, cfg, "step4", "r0", digest="0" * 16)
+    assert evalckpt.keep_only_request(layout, "step2", mine) == [other]
+    assert mine.is_file() and not other.exists()
+    assert heldout.is_file() and step4.is_file()
+    assert evalckpt.keep_only_request(layout, "step2", mine) == []

@@ -51,14 +51,19 @@ def test_a_segment_is_not_rerun_by_an_extension():
 
 
 def test_eval_request_final_follows_the_total_a_step_tag_does_not():
-    keys = ("eval.seed",)
     a, b = make_config().raw, make_config(train={"total_training_steps": 9}).raw
-    assert identity.eval_request_params(a, "final", keys) != \
-        identity.eval_request_params(b, "final", keys)
-    assert identity.eval_request_params(a, "step2", keys) == \
-        identity.eval_request_params(b, "step2", keys)
-    assert identity.eval_request_params(a, "base", keys) == \
-        identity.eval_request_params(b, "base", keys)
+    assert identity.eval_request_params(a, "final") != identity.eval_request_params(b, "final")
+    assert identity.eval_request_params(a, "step2") == identity.eval_request_params(b, "step2")
+    assert identity.eval_request_params(a, "base") == identity.eval_request_params(b, "base")
+    # the request's name follows its values: a refused change names another request, the
+    # restored values the first one again (nothing is evaluated again, issue 27)
+    lr = make_config(train={"env": {"ACTOR_LR": 5e-6}}).raw
+    assert identity.eval_request_digest(a, "step2") == identity.eval_request_digest(
+        make_config().raw, "step2")
+    assert identity.eval_request_digest(a, "step2") != identity.eval_request_digest(lr, "step2")
+    assert identity.eval_request_digest(a, "base") == identity.eval_request_digest(lr, "base")
+    assert identity.eval_request_digest(a, "step2") != identity.eval_request_digest(a, "step4")
+    assert len(identity.eval_request_digest(a, "final")) == 16
 
 
 def test_verl_kinds():
@@ -205,9 +210,8 @@ def test_names_urls_validation_and_memory_knobs_rerun_no_training():
     import copy
 
     raw = make_config().raw  # validated once; each variant edits a copy of it
-    keys = ("eval.seed",)
     base = identity.train_trigger_values(raw)
-    step = identity.eval_request_params(raw, "step2", keys)
+    step = identity.eval_request_params(raw, "step2")
 
     def variant(edit) -> dict:
         cfg = copy.deepcopy(raw)
@@ -222,7 +226,7 @@ def test_names_urls_validation_and_memory_knobs_rerun_no_training():
                  lambda c: c["data"]["val"].update(limit=3, n=2)):
         cfg = variant(edit)
         assert identity.train_trigger_values(cfg) == base
-        assert identity.eval_request_params(cfg, "step2", keys) == step
+        assert identity.eval_request_params(cfg, "step2") == step
     for edit in (lambda c: c["deps"]["repos"]["verl"].update(commit="f" * 40),
                  lambda c: c["train"]["env"].update(ACTOR_LR=2e-6),
                  lambda c: c["data"]["train"].update(limit=3)):

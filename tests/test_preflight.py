@@ -472,16 +472,22 @@ def test_a_refused_preflight_leaves_the_approved_launch_as_it_was(verl, tmp_path
 
 
 @pytest.mark.slow  # quick loop: left out (a workflow run or a heavy subprocess)
-def test_an_edited_reward_function_makes_preflight_out_of_date(tmp_path):
-    """The reward function is an input of rule preflight: with every input and output of the
-    stage in place (made by hand here, older than the plan), touching the reward file makes
-    a dry run re-run preflight for it, and for nothing else."""
+@pytest.mark.parametrize("named_by", ["reward_function", "verl_override"])
+def test_an_edited_file_the_identity_counts_makes_preflight_out_of_date(tmp_path, named_by):
+    """The reward function, and a file an override names for a trajectory key (issue 27: the
+    identity counts it by content), are inputs of rule preflight: with every input and
+    output of the stage in place (made by hand here, older than the plan), touching the file
+    makes a dry run re-run preflight for it, and for nothing else."""
     from fixtures.common import run_snakemake
 
-    reward = tmp_path / "reward.py"
-    override = tmp_path / "reward.yaml"
-    override.write_text(yaml.safe_dump(
-        {"train": {"reward_function": {"path": str(reward), "name": "score"}}}))
+    named = tmp_path / "named.py"
+    override = tmp_path / "named.yaml"
+    if named_by == "reward_function":
+        over = {"train": {"reward_function": {"path": str(named), "name": "score"}}}
+    else:  # a custom dataset class, and an operational key's path that must not count
+        over = {"train": {"verl_overrides": {"data.custom_cls.path": str(named),
+                                             "trainer.project_name": str(override)}}}
+    override.write_text(yaml.safe_dump(over))
     cfg = cfgmod.load(REPO / "config/config.yaml", override)
     layout = Layout.from_config(cfg)
     work = tmp_path / "work"
@@ -494,15 +500,41 @@ def test_an_edited_reward_function_makes_preflight_out_of_date(tmp_path):
         path.write_text("{}")
         os.utime(path, (1_000_000 + i, 1_000_000 + i))
     os.utime(work / cfg["model"]["source"], (999_000, 999_000))
-    reward.write_text("def score(data_source, solution_str, ground_truth, extra_info=None):\n"
-                      "    return 1.0\n")  # now: newer than the plan
+    os.utime(override, (999_000, 999_000))
+    named.write_text("def score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                     "    return 1.0\n")  # now: newer than the plan
     proc = run_snakemake(["-n", layout.preflight_plan, "--profile", str(REPO / "profiles/local"),
                           "--configfile",
                           str(REPO / "config/config.yaml"), str(override)], work)
     out = proc.stdout + proc.stderr
     jobs = re.findall(r"^(?:local)?rule (\w+):$", out, flags=re.M)
     assert jobs == ["preflight"], out[-3000:]
-    assert f"reason: Updated input files: {reward}" in out, out[-3000:]
+    assert f"reason: Updated input files: {named}" in out, out[-3000:]
+
+
+def test_override_paths_are_the_files_trajectory_overrides_name(tmp_path):
+    """hy3rl.identity.override_paths: files and the files under directories that overrides
+    and launch knobs give to trajectory keys; not a missing path, not an operational key's,
+    not a workflow-owned key's (refused by preflight, named by the workflow key)."""
+    from hy3rl.identity import override_paths
+
+    f = tmp_path / "cls.py"
+    f.write_text("x = 1\n")
+    d = tmp_path / "server"
+    (d / "sub").mkdir(parents=True)
+    (d / "a.py").write_text("a\n")
+    (d / "sub" / "b.py").write_text("b\n")
+    cfg = {"train": {"verl_overrides": {
+        "data.custom_cls.path": str(f),
+        "actor_rollout_ref.rollout.agent.custom_async_server.path": f"'{d}'",
+        "reward_model.model.path": str(tmp_path / "missing"),
+        "trainer.project_name": str(f.with_name("op.py")),
+        "data.train_files": str(f.with_name("owned.parquet")),
+    }, "env": {"MY_FILE": str(f), "PROJECT_NAME": str(f.with_name("op.py"))}}}
+    for name in ("op.py", "owned.parquet"):
+        (tmp_path / name).write_text("")
+    assert override_paths(cfg) == sorted([str(f), str(d / "a.py"), str(d / "sub" / "b.py")])
+    assert override_paths({"train": {}}) == []
 
 
 def test_recipe_script_gets_hy3_settings_carried_over(verl, tmp_path):

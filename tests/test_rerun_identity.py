@@ -217,6 +217,9 @@ def test_each_change_is_one_invocation_that_does_the_right_thing(tmp_path: Path,
     del run.cfg["train"]["env"]
     code, out = run("-n")
     assert code == 0 and not _ran(out, "train"), out[-3000:]
+    # ... and evaluates nothing again (the checkpoint tags' requests are still in place)
+    for rule in ("eval_request", "eval_checkpoint", "eval_generate"):
+        assert not _ran(out, rule), (rule, out[-3000:])
     run.cfg["train"]["env"] = {"ACTOR_LR": 5e-6}
 
     # (6) the same change, continued on purpose, with two more steps

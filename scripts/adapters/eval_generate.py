@@ -15,5 +15,6 @@ with rule_job(snakemake) as cfg:
         runtime_env=Path(inp.runtime_env) if inp.get("runtime_env") else None,
         ray_dir=Path(Layout.from_config(cfg).eval_ray_dir(tag)),
         cpus_per_node=cfg.cluster.cpus_per_node, runtime=cfg.train.runtime, ray=cfg.train.ray)
+    evalckpt.keep_only_request(Layout.from_config(cfg), tag, Path(inp.request))
     if inp.get("ready"):  # a step's checkpoint: retention may let it go once all have read it
         evalckpt.mark_read(Path(evaluate.checkpoint_dir_of(model)), tag, Path(inp.request))

@@ -52,6 +52,7 @@ from hy3rl.ckptdir import (
     slurm_job_state,
 )
 from hy3rl.errors import StageError
+from hy3rl.identity import eval_request_digest
 from hy3rl.layout import Layout, heldout_tag
 from hy3rl.timefmt import utc_now
 
@@ -324,6 +325,18 @@ def mark_read(step_dir: Path, tag: str, request: Path) -> None:
         "tag": tag, "request_sha256": file_sha256(request), "read_at": utc_now()})
 
 
+def keep_only_request(layout: Layout, tag: str, request: Path) -> list[Path]:
+    """Tag ``tag`` was evaluated under ``request`` (``Layout.eval_request``): remove the tag's
+    requests of other values, which no longer describe its samples, so that returning to
+    those values evaluates again. Returns what was removed."""
+    request = Path(request)
+    pattern = Path(layout.eval_request(tag, "*")).name
+    gone = [p for p in sorted(request.parent.glob(pattern)) if p.name != request.name]
+    for p in gone:
+        p.unlink(missing_ok=True)
+    return gone
+
+
 def has_read(step_dir: Path, tag: str, request: Path) -> bool:
     """Whether evaluation ``tag`` read ``step_dir`` under the current ``request``."""
     doc = _read_json(Path(step_dir) / READ_DIR / _read_name(tag))
@@ -368,8 +381,8 @@ def protected_steps(cfg: Any, layout: Layout) -> list[int]:
     keep = set()
     for step in steps:
         step_dir = layout.checkpoint_dir / f"global_step_{step}"
-        if not all(has_read(step_dir, t, Path(layout.eval_request(t)))
-                   for t in step_tags(cfg, step)):
+        if not all(has_read(step_dir, t, Path(layout.eval_request(
+                t, eval_request_digest(cfg.raw, t)))) for t in step_tags(cfg, step)):
             keep.add(step)
     if cfg.eval.select is not None:
         from hy3rl import selection

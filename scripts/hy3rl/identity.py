@@ -366,21 +366,53 @@ def train_keys_params(config: Mapping[str, Any], stretch: str) -> str:
     return "\n".join(sorted(values.values()))
 
 
-def eval_request_params(config: Mapping[str, Any], tag: str,
-                        generation_keys: tuple[str, ...]) -> str:
+# The settings of a generation (params of rule eval_generate; with the training keys of a
+# checkpoint tag, what names its request, eval_request_digest).
+EVAL_GENERATION_KEYS = (
+    "eval.backend",
+    "eval.preset",
+    "eval.temperature",
+    "eval.top_p",
+    "eval.n_samples",
+    "eval.max_tokens",
+    "eval.num_problems",
+    "eval.seed",
+    "eval.transformers",
+    "eval.vllm.tensor_parallel_size",
+    "eval.vllm.data_parallel_size",
+    "eval.vllm.nodes",
+    "eval.vllm.gpus_per_node",
+    "eval.vllm.gpu_memory_utilization",
+    "eval.vllm.max_model_len",
+    "eval.vllm.enforce_eager",
+    "model.source",
+    "model.revision",
+    "model.dir",
+)
+
+
+def eval_request_params(config: Mapping[str, Any], tag: str) -> str:
     """Rule ``eval_request``'s one param for tag ``tag``: the generation settings
-    (``generation_keys``), and for a checkpoint tag the training triggers (a new trajectory
-    re-evaluates it; ``final`` also the total, so an extension re-evaluates the final
-    checkpoint in the same invocation)."""
+    (:data:`EVAL_GENERATION_KEYS`), and for a checkpoint tag the training triggers (a new
+    trajectory re-evaluates it; ``final`` also the total, so an extension re-evaluates the
+    final checkpoint in the same invocation). One ``key=value`` a line, sorted."""
     from hy3rl.layout import split_tag
     from hy3rl.smk import triggers
 
-    values = triggers(config, *generation_keys)
+    values = triggers(config, *EVAL_GENERATION_KEYS)
     values["tag"] = f"tag={tag}"
     model, _ = split_tag(tag)
     if model != "base":
         values.update(train_trigger_values(config, extent=model == "final"))
     return "\n".join(sorted(values.values()))
+
+
+def eval_request_digest(config: Mapping[str, Any], tag: str) -> str:
+    """The first 16 hex digits of the sha256 of :func:`eval_request_params`: the name of
+    the tag's request (``Layout.eval_request``). Pure and cheap, computed while the DAG is
+    built: values never seen name a missing request (the tag is evaluated again), values
+    restored after a refused change name the request still in place (nothing runs)."""
+    return hashlib.sha256(eval_request_params(config, tag).encode()).hexdigest()[:16]
 
 
 # ---- the trajectory of a plan ---------------------------------------------------------
@@ -457,6 +489,29 @@ def _verl_value(text: str) -> Any:
     if isinstance(value, str) and value.startswith("/") and Path(value).exists():
         return path_identity(Path(value))
     return value
+
+
+def override_paths(config: Mapping[str, Any]) -> list[str]:
+    """The existing absolute paths that ``train.verl_overrides`` and ``train.env`` give to
+    trajectory keys (the identity counts them by content, :func:`_verl_value`): each file,
+    and each file under a directory, sorted. Rule preflight takes them as inputs, so an
+    edited file re-runs preflight and the identity sees the edit."""
+    train = config.get("train") or {}
+    texts = [str(v) for k, v in (train.get("verl_overrides") or {}).items()
+             if verl_kind(str(k)) == TRAJECTORY and not refused_override(str(k))]
+    texts += [str(v) for k, v in (train.get("env") or {}).items()
+              if knob_kind(str(k)) == TRAJECTORY]
+    out: set[str] = set()
+    for text in texts:
+        value = typed_value(text)
+        if not (isinstance(value, str) and value.startswith("/")):
+            continue
+        path = Path(value)
+        if path.is_file():
+            out.add(str(path))
+        elif path.is_dir():
+            out.update(str(p) for p in path.rglob("*") if p.is_file())
+    return sorted(out)
 
 
 def trajectory(*, resolved: Mapping[str, Mapping[str, Any]], pins: Mapping[str, str],

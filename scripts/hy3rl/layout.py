@@ -309,10 +309,14 @@ class Layout:
     def eval_dir(self) -> str:
         return self._p("eval")
 
-    def eval_request(self, tag: str) -> str:
-        """``eval/<tag>/request.json``: what the tag is asked to evaluate (rule
-        eval_request), an input of its generation."""
-        return self._p(f"eval/{tag}/request.json")
+    def eval_request(self, tag: str, digest: str) -> str:
+        """``eval/<tag>/request.<digest>.json``: what the tag is asked to evaluate (rule
+        eval_request), named by the digest of its values
+        (hy3rl.identity.eval_request_digest): an input of its generation, so new values (a
+        missing request) evaluate again and restored ones (their request still in place)
+        evaluate nothing. The generation removes its tag's other requests
+        (hy3rl.evalckpt.keep_only_request)."""
+        return self._p(f"eval/{tag}/request.{digest}.json")
 
     def eval_samples(self, tag: str) -> str:
         return self._p(f"eval/{tag}/samples.jsonl")
