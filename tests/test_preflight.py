@@ -287,6 +287,7 @@ def test_paper_plan_against_real_pinned_verl(tmp_path, tiny_hy3_dir):
         "reward_manager"], checks
     assert plan.verl_checks["counts"] == {"pass": 8, "fail": 0, "not run": 0}, checks
     assert plan.reward["scripted_manager"] == "naive" and plan.reward["scripted_kwargs"] is None
+    assert rule(plan, "health_metrics").status == "pass"  # hy3rl.health.VERL_METRICS holds
     assert plan.reward["legacy_migration_callers"] == [
         "verl/experimental/fully_async_policy/fully_async_main.py"]
     # the pinned schedule is constant (segments allowed); an unknown key names itself
@@ -572,12 +573,35 @@ def test_default_config_plan_is_made_but_not_launched(verl, tmp_path):
     # the tiny plan passes the DAPO assert, ours and verl's: buffer 128 of 256 response tokens
     assert plan.effective["reward.reward_kwargs"]["overlong_buffer_cfg"]["len"] == 128
     assert plan.effective["reward.reward_kwargs"]["max_resp_len"] == 256
-    for name in ("overlong_buffer", "reward_max_resp_len", "overlong_buffer_window", "verl"):
+    for name in ("overlong_buffer", "reward_max_resp_len", "overlong_buffer_window", "verl",
+                 "health_metrics"):
         assert rule(plan, name).status == "pass", rule(plan, name)
     assert {c["name"]: c["status"] for c in plan.verl_checks["checks"]}["reward_manager"] == "pass"
     assert plan.effective["data.train_batch_size"] == 4
     assert plan.effective["trainer.default_local_dir"] == str(
         tmp_path / "results/tiny-default/checkpoints")
+
+
+def test_health_rule_naming_a_metric_verl_does_not_log_is_refused(verl, tmp_path):
+    """train.health: a key verl does not log is refused by key, naming the keys verl logs;
+    the rule cannot be waived."""
+    cfg = paper_cfg(tmp_path)
+    health = cfg["train"]["health"]
+    health["drift"]["metric"] = "training/rollout_prob_diff_mean"  # misspelt
+    health["nonfinite"]["metrics"] = ["actor/pg_loss", "actor/gradnorm"]
+    plan = plan_for(cfg, verl, tmp_path)
+    res = rule(plan, "health_metrics")
+    assert res.status == "error" and not plan.ok, res
+    assert len(res.messages) == 2, res.messages
+    assert res.messages[0].startswith(
+        "train.health.nonfinite.metrics[1]: 'actor/gradnorm' is not a metric verl logs; "
+        "verl logs actor/pg_loss, actor/grad_norm, actor/entropy, ")
+    assert res.messages[1].startswith("train.health.drift.metric: "
+                                      "'training/rollout_prob_diff_mean' is not a metric")
+    assert "training/rollout_probs_diff_mean" in res.messages[1]
+    assert "val-core/<data_source>/<variable>/mean@<n>" in res.messages[1]
+    assert "health_metrics" in pf.NOT_WAIVABLE
+    # the other refusals (a line the clone lacks, no rollout log-probs): tests/test_health.py
 
 
 WANDB_CASES = {  # environment, netrc text (None: no file) -> status, message part

@@ -257,6 +257,81 @@ class Watchdog:
 
 
 @dataclass(frozen=True)
+class HealthNonfinite:
+    action: str
+    metrics: list[str]
+
+
+@dataclass(frozen=True)
+class HealthAbove:
+    """A metric above ``max`` for ``steps`` consecutive logged steps (drift, clip ratio)."""
+
+    action: str
+    metric: str
+    max: float
+    steps: int
+
+
+@dataclass(frozen=True)
+class HealthEntropy:
+    action: str
+    metric: str
+    floor: float | None
+    steps: int
+    max_fall: float | None
+    window: int
+
+
+@dataclass(frozen=True)
+class HealthLength:
+    action: str
+    metric: str
+    baseline_steps: int
+    min_ratio: float
+    max_ratio: float
+    steps: int
+
+
+@dataclass(frozen=True)
+class HealthRewardFloor:
+    action: str
+    metric: str
+    minimum: float
+    steps: int
+
+
+@dataclass(frozen=True)
+class HealthValidation:
+    action: str
+    metric: str
+    k: float
+    responses: int
+
+
+@dataclass(frozen=True)
+class Health:
+    """``train.health``: the guard's rules (hy3rl.health), one field a rule, in this order."""
+
+    nonfinite: HealthNonfinite
+    drift: HealthAbove
+    entropy: HealthEntropy
+    response_length: HealthLength
+    clip_ratio: HealthAbove
+    reward_floor: HealthRewardFloor
+    validation: HealthValidation
+
+    def rules(self) -> list[tuple[str, Any]]:
+        """(name, rule section) of every rule not ``ignore``, in the schema's order."""
+        return [(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)
+                if getattr(self, f.name).action != "ignore"]
+
+    def watched(self) -> list[tuple[str, str]]:
+        """(rule name, metric key) of every metric a rule not ``ignore`` reads."""
+        return [(name, key) for name, rule in self.rules()
+                for key in (rule.metrics if isinstance(rule, HealthNonfinite) else [rule.metric])]
+
+
+@dataclass(frozen=True)
 class Train:
     reward_mode: str
     total_training_steps: int
@@ -281,6 +356,7 @@ class Train:
     ray_env_passthrough: list[str]
     runtime: Runtime
     ray: Ray
+    health: Health
 
 
 @dataclass(frozen=True)

@@ -59,9 +59,14 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     return out
 
 
-def _validation_only(rec: dict[str, Any]) -> bool:
-    data = rec.get("data")
+def validation_only(data: Any) -> bool:
+    """A line's ``data`` holds validation metrics only (every key ``val-*``): what verl logs
+    at the resumed step before training (``val_before_train``)."""
     return isinstance(data, dict) and bool(data) and all(str(k).startswith("val-") for k in data)
+
+
+def _validation_only(rec: dict[str, Any]) -> bool:
+    return validation_only(rec.get("data"))
 
 
 def merge_metrics(logs: Iterable[list[dict[str, Any]]]) -> list[dict[str, Any]]:

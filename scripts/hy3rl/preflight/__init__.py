@@ -43,6 +43,7 @@ from hy3rl.preflight.rules import (
     NOT_WAIVABLE,
     RULES,
     RuleResult,
+    check_health_metrics,
     check_rules,
     check_verl_pin,
     effective_values,
@@ -220,6 +221,7 @@ def run(cfg: Config, *, lock: Path, data_summary: Path | None, train_files: Path
                                 bridge_path=bridge_check, identity=ident,
                                 data_files={"train": train_files, "val": val_files,
                                             "heldout": heldout})
+        check_health_metrics(rules, cfg, verl_dir, eff)
         estimate = estimate_gpu_hours(cfg, eff, facts, weights)
         add_costs(rules, estimate)
     check_verl_pin(rules, verl_dir, head, commit, cfg.preflight.waive)

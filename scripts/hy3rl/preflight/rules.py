@@ -24,6 +24,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from hy3rl import wandb_run
+from hy3rl.health import ROLLOUT_LOG_PROBS, metric_problems
 from hy3rl.preflight.resolve import PAPER_DEFAULT, Override, Resolution, select
 from hy3rl.settings import Cluster, Config
 from hy3rl.verl_checks import FAIL, NOT_RUN, VerlCheck
@@ -81,8 +82,11 @@ RULES: dict[str, str] = {
              "in WANDB_API_KEY or the netrc file, or WANDB_MODE offline/disabled)",
     "rehearsal": "GPU runs: the train job starts only after the one-node rehearsal (rule "
                  "rehearsal) passed in the same runtime identity; waive it to go without",
+    "health_metrics": "every metric a train.health rule watches is one the pinned verl logs "
+                      "(its source in the clone, the rollout log-probs it needs); set a "
+                      "rule to ignore rather than watch a metric that never comes",
 }
-NOT_WAIVABLE = {"compose", "run_identity"}
+NOT_WAIVABLE = {"compose", "run_identity", "health_metrics"}
 
 EFFECTIVE_KEYS = (
     "trainer.nnodes", "trainer.n_gpus_per_node", "trainer.total_training_steps",
@@ -978,6 +982,16 @@ def not_composed(res: Resolution) -> list[RuleResult]:
     if res.knob_errors:
         rules[list(RULES).index("knobs")] = RuleResult("knobs", "error", res.knob_errors)
     return rules
+
+
+def check_health_metrics(rules: list[RuleResult], cfg: Config, verl_dir: Path,
+                         eff: Mapping[str, Any]) -> None:
+    """health_metrics: the watched metrics are logged by the verl clone at ``verl_dir`` with
+    the composed values ``eff`` (hy3rl.health.metric_problems; set in ``rules`` in place)."""
+    problems = metric_problems(cfg.train.health, verl_dir, truthy(eff.get(ROLLOUT_LOG_PROBS)))
+    if problems:
+        rules[list(RULES).index("health_metrics")] = RuleResult(
+            "health_metrics", "error", problems)
 
 
 def check_verl_pin(rules: list[RuleResult], verl_dir: Path, head: str | None, commit: str,

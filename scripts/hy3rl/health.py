@@ -1,0 +1,471 @@
+"""The training-health guard: ``train.health``'s rules over verl's per-step metrics.
+
+A pure, incremental watcher. It is fed the records verl's ``file`` logger writes, in the form
+:func:`hy3rl.verl_log.read_metrics` returns them (``{"step": N, "data": {key: value}}``), in
+the order they arrive, and returns :class:`Event` s: the rule, the step, the action (``warn``
+or ``stop``), the values that crossed the threshold and a one-line message naming all three.
+:func:`last_healthy` names the newest complete checkpoint whose steps passed every ``stop``
+rule. Format and thresholds: docs/formats/train.md "Training health".
+
+How the launcher will call it (not built yet; the launcher does not run the guard today)::
+
+    watcher = Watcher(cfg.train.health)
+    for rec in verl_log.merged_attempts(attempts_dir, since):   # the lineage so far
+        watcher.feed(rec)                                        # baselines, the best so far
+    ...
+    for rec in new lines of this attempt's metrics log:          # as they arrive
+        for event in watcher.feed(rec):
+            warn: notify, record; stop: stop after the next complete save (a non-finite
+            value: at once), record the attempt `unhealthy` with the event and
+            last_healthy(complete checkpoint steps, watcher.events)
+
+Semantics:
+
+- A value is a number, or a string that reads as one ("nan", "NaN", "inf", "-Infinity"):
+  verl's file logger writes JSON's ``NaN``/``Infinity`` (Python's ``json`` reads them as
+  floats) and other writers quote them. A bool or any other string counts as absent.
+- A rule whose metric is absent at a step (or, for every rule but ``nonfinite``, not
+  finite) ignores that step: it neither counts towards the rule's run of consecutive steps
+  nor breaks it. verl logs some metrics only on some steps (validation every test_freq
+  steps; training/rollout_probs_diff_* is NaN when a batch has no response token), and a
+  missing value is not evidence of health. "Consecutive" counts logged steps that carry the
+  metric, so a gap in the steps (steps lost to a crash) does not break a run either.
+- A run fires once, at the step where it reaches the rule's length; it fires again only
+  after a value on the healthy side ended it. An event's ``first_step`` is the first step of
+  the run (or window) that fired: the trainer was already unhealthy there.
+- A step at or before the last one fed is a resume (verl restarts from a checkpoint and logs
+  its steps again): the steps after it are dropped, as the merged log drops them, and the
+  rules' states are rebuilt from the steps kept; the events of dropped steps leave
+  :attr:`Watcher.events`. A validation-only line (every key ``val-*``) at an earlier step
+  joins that step's line (verl validates the resumed step before training), as
+  :func:`hy3rl.verl_log.merge_metrics` merges it. A step fed a second time returns only the
+  events not returned before.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hy3rl.settings import (
+    Health,
+    HealthAbove,
+    HealthEntropy,
+    HealthLength,
+    HealthNonfinite,
+    HealthRewardFloor,
+    HealthValidation,
+)
+from hy3rl.verl_log import validation_only
+
+
+def metric_value(raw: Any) -> float | None:
+    """A logged metric value as a float (NaN and inf kept); None when absent or not a
+    number (a bool, a string that does not read as a number, a list...)."""
+    if isinstance(raw, bool):
+        return None
+    if isinstance(raw, (int, float)):
+        return float(raw)
+    if isinstance(raw, str):
+        try:
+            return float(raw.strip())
+        except ValueError:
+            return None
+    return None
+
+
+def _shown(v: float) -> float | str:
+    """A value as an event holds it: finite as a float, else its name (JSON has no NaN)."""
+    return v if math.isfinite(v) else str(v)
+
+
+@dataclass(frozen=True)
+class Event:
+    """A rule that fired: ``values`` are the (step, value) pairs that crossed its threshold
+    (the run, the window, or the one step), ``reference`` the value they were compared to
+    (the threshold, the baseline, the best so far)."""
+
+    rule: str
+    action: str  # warn | stop
+    step: int
+    first_step: int
+    metric: str
+    values: tuple[tuple[int, float | str], ...]
+    reference: float | None
+    message: str
+
+
+def _fmt(v: float | str) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def _steps(pairs: Iterable[tuple[int, Any]]) -> str:
+    pairs = list(pairs)
+    if len(pairs) > 6:
+        pairs = pairs[:3] + [(None, "...")] + pairs[-2:]
+    return ", ".join(str(v) if s is None else f"{_fmt(v)}@{s}" for s, v in pairs)
+
+
+class _Rule:
+    """One rule's state over the steps fed so far."""
+
+    def __init__(self, name: str, section: Any) -> None:
+        self.name = name
+        self.action = section.action
+        self.section = section
+
+    def feed(self, step: int, data: Mapping[str, Any]) -> list[Event]:
+        raise NotImplementedError
+
+    def _event(self, step: int, metric: str, values: list[tuple[int, float]],
+               reference: float | None, what: str) -> Event:
+        shown = tuple((s, _shown(v)) for s, v in values)
+        first = values[0][0] if values else step
+        msg = (f"health rule {self.name} ({self.action}) fired at step {step}: {metric} "
+               f"{what}: {_steps(shown)}")
+        return Event(self.name, self.action, step, first, metric, shown, reference, msg)
+
+
+class _Nonfinite(_Rule):
+    section: HealthNonfinite
+
+    def feed(self, step: int, data: Mapping[str, Any]) -> list[Event]:
+        out = []
+        for key in self.section.metrics:
+            v = metric_value(data.get(key))
+            if v is not None and not math.isfinite(v):
+                out.append(self._event(step, key, [(step, v)], None, "is not finite"))
+        return out
+
+
+class _Consecutive(_Rule):
+    """A run of ``steps`` consecutive logged values on the unhealthy side (``crossed``) of
+    ``reference``."""
+
+    def __init__(self, name: str, section: Any, steps: int,
+                 crossed: Callable[[float], bool] | None = None,
+                 reference: float | None = None, what: str = "") -> None:
+        super().__init__(name, section)
+        self.metric = section.metric
+        self.steps = steps
+        self._crossed, self._reference, self._what = crossed, reference, what
+        self.run: list[tuple[int, float]] = []
+
+    def crossed(self, v: float) -> bool:
+        assert self._crossed is not None
+        return self._crossed(v)
+
+    def what(self) -> str:
+        return self._what
+
+    def reference(self) -> float | None:
+        return self._reference
+
+    def finite(self, data: Mapping[str, Any]) -> float | None:
+        v = metric_value(data.get(self.metric))
+        return v if v is not None and math.isfinite(v) else None
+
+    def feed(self, step: int, data: Mapping[str, Any]) -> list[Event]:
+        v = self.finite(data)
+        if v is None:
+            return []
+        if not self.crossed(v):
+            self.run = []
+            return []
+        self.run.append((step, v))
+        if len(self.run) == self.steps:
+            return [self._event(step, self.metric, self.run, self.reference(),
+                                f"{self.what()} for {self.steps} logged steps")]
+        return []
+
+
+def _above(name: str, s: HealthAbove) -> _Consecutive:
+    """Drift, clip ratio: above ``max``."""
+    return _Consecutive(name, s, s.steps, lambda v: v > s.max, s.max, f"above {s.max:g}")
+
+
+def _at_most(name: str, s: HealthRewardFloor) -> _Consecutive:
+    """The reward at or below its minimum."""
+    return _Consecutive(name, s, s.steps, lambda v: v <= s.minimum, s.minimum,
+                        f"at or below its minimum {s.minimum:g}")
+
+
+def _below(name: str, s: HealthEntropy) -> _Consecutive:
+    """The entropy floor (never crossed without one)."""
+    return _Consecutive(name, s, s.steps, lambda v: s.floor is not None and v < s.floor,
+                        s.floor, f"below the floor {s.floor:g}" if s.floor is not None else "")
+
+
+class _Fall(_Rule):
+    """The mean of the latest ``window`` values below (1 - max_fall) x the mean of the
+    ``window`` values before them."""
+
+    section: HealthEntropy
+
+    def __init__(self, name: str, section: HealthEntropy) -> None:
+        super().__init__(name, section)
+        self.values: deque[tuple[int, float]] = deque(maxlen=2 * section.window)
+        self.firing = False
+
+    def feed(self, step: int, data: Mapping[str, Any]) -> list[Event]:
+        v = metric_value(data.get(self.section.metric))
+        if v is None or not math.isfinite(v) or self.section.max_fall is None:
+            return []
+        self.values.append((step, v))
+        w = self.section.window
+        if len(self.values) < 2 * w:
+            return []
+        before = sum(x for _, x in list(self.values)[:w]) / w
+        latest = list(self.values)[w:]
+        now = sum(x for _, x in latest) / w
+        limit = (1 - self.section.max_fall) * before
+        fell = before > 0 and now < limit
+        fired = fell and not self.firing
+        self.firing = fell
+        if not fired:
+            return []
+        return [self._event(step, self.section.metric, latest, before,
+                            f"mean {now:.4g} of the latest {w} logged steps fell more than "
+                            f"{self.section.max_fall:g} below the mean {before:.4g} of the "
+                            f"{w} before")]
+
+
+class _Length(_Consecutive):
+    section: HealthLength
+
+    def __init__(self, name: str, section: HealthLength) -> None:
+        super().__init__(name, section, section.steps)
+        self.early: list[float] = []
+        self.baseline: float | None = None
+
+    def feed(self, step: int, data: Mapping[str, Any]) -> list[Event]:
+        if self.baseline is None:
+            v = self.finite(data)
+            if v is not None:
+                self.early.append(v)
+                if len(self.early) == self.section.baseline_steps:
+                    self.baseline = sum(self.early) / len(self.early)
+            return []
+        return super().feed(step, data)
+
+    def crossed(self, v: float) -> bool:
+        assert self.baseline is not None
+        if self.baseline <= 0:
+            return False
+        ratio = v / self.baseline
+        return ratio < self.section.min_ratio or ratio > self.section.max_ratio
+
+    def what(self) -> str:
+        return (f"outside {self.section.min_ratio:g}-{self.section.max_ratio:g} x its baseline "
+                f"{self.baseline:.4g} (the mean of its first {self.section.baseline_steps} "
+                "logged steps)")
+
+    def reference(self) -> float | None:
+        return self.baseline
+
+
+class _Validation(_Rule):
+    section: HealthValidation
+
+    def __init__(self, name: str, section: HealthValidation) -> None:
+        super().__init__(name, section)
+        self.best: tuple[int, float] | None = None
+
+    def feed(self, step: int, data: Mapping[str, Any]) -> list[Event]:
+        v = metric_value(data.get(self.section.metric))
+        if v is None or not math.isfinite(v):
+            return []
+        out = []
+        if self.best is not None:
+            b = self.best[1]
+            se = validation_se(b, v, self.section.responses)
+            if b - v > self.section.k * se:
+                out.append(self._event(
+                    step, self.section.metric, [(step, v)], b,
+                    f"{b - v:.4g} below the run's best {b:.4g} (step {self.best[0]}), more than "
+                    f"{self.section.k:g} standard errors ({se:.4g} each, "
+                    f"{self.section.responses} responses)"))
+        if self.best is None or v > self.best[1]:
+            self.best = (step, v)
+        return out
+
+
+def validation_se(best: float, acc: float, responses: int) -> float:
+    """The standard error of the difference of two accuracies over ``responses`` scored
+    responses each (binomial; for a fixed problem set sampled several times an upper bound
+    of the sampling error)."""
+    var = max(best * (1 - best), 0.0) + max(acc * (1 - acc), 0.0)
+    return math.sqrt(var / responses)
+
+
+def build_rules(health: Health) -> list[_Rule]:
+    """The rules of ``train.health`` that are not ``ignore``, in the schema's order."""
+    out: list[_Rule] = []
+    for name, section in health.rules():
+        if isinstance(section, HealthNonfinite):
+            out.append(_Nonfinite(name, section))
+        elif isinstance(section, HealthAbove):
+            out.append(_above(name, section))
+        elif isinstance(section, HealthEntropy):
+            out += [_below(name, section), _Fall(name, section)]
+        elif isinstance(section, HealthLength):
+            out.append(_Length(name, section))
+        elif isinstance(section, HealthRewardFloor):
+            out.append(_at_most(name, section))
+        elif isinstance(section, HealthValidation):
+            out.append(_Validation(name, section))
+        else:  # a new section in settings.Health without a rule here
+            raise TypeError(f"train.health.{name}: no rule implements {type(section).__name__}")
+    return out
+
+
+class Watcher:
+    """The guard over one run lineage (see the module docstring): :meth:`feed` records in
+    arrival order; :attr:`events` is every event of the steps kept, in step order."""
+
+    def __init__(self, health: Health) -> None:
+        self.health = health
+        self.records: dict[int, dict[str, Any]] = {}
+        self.events: list[Event] = []
+        self._rules = build_rules(health)
+
+    def feed(self, record: Mapping[str, Any]) -> list[Event]:
+        """Feed one ``{"step": N, "data": {...}}`` record; the events it raises."""
+        step, data = record["step"], dict(record.get("data") or {})
+        if not self.records or step > max(self.records):
+            self.records[step] = data
+            new = [e for rule in self._rules for e in rule.feed(step, data)]
+            self.events += new
+            return new
+        old = self.records.get(step)
+        if old is not None and validation_only(data) and not validation_only(old):
+            data = {**old, **data}
+        kept = {s: d for s, d in self.records.items() if s < step}
+        kept[step] = data
+        before = self.events
+        self._replay(kept)
+        return [e for e in self.events if e.step == step and e not in before]
+
+    def _replay(self, records: dict[int, dict[str, Any]]) -> None:
+        self.records, self.events = {}, []
+        self._rules = build_rules(self.health)
+        for step in sorted(records):
+            self.feed({"step": step, "data": records[step]})
+
+
+def watch(health: Health, records: Iterable[Mapping[str, Any]]) -> list[Event]:
+    """Every event of ``records`` fed in order (the events of steps kept)."""
+    w = Watcher(health)
+    for rec in records:
+        w.feed(rec)
+    return w.events
+
+
+def last_healthy(checkpoint_steps: Iterable[int], events: Iterable[Event]) -> int | None:
+    """The newest of ``checkpoint_steps`` (the complete checkpoints) saved before the first
+    step of every ``stop`` event's run or window, i.e. whose steps all passed every stop
+    rule; None when there is none. ``warn`` events do not count."""
+    bound = min((e.first_step for e in events if e.action == "stop"), default=None)
+    ok = [s for s in checkpoint_steps if bound is None or s < bound]
+    return max(ok) if ok else None
+
+
+# --------------------------------------------------------------------------- verl's metric keys
+
+
+@dataclass(frozen=True)
+class VerlMetric:
+    """A metric key verl logs (``<name>`` marks a part verl fills in), with where verl@220e903
+    writes it: (file in the verl checkout, a text that file holds). Preflight reads the
+    pinned checkout for each text, so a verl that stopped logging a key is caught."""
+
+    key: str
+    sources: tuple[tuple[str, str], ...]
+    needs_rollout_log_probs: bool = False
+
+    def matches(self, key: str) -> bool:
+        parts = re.split(r"(<[a-z_]+>)", self.key)
+        pattern = "".join(r"[^/]+" if p.startswith("<") else re.escape(p) for p in parts)
+        return re.fullmatch(pattern, key) is not None
+
+
+_LOSSES = "verl/workers/utils/losses.py"
+_TRAINER = "verl/trainer/ppo/ray_trainer.py"
+_ALGOS = "verl/trainer/ppo/core_algos.py"
+_METRICS = "verl/trainer/ppo/metric_utils.py"
+_DEBUG = "verl/utils/debug/metrics.py"
+_CORR = "verl/trainer/ppo/rollout_corr_helper.py"
+_CORR_PREFIX = (_CORR, 'f"rollout_corr/{key}"')
+
+# Read at verl@220e903 (the pinned commit); the texts are what these files hold there.
+VERL_METRICS: tuple[VerlMetric, ...] = (
+    # the engine workers' loss (Metric aggregation), renamed "actor/..." by the trainer
+    VerlMetric("actor/pg_loss", ((_LOSSES, 'metrics["actor/pg_loss"]'),)),
+    # compute_variance_proxy_metrics reads it from the actor's output
+    VerlMetric("actor/grad_norm", ((_TRAINER, 'metrics.get("actor/grad_norm"'),)),
+    VerlMetric("actor/entropy", ((_TRAINER, '"actor/entropy": entropy_agg'),)),
+    VerlMetric("actor/pg_clipfrac", ((_ALGOS, '"actor/pg_clipfrac":'),)),
+    # compute_data_metrics
+    *(VerlMetric(f"critic/{k}", ((_METRICS, f'"critic/{k}":'),)) for k in (
+        "score/mean", "score/max", "score/min", "rewards/mean", "rewards/max", "rewards/min")),
+    *(VerlMetric(f"response_length/{k}", ((_METRICS, f'"response_length/{k}":'),))
+      for k in ("mean", "max", "min", "clip_ratio")),
+    # calculate_debug_metrics, called when the batch has rollout_log_probs
+    *(VerlMetric(f"training/rollout_probs_diff_{k}",
+                 ((_DEBUG, f'"training/rollout_probs_diff_{k}":'),), True)
+      for k in ("mean", "max", "std")),
+    # compute_rollout_corr_metrics_from_logprobs / the IS weights, prefixed rollout_corr/
+    *(VerlMetric(f"rollout_corr/{k}", ((_CORR, f'metrics["{k}"]'), _CORR_PREFIX), True)
+      for k in ("kl", "k3_kl", "training_ppl", "rollout_ppl", "rollout_is_mean",
+                "rollout_is_max", "rollout_is_eff_sample_size")),
+    # _validate: val-core/<data_source>/<variable>/mean@<n> (process_validation_metrics)
+    VerlMetric("val-core/<data_source>/<variable>/mean@<n>",
+               ((_TRAINER, 'metric_sec = "val-core"'), (_METRICS, 'f"mean@{n_resps}"'))),
+)
+
+# The verl key that, composed, makes the rollout return its log-probs.
+ROLLOUT_LOG_PROBS = "actor_rollout_ref.rollout.calculate_log_probs"
+
+
+def verl_metric(key: str) -> VerlMetric | None:
+    return next((m for m in VERL_METRICS if m.matches(key)), None)
+
+
+def metric_problems(health: Health, verl_dir: Path, calculate_log_probs: Any) -> list[str]:
+    """What makes a watched metric one the pinned verl at ``verl_dir`` does not log: a key
+    not in :data:`VERL_METRICS`, a key whose source text the checkout lacks, a rollout
+    log-prob metric while ``calculate_log_probs`` (the composed value, read as a flag) is
+    false. Each
+    message names the config key and the metric."""
+    out: list[str] = []
+    seen: dict[str, int] = {}
+    for rule, key in health.watched():
+        if rule == "nonfinite":
+            i = seen[rule] = seen.get(rule, -1) + 1
+            where = f"train.health.nonfinite.metrics[{i}]"
+        else:
+            where = f"train.health.{rule}.metric"
+        found = verl_metric(key)
+        if found is None:
+            out.append(f"{where}: {key!r} is not a metric verl logs; verl logs "
+                       + ", ".join(m.key for m in VERL_METRICS))
+            continue
+        for rel, text in found.sources:
+            path = Path(verl_dir) / rel
+            try:
+                held = text in path.read_text(errors="replace")
+            except OSError:
+                held = False
+            if not held:
+                out.append(f"{where}: {key!r} is not logged by the pinned verl at {verl_dir}: "
+                           f"{rel} does not hold {text!r} (where verl@220e903 logs it)")
+                break
+        if found.needs_rollout_log_probs and not calculate_log_probs:
+            out.append(f"{where}: {key!r} is logged only with {ROLLOUT_LOG_PROBS}=True "
+                       f"(composed: {calculate_log_probs!r})")
+    return out
