@@ -103,6 +103,8 @@ CONFIG_KINDS: dict[str, tuple[str, str]] = {
     "train.runtime": (OPERATIONAL, "container and interpreter (each attempt records its "
                       "runtime identity)"),
     "train.ray": (OPERATIONAL, "Ray's ports and timeouts"),
+    "train.health": (OPERATIONAL, "the training-health guard's rules (they watch the "
+                     "metrics, never change a step)"),
 }
 TRIGGER_KINDS = (TRAJECTORY, EXTENT, LOCATION)  # what re-runs a training job
 
