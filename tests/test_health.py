@@ -329,6 +329,13 @@ def test_schema_refuses_a_wrong_type_or_sign_naming_the_key(rule, key, bad, says
     assert f"train.health.{rule}.{key}: {bad!r} {says}" in str(exc.value)
 
 
+def test_an_entropy_rule_that_watches_nothing_is_refused():
+    with pytest.raises(cfgmod.ConfigError, match=r"train.health.entropy: floor and max_fall "
+                       r"are both null, so the rule \(warn\) would watch nothing"):
+        health(entropy={"action": "warn", "floor": None, "max_fall": None})
+    assert health(entropy={"action": "ignore", "floor": None, "max_fall": None}).rules() == []
+
+
 # --------------------------------------------------------------------------- no false alarm
 
 

@@ -281,6 +281,12 @@ class HealthEntropy:
     max_fall: float | None
     window: int
 
+    def __post_init__(self) -> None:
+        if self.action != "ignore" and self.floor is None and self.max_fall is None:
+            raise ConfigError("train.health.entropy: floor and max_fall are both null, so the "
+                              f"rule ({self.action}) would watch nothing: set one, or "
+                              "action: ignore")
+
 
 @dataclass(frozen=True)
 class HealthLength:
