@@ -229,14 +229,48 @@ class Node:
     gpus: int | None = None
 
 
+@dataclass
+class Outage:
+    """The dashboard not answering while the Ray job runs: ridden out for ``limit_s``
+    seconds (``train.ray.dashboard_outage_s``; 0: for ever) while the watchdog goes on
+    watching the trainer's own progress (its log lines, the checkpoint's bytes), which alone
+    decides whether a trainer is healthy. Logged when it starts and when it ends."""
+
+    limit_s: float
+    since: float | None = None
+
+    def unanswered(self, now: float, address: str | None) -> bool:
+        """A status that did not come; whether the outage is past its limit."""
+        if self.since is None:
+            self.since = now
+            log.warning("Ray's dashboard at %s does not answer: the job's status is unknown; "
+                        "%s while the watchdog watches the trainer's progress", address,
+                        f"riding it out for up to {self.limit_s:g}s" if self.limit_s > 0
+                        else "riding it out (train.ray.dashboard_outage_s: 0, no limit)")
+        return self.limit_s > 0 and now - self.since > self.limit_s
+
+    def answered(self, now: float, address: str | None) -> None:
+        if self.since is not None:
+            log.warning("Ray's dashboard at %s answers again after %.0fs", address,
+                        now - self.since)
+        self.since = None
+
+    def message(self, submission_id: str, address: str | None) -> str:
+        return (f"ray job status of {submission_id} unavailable for {self.limit_s:g}s: the "
+                f"dashboard at {address} did not answer (train.ray.dashboard_outage_s)")
+
+
 # --------------------------------------------------------------------------- allocation
 
 
 def _run(cmd: list[str], timeout: float = 60) -> str:
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                              stdin=subprocess.DEVNULL)
     except FileNotFoundError:
         raise LaunchError(f"{cmd[0]} not found on PATH") from None
+    except subprocess.TimeoutExpired:
+        raise LaunchError(f"{shlex.join(cmd)} did not answer within {timeout:g}s") from None
     if proc.returncode != 0:
         raise LaunchError(f"{shlex.join(cmd)} failed ({proc.returncode}): {proc.stderr.strip()}")
     return proc.stdout
@@ -559,10 +593,14 @@ class Launcher:
                 info = json.loads(published.read_text())
             if info is not None:
                 addr = f"{info['ip']}:{info['gcs_port']}"
-                hc = subprocess.run([RAY, "health-check", "--address", addr],
-                                    capture_output=True, timeout=60,
-                                    env={**without_auth(dict(os.environ)), **self.ray_env()})
-                if hc.returncode == 0:
+                try:
+                    hc = subprocess.run([RAY, "health-check", "--address", addr],
+                                        capture_output=True, timeout=60,
+                                        stdin=subprocess.DEVNULL,
+                                        env={**without_auth(dict(os.environ)), **self.ray_env()})
+                except subprocess.TimeoutExpired:
+                    hc = None  # not alive yet: asked again until head_timeout_s
+                if hc is not None and hc.returncode == 0:
                     self.phase("head GCS alive at %s", addr)
                     return info
             self.stop_event.wait(1.0)
@@ -692,7 +730,7 @@ class Launcher:
         self.job = job = JobRun(
             self.dashboard, self.spec.submission_id, RAY, self.spec.log_dir / "driver.log",
             env={**without_auth(dict(os.environ)), **self.ray_env()}, headers=self.headers(),
-            redact=self.redactor.text)
+            redact=self.redactor.text, timeout_s=self.ray.dashboard_timeout_s)
         cmd = job.submit(runtime_env, ["bash", str(self.spec.launch_script),
                                        *self.spec.launch_args])
         self.submitted = True
@@ -702,7 +740,8 @@ class Launcher:
             monitor.start()
         status_every = max(1.0, min(self.spec.poll_s, 10.0))
         next_poll = next_status = time.monotonic()
-        status, unanswered_since = None, None
+        status = None
+        outage = Outage(self.ray.dashboard_outage_s)
         while True:
             self.check_stop()
             now = time.monotonic()
@@ -712,24 +751,29 @@ class Launcher:
                 if request is not None:
                     self.watchdog_stop(request)
             if now >= next_status:
+                status = job.status()  # bounded: None within train.ray.dashboard_timeout_s
+                now = time.monotonic()
                 next_status = now + status_every
-                status = job.status()
                 if status in TERMINAL:
                     break
                 if status is None:
                     failed = job.submit_failed()
                     if failed:
                         raise LaunchError(failed, "ray job submit failed")
-                    unanswered_since = unanswered_since or now
-                    if now - unanswered_since > 60:
-                        # The head's dashboard is gone: most likely a node's Ray died; let
-                        # its step end first.
-                        self.stop_event.wait(15)
+                    if outage.unanswered(now, self.dashboard):
+                        # Past the ride-out: most likely the head died; let a node's step
+                        # end first (that names the lost node).
+                        if self.procs:
+                            self.stop_event.wait(15)
                         self.check_stop()
-                        raise LaunchError(f"ray job status of {self.spec.submission_id} "
-                                          "unavailable for 60s", "ray job status unavailable")
+                        raise LaunchError(outage.message(self.spec.submission_id,
+                                                         self.dashboard),
+                                          "ray job status unavailable")
+                    # While it does not answer, ask less often: the loop stays free for
+                    # the watchdog and the signals.
+                    next_status = now + max(status_every, 3 * job.timeout_s)
                 else:
-                    unanswered_since = None
+                    outage.answered(now, self.dashboard)
                     if not job.stream_open():
                         job.reattach()
             self.stop_event.wait(min(0.5, self.spec.poll_s))
