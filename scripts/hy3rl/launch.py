@@ -26,8 +26,10 @@
    environment variable ``HY3RL_RAY_SCOPE``), never another job's Ray (``ray stop`` would).
 
 Logs (``spec.log_dir``): ``launcher.log`` (timestamped phases), ``driver.log``,
-``node-<name>.log``, ``ray.json`` (nodes, head, ports), ``runtime_env.yaml`` (0600; secrets
-redacted in every log by ``hy3rl.redact``, as ``[REDACTED]``).
+``node-<name>.log``, ``ray.json`` (nodes, head, ports), ``runtime_env.yaml`` (a copy of the
+runtime env submitted, which holds no secret: the job's secrets reach it through
+``.job-env``, 0600, removed at the teardown, ``hy3rl.jobenv``; secrets redacted in every log
+by ``hy3rl.redact``, as ``[REDACTED]``).
 
 Runtime (``spec.runtime``, from ``train.runtime``): every node process runs as
 ``[srun ...] <prefix> env PYTHONPATH=<this workflow's scripts/> <python> -m hy3rl.raynode node
@@ -64,6 +66,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hy3rl import jobenv
 from hy3rl.atomic import write_json_atomic, write_text_atomic
 from hy3rl.errors import StageError
 from hy3rl.rayjob import TERMINAL, AuthToken, JobRun, without_auth
@@ -423,6 +426,7 @@ class Launcher:
         self.ray_versions: dict[str, Any] = {}
         self.watch: StopRequest | None = None  # the watchdog's stop, when it stopped the job
         self.secret_files: list[Path] = []  # removed in the teardown
+        self.job_env: Path | None = None  # the job's secrets (hy3rl.jobenv), once written
         self.diagnostics: dict[str, Any] | None = None
         self.t0 = time.monotonic()
 
@@ -697,6 +701,11 @@ class Launcher:
             "ray_failed", missing)
 
     def merged_runtime_env(self) -> Path:
+        """The runtime env ``ray job submit`` reads: deps' runtime env with this launch's
+        ``env_vars``, less every secret (hy3rl.redact's one policy), which goes through a
+        0600 file instead (hy3rl.jobenv: Ray writes a runtime env's ``env_vars`` in its
+        logs); the runtime env names that file and Ray's ``worker_process_setup_hook`` that
+        reads it in every worker of the job."""
         import yaml
 
         try:
@@ -709,18 +718,31 @@ class Launcher:
         env.update({n: os.environ[n] for n in self.spec.passthrough_env if n in os.environ})
         # hy3rl.redact's one policy: values under secret-looking names, known token shapes.
         self.redactor = make_redactor(env, [])
-        merged = {**base, "env_vars": env}
-        # The real one (it may hold passed-through keys) lives only while the job is
-        # submitted: a private temp file (0600), removed in the teardown; the attempt's
-        # folder keeps a redacted copy. No output holds a key.
+        secrets = {k: v for k, v in env.items() if self.redactor.text(v) != v}
+        public = {k: v for k, v in env.items() if k not in secrets}
+        merged = {**base, "env_vars": public}
+        self.job_env = None
+        if secrets:
+            if base.get("worker_process_setup_hook"):
+                raise LaunchError(f"{self.spec.runtime_env}: a worker_process_setup_hook "
+                                  f"({base['worker_process_setup_hook']!r}) cannot be combined "
+                                  f"with the launch's secrets ({', '.join(sorted(secrets))}), "
+                                  "which reach the job through hy3rl.jobenv's hook")
+            self.job_env = jobenv.write(self.spec.log_dir, secrets)
+            self.secret_files.append(self.job_env)
+            public[jobenv.ENV_VAR] = str(self.job_env)
+            merged["worker_process_setup_hook"] = jobenv.HOOK
+        # No secret in it; a private temp file all the same (0600), removed in the teardown;
+        # the attempt's folder keeps a copy, redacted.
         fd, name = tempfile.mkstemp(prefix="hy3rl-runtime-env-", suffix=".yaml")
         with os.fdopen(fd, "w") as fh:
             fh.write(yaml.safe_dump(merged, sort_keys=False))
         self.secret_files.append(Path(name))
         kept = self.spec.log_dir / "runtime_env.yaml"
         write_text_atomic(kept, yaml.safe_dump(self.redactor(merged), sort_keys=False))
-        self.phase("runtime env %s (from %s; redacted copy %s): env_vars %s", name,
-                   self.spec.runtime_env, kept, self.redactor(env))
+        self.phase("runtime env %s (from %s; copy %s): env_vars %s; secrets %s through %s "
+                   "(0600)", name, self.spec.runtime_env, kept, self.redactor(public),
+                   sorted(secrets) or "none", self.job_env or "-")
         return Path(name)
 
     def run_job(self, runtime_env: Path) -> tuple[int, str, str]:
@@ -731,8 +753,8 @@ class Launcher:
             self.dashboard, self.spec.submission_id, RAY, self.spec.log_dir / "driver.log",
             env={**without_auth(dict(os.environ)), **self.ray_env()}, headers=self.headers(),
             redact=self.redactor.text, timeout_s=self.ray.dashboard_timeout_s)
-        cmd = job.submit(runtime_env, ["bash", str(self.spec.launch_script),
-                                       *self.spec.launch_args])
+        command = ["bash", str(self.spec.launch_script), *self.spec.launch_args]
+        cmd = job.submit(runtime_env, jobenv.entrypoint(command) if self.job_env else command)
         self.submitted = True
         self.phase("submitted: %s", shlex.join(cmd))
         monitor = self.spec.monitor

@@ -10,8 +10,8 @@ Ray cluster to everyone else (the cluster's bring-up is ``hy3rl.launch``).
   the job is not terminal is re-attached (``tail_job_logs``) from the character of the
   job's log where it ended, so that ``driver.log`` holds the whole log once.
 - **Authentication.** Ray's dashboard and jobs API answer anyone on the network by
-  default: a job's ``runtime_env.env_vars`` (a passed-through ``WANDB_API_KEY``) can be read
-  and jobs submitted that run as this user. :class:`AuthToken` makes a fresh 256-bit token
+  default: a job's runtime env can be read (it holds no secret: ``hy3rl.jobenv``) and jobs
+  submitted that run as this user. :class:`AuthToken` makes a fresh 256-bit token
   per launch in a file only this user can read (0600, on the shared results storage, so
   that every node's ``ray start`` reads the same file), removed at the teardown; every Ray
   process of the launch runs with ``RAY_AUTH_MODE=token`` and ``RAY_AUTH_TOKEN_PATH`` (Ray
@@ -31,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import secrets
 import subprocess
 import sys
@@ -42,6 +41,8 @@ from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 from typing import Any
+
+from hy3rl.jobenv import write_private
 
 log = logging.getLogger("hy3rl.rayjob")
 
@@ -107,13 +108,9 @@ class AuthToken:
 
     @classmethod
     def create(cls, directory: Path) -> AuthToken:
-        directory.mkdir(parents=True, exist_ok=True)
         path = directory / TOKEN_NAME
-        path.unlink(missing_ok=True)
         token = secrets.token_hex(32)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as fh:
-            fh.write(token)
+        write_private(path, token)
         return cls(path, token)
 
     def env(self) -> dict[str, str]:
