@@ -804,13 +804,13 @@ class Launcher:
         self.check_stop()
         try:
             info = job.info()
-        except Exception as exc:
-            raise LaunchError(f"ray job info of {self.spec.submission_id} unavailable: "
-                              f"{exc}", "ray job status unavailable") from None
+        except Exception as exc:  # the status said how it ended: its exit code is unknown
+            log.warning("ray job info of %s unavailable: %s", self.spec.submission_id, exc)
+            info = None
         code = getattr(info, "driver_exit_code", None)
         self.phase("ray job %s: %s (driver exit code %s; log stream re-attached %d time(s)) "
                    "%s", self.spec.submission_id, status, code, job.reattached,
-                   info.message or "")
+                   getattr(info, "message", None) or "")
         if status == "SUCCEEDED":
             return 0, "succeeded", status
         exit_code = int(code) if isinstance(code, int) and code != 0 else 1
