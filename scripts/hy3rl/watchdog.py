@@ -301,17 +301,17 @@ def parse_job_time_left(text: str, now: float) -> float | None:
     return by_end
 
 
-def _slurm_text(cmd: list[str]) -> str | None:
-    """stdout of a SLURM query (bounded: 30 s); None, logged, when it fails."""
+def slurm_output(cmd: list[str], timeout_s: float = 60, level: int = logging.DEBUG) -> str | None:
+    """stdout of a SLURM command (bounded by ``timeout_s``); None when it is missing, fails
+    or does not answer in time, logged at ``level`` with the reason."""
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=30,
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
                               stdin=subprocess.DEVNULL)
     except (OSError, subprocess.TimeoutExpired) as exc:
-        log.warning("%s: %s (time left unknown)", " ".join(cmd), exc)
+        log.log(level, "%s: %s", " ".join(cmd), exc)
         return None
     if proc.returncode != 0:
-        log.warning("%s exited %d: %s (time left unknown)", " ".join(cmd), proc.returncode,
-                    proc.stderr.strip())
+        log.log(level, "%s exited %d: %s", " ".join(cmd), proc.returncode, proc.stderr.strip())
         return None
     return proc.stdout
 
@@ -321,14 +321,15 @@ def slurm_time_left(job_id: str) -> float | None:
     ``inf`` for none; None when it cannot be told (logged), never 0 for an answer that
     cannot be read. squeue's ``%L`` first; when it prints ``INVALID`` or anything else
     unreadable, the job's end from ``scontrol show job`` (:func:`parse_job_time_left`)."""
-    out = _slurm_text(["squeue", "-h", "-j", str(job_id), "-o", "%L"])
+    out = slurm_output(["squeue", "-h", "-j", str(job_id), "-o", "%L"], 30, logging.WARNING)
     if out is None:
+        log.warning("time left of job %s unknown", job_id)
         return None
     text = out.strip().splitlines()[0].strip() if out.strip() else ""
     left = parse_time_left(text)
     if left is not None:
         return left
-    detail = _slurm_text(["scontrol", "show", "job", str(job_id)])
+    detail = slurm_output(["scontrol", "show", "job", str(job_id)], 30, logging.WARNING)
     left = None if detail is None else parse_job_time_left(detail, time.time())
     if left is None:
         log.warning("squeue -j %s -o %%L printed %r and scontrol show job %s tells no end "
