@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -54,11 +55,12 @@ def test_the_rendered_runtime_env_holds_no_secret(tmp_path: Path, monkeypatch,
     assert jobenv.read(job_env) == {"WANDB_API_KEY": key, "HF_TOKEN": token,
                                     "SITE_PASSWORD": "pa ss$word"}
 
-    # The job's entrypoint (bash sources the file, then execs launch.sh) sees them...
+    # The job's entrypoint (bash sources the file, then execs launch.sh) sees them, run as
+    # Ray runs it: `ray job submit -- <args>` joins them (shlex.join), a shell runs that...
     env = {"PATH": os.environ["PATH"], "HY3RL_JOB_ENV": str(job_env)}
-    shown = subprocess.run(jobenv.entrypoint(["sh", "-c", 'printf "%s|%s" "$WANDB_API_KEY" '
-                                              '"$SITE_PASSWORD"']),
-                           env=env, capture_output=True, text=True, check=True).stdout
+    entry = jobenv.entrypoint(["sh", "-c", 'printf "%s|%s" "$WANDB_API_KEY" "$SITE_PASSWORD"'])
+    shown = subprocess.run(["sh", "-c", shlex.join(entry)], env=env, capture_output=True,
+                           text=True, check=True).stdout
     assert shown == f"{key}|pa ss$word"
     # ... and so does a Ray worker: the hook, resolved the way Ray resolves the name
     hook = subprocess.run(
