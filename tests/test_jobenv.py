@@ -22,7 +22,8 @@ SCRIPTS = str(Path(jobenv.__file__).resolve().parents[1])
 def launcher_for(tmp_path: Path, passthrough: list[str]) -> launch.Launcher:
     base = tmp_path / "runtime_env.yaml"
     base.write_text("working_dir: /deps/verl\nexcludes: ['.git']\nenv_vars:\n"
-                    "  CUDA_DEVICE_MAX_CONNECTIONS: '1'\n  SITE_PASSWORD: 'pa ss$word'\n")
+                    "  CUDA_DEVICE_MAX_CONNECTIONS: '1'\n  SITE_PASSWORD: 'pa ss$word'\n"
+                    f"  PYTHONPATH: /deps/{'ab12' * 10}/src\n  LOG_SINK: wandb_v1_{'x' * 20}\n")
     return launch.Launcher(launch.LaunchSpec(
         submission_id="r-1-1", launch_script=tmp_path / "launch.sh", runtime_env=base,
         log_dir=tmp_path / "attempt-1", passthrough_env=passthrough,
@@ -42,7 +43,8 @@ def test_the_rendered_runtime_env_holds_no_secret(tmp_path: Path, monkeypatch,
     job_env = tmp_path / "attempt-1" / ".job-env"
     rendered = yaml.safe_load(submitted.read_text())
     assert rendered["env_vars"] == {
-        "CUDA_DEVICE_MAX_CONNECTIONS": "1", "VERL_FILE_LOGGER_PATH":
+        "CUDA_DEVICE_MAX_CONNECTIONS": "1", "PYTHONPATH": f"/deps/{'ab12' * 10}/src",
+        "VERL_FILE_LOGGER_PATH":
         "/results/r/attempt-1.metrics.jsonl", "WANDB_RUN_ID": "r-0123",
         "WANDB_MODE": "offline", "HY3RL_JOB_ENV": str(job_env)}
     assert rendered["worker_process_setup_hook"] == "hy3rl.jobenv.export"
@@ -50,10 +52,12 @@ def test_the_rendered_runtime_env_holds_no_secret(tmp_path: Path, monkeypatch,
     kept = tmp_path / "attempt-1" / "runtime_env.yaml"
     for text in (submitted.read_text(), kept.read_text(), caplog.text):
         assert key not in text and token not in text and "ss$word" not in text
-    assert "secrets ['HF_TOKEN', 'SITE_PASSWORD', 'WANDB_API_KEY'] through" in caplog.text
+    assert "secrets ['HF_TOKEN', 'LOG_SINK', 'SITE_PASSWORD', 'WANDB_API_KEY'] through" in \
+        caplog.text
     assert job_env.stat().st_mode & 0o777 == 0o600
     assert jobenv.read(job_env) == {"WANDB_API_KEY": key, "HF_TOKEN": token,
-                                    "SITE_PASSWORD": "pa ss$word"}
+                                    "SITE_PASSWORD": "pa ss$word",
+                                    "LOG_SINK": f"wandb_v1_{'x' * 20}"}
 
     # The job's entrypoint (bash sources the file, then execs launch.sh) sees them, run as
     # Ray runs it: `ray job submit -- <args>` joins them (shlex.join), a shell runs that...

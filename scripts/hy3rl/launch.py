@@ -71,7 +71,7 @@ from hy3rl.atomic import write_json_atomic, write_text_atomic
 from hy3rl.errors import StageError
 from hy3rl.rayjob import TERMINAL, AuthToken, JobRun, without_auth
 from hy3rl.raynode import RAY, Ports, redact_files
-from hy3rl.redact import Redactor, make_redactor
+from hy3rl.redact import REDACTED, Redactor, is_secret_key, make_redactor
 from hy3rl.watchdog import StopRequest
 
 if TYPE_CHECKING:
@@ -718,7 +718,10 @@ class Launcher:
         env.update({n: os.environ[n] for n in self.spec.passthrough_env if n in os.environ})
         # hy3rl.redact's one policy: values under secret-looking names, known token shapes.
         self.redactor = make_redactor(env, [])
-        secrets = {k: v for k, v in env.items() if self.redactor.text(v) != v}
+        # A secret: under a secret-looking name, or a value that is a token as a whole (a
+        # path holding a hex component stays: workers read PYTHONPATH before any hook runs).
+        secrets = {k: v for k, v in env.items()
+                   if is_secret_key(k) or (v and self.redactor.text(v).strip() == REDACTED)}
         public = {k: v for k, v in env.items() if k not in secrets}
         merged = {**base, "env_vars": public}
         self.job_env = None
