@@ -1,13 +1,20 @@
-"""hy3rl.rayjob without a Ray cluster: the per-launch token and a submission that failed.
+"""hy3rl.rayjob without a Ray cluster: the per-launch token, a submission that failed, a
+dashboard that accepts connections and never answers.
 (The job's end from Ray's status, the re-attached stream and the refusal of a request
 without the token run on a real Ray cluster: tests/test_train_ray.py.)"""
 
 from __future__ import annotations
 
+import dataclasses
+import socket
 import subprocess
+import threading
+import time
 from pathlib import Path
 
-from hy3rl import rayjob
+import pytest
+from hy3rl import launch, rayjob
+from hy3rl import watchdog as wd
 
 
 def test_auth_token_is_private_fresh_and_removed(tmp_path: Path) -> None:
@@ -50,3 +57,137 @@ def test_a_stream_resumes_where_it_ended_not_after_the_clis_own_lines() -> None:
     # too little written to be told apart, or not found: the count
     assert rayjob.resume_offset(log, "step:", 5) == 5
     assert rayjob.resume_offset(log, "x" * 50, 10 ** 6) == len(log)
+
+
+# --------------------------------------------------------------------------- a silent dashboard
+
+
+@pytest.fixture
+def silent_dashboard():
+    """A dashboard address whose server accepts every connection and never answers (a
+    listening socket and a thread that accepts and holds the connections)."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        server.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                continue
+            held.append(conn)
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.getsockname()[1]}", held
+    stop.set()
+    thread.join(2)
+    for conn in held:
+        conn.close()
+    server.close()
+
+
+def test_status_and_stop_return_unknown_within_their_timeout(tmp_path: Path,
+                                                             silent_dashboard) -> None:
+    address, held = silent_dashboard
+    job = rayjob.JobRun(address, "r-1-1", "ray", tmp_path / "driver.log", env={},
+                        headers={}, timeout_s=0.4)
+    rayjob._bounded_class()  # Ray's import is not the call's time
+    threads = threading.active_count()
+    for call, unknown in ((job.status, None), (job.stop, False), (job.status, None)):
+        t0 = time.monotonic()
+        assert call() is unknown
+        took = time.monotonic() - t0
+        assert 0.35 <= took < 1.5, (call, took)  # it waited for an answer, then gave up
+    assert held, "the calls never reached the silent dashboard"
+    assert not job.known
+    assert threading.active_count() == threads  # nothing left running behind a call
+    with pytest.raises(Exception):  # noqa: B017 - Ray's or requests' own error
+        job.info()
+
+
+def silent_launch(tmp_path: Path, address: str, monkeypatch, outage_s: float, steps: int,
+                  shutdown_s: float):
+    """A Launcher whose dashboard is ``address``, supervising a trainer that logs one
+    metrics line every 0.3 s for ``steps`` steps and then lingers: the submission is
+    ``ray job submit`` as far as the launcher knows (a CLI that runs the entrypoint here, as
+    Ray would on the cluster)."""
+
+    cli = tmp_path / "ray"
+    cli.write_text('#!/bin/bash\nwhile [ "$1" != "--" ]; do shift; done\nshift\nexec "$@"\n')
+    cli.chmod(0o755)
+    metrics = tmp_path / "attempt-1.metrics.jsonl"
+    trainer = tmp_path / "launch.sh"
+    trainer.write_text(
+        f'for s in $(seq 1 {steps}); do sleep 0.3\n'
+        f'  echo "{{\\"step\\": $s, \\"data\\": {{\\"timing_s/step\\": 0.3}}}}" >> {metrics}\n'
+        'done\nexec sleep 30\n')
+    monkeypatch.setattr(launch, "RAY", str(cli))
+    monitor = wd.Monitor(
+        metrics=metrics, schedule=wd.Schedule(0, 0, steps),
+        model=wd.TimeModel(wd.Allowances(60, 60, None, None, shutdown_s)),
+        stall=wd.StallPolicy(None, 3, 60, 600), margin_s=0, is_saved=lambda s: False,
+        deadline=wd.Deadline(lambda: None))
+    spec = launch.LaunchSpec(
+        submission_id="r-1-1", launch_script=trainer, runtime_env=tmp_path / "env.yaml",
+        log_dir=tmp_path / "logs", monitor=monitor, poll_s=0.2,
+        ray=dataclasses.replace(launch.default_ray(), dashboard_timeout_s=0.4,
+                                dashboard_outage_s=outage_s))
+    spec.log_dir.mkdir()
+    launcher = launch.Launcher(spec)
+    launcher.dashboard = address
+    return launcher, metrics
+
+
+def stop_bounded(launcher) -> bool:
+    """The teardown's stop of the Ray job (bounded: the dashboard is silent), then the
+    stand-in CLI's process ended."""
+    t0 = time.monotonic()
+    sent = launcher.job.stop()
+    assert time.monotonic() - t0 < 1.5
+    launcher.job.proc.kill()
+    launcher.job.close(wait_s=2)
+    return sent
+
+
+def test_a_silent_dashboard_is_ridden_out_while_the_trainer_progresses(
+        tmp_path: Path, silent_dashboard, monkeypatch, caplog) -> None:
+    """The status is unknown throughout; the trainer's own lines are watched, and the
+    attempt ends for the trainer's state only: its last step logged, then no exit within
+    the shutdown allowance (no checkpoint schedule: ``succeeded``), never launcher_error."""
+    rayjob._bounded_class()
+    launcher, metrics = silent_launch(tmp_path, silent_dashboard[0], monkeypatch,
+                                      outage_s=30, steps=6, shutdown_s=0.5)
+    t0 = time.monotonic()
+    with pytest.raises(launch.LaunchError) as ended:
+        try:
+            launcher.run_job(tmp_path / "env.yaml")
+        finally:
+            stopped_by_ray = stop_bounded(launcher)
+    assert ended.value.outcome == "succeeded", ended.value
+    assert "after the line of the final step 6" in str(ended.value)
+    assert len(metrics.read_text().splitlines()) == 6
+    assert time.monotonic() - t0 < 6 and stopped_by_ray is False
+    assert "does not answer: the job's status is unknown; riding it out for up to 30s" \
+        in caplog.text
+
+
+def test_a_dashboard_silent_past_its_outage_limit_ends_the_attempt_by_name(
+        tmp_path: Path, silent_dashboard, monkeypatch) -> None:
+    rayjob._bounded_class()
+    launcher, metrics = silent_launch(tmp_path, silent_dashboard[0], monkeypatch,
+                                      outage_s=1.5, steps=100, shutdown_s=0.5)
+    with pytest.raises(launch.LaunchError) as ended:
+        try:
+            launcher.run_job(tmp_path / "env.yaml")
+        finally:
+            stopped_by_ray = stop_bounded(launcher)
+    assert stopped_by_ray is False
+    assert ended.value.outcome == "launcher_error"
+    assert "unavailable for 1.5s: the dashboard at http://127.0.0.1:" in str(ended.value)
+    assert "(train.ray.dashboard_outage_s)" in str(ended.value)
+    assert 2 <= len(metrics.read_text().splitlines()) < 100  # it ran meanwhile

@@ -553,8 +553,9 @@ def test_launcher_defaults_come_from_the_schema(tmp_path: Path) -> None:
 
 
 def test_runtime_env_secrets_redacted_in_logs(tmp_path: Path, monkeypatch, caplog) -> None:
-    """The merged runtime env keeps the passed-through values (0600); the launcher's log and
-    the streamed driver output show them as hy3rl.redact's [REDACTED]."""
+    """The merged runtime env keeps the passed-through values but the secrets, which go
+    through the launch's .job-env (hy3rl.jobenv; tests/test_jobenv.py); the launcher's log
+    and the streamed driver output show them as hy3rl.redact's [REDACTED]."""
     import yaml
 
     token = "hf_" + "a1B2" * 8
@@ -569,13 +570,14 @@ def test_runtime_env_secrets_redacted_in_logs(tmp_path: Path, monkeypatch, caplo
     path = lr.merged_runtime_env()
     merged = yaml.safe_load(path.read_text())
     assert merged["env_vars"] == {"A": "1", "VERL_FILE_LOGGER_PATH": "/m.jsonl",
-                                  "HF_TOKEN": token, "WANDB_MODE": "offline"}
+                                  "WANDB_MODE": "offline",
+                                  "HY3RL_JOB_ENV": str(tmp_path / ".job-env")}
     assert path.stat().st_mode & 0o777 == 0o600 and not path.is_relative_to(tmp_path)
     kept = yaml.safe_load((tmp_path / "runtime_env.yaml").read_text())  # the attempt's copy
-    assert kept["env_vars"]["HF_TOKEN"] == "[REDACTED]" and kept["env_vars"]["A"] == "1"
+    assert kept == merged
     lr.teardown()
-    assert not path.exists()  # the file with the key lives only while the job is submitted
-    assert token not in caplog.text and "'HF_TOKEN': '[REDACTED]'" in caplog.text
+    assert not path.exists() and not (tmp_path / ".job-env").exists()
+    assert token not in caplog.text and "secrets ['HF_TOKEN'] through" in caplog.text
     assert "'WANDB_MODE': 'offline'" in caplog.text
     assert lr.redactor.text(f"login with {token} ok\n") == "login with [REDACTED] ok\n"
 

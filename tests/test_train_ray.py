@@ -248,3 +248,78 @@ def test_log_stream_ended_early_and_the_cluster_closed_to_others(train_setup) ->
     assert "re-attached (1) from character" in (logs / "launcher.log").read_text()
     assert not token_file.exists()
     assert a1["timing"]["startup_s"] is not None and a1["timing"]["phase"] == "shutdown"
+
+
+def test_no_secret_in_rays_files(train_setup) -> None:
+    """A planted W&B key and HF token reach the job (the driver and a Ray worker process of
+    the job see the key: the sha256 the double prints) through the launch's 0600 file
+    (hy3rl.jobenv), never through the runtime env: while the trainer runs, no file under
+    Ray's temp dir holds either, nor the jobs API's answer, nor any output; the file is
+    removed at the teardown."""
+    import hashlib
+    import secrets
+    import shutil
+    import tempfile
+    import urllib.request
+
+    key, token = secrets.token_hex(20), "hf_" + secrets.token_hex(16)
+    planted = [key.encode(), token.encode()]
+    temp_root = Path(tempfile.mkdtemp(prefix="h3s", dir="/tmp"))  # Ray's socket paths: short
+    try:
+        setup = train_setup(total=4, save_freq=2)
+        setup.config["train"]["ray"]["temp_root"] = str(temp_root)
+        release = setup.root / "release"
+        setup.set_faults(pause_at=2, report_env=1)
+        env = {**train_env(setup), "WANDB_API_KEY": key, "HF_TOKEN": token,
+               "HY3RL_DOUBLE_RELEASE": str(release)}
+        out = open(setup.root / "train.log", "w")
+        proc = subprocess.Popen(setup.cli(), cwd=setup.root, env=env, stdout=out,
+                                stderr=subprocess.STDOUT)
+        logs = setup.results / "train" / "attempts" / "attempt-1"
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and proc.poll() is None:
+            driver = logs / "driver.log"
+            if driver.exists() and "(ray worker)" in driver.read_text():
+                break
+            time.sleep(0.5)
+        assert proc.poll() is None, (setup.root / "train.log").read_text()[-3000:]
+        job_env = logs / ".job-env"
+        assert job_env.stat().st_mode & 0o777 == 0o600
+        assert key in job_env.read_text()
+
+        def holders(root: Path) -> list[str]:
+            found = []
+            for f in root.rglob("*"):
+                if f == job_env or not f.is_file() or f.is_symlink():
+                    continue
+                try:
+                    data = f.read_bytes()
+                except OSError:
+                    continue
+                found += [f"{f}: {p[:6]!r}..." for p in planted if p in data]
+            return found
+
+        ray_files = [f for f in temp_root.rglob("*") if f.is_file()]
+        assert any("runtime_env" in f.name for f in ray_files), "Ray's agent log not found"
+        assert not holders(temp_root), holders(temp_root)
+        head = json.loads((logs / "head.json").read_text())
+        req = urllib.request.Request(
+            f"http://{head['ip']}:{head['dashboard_port']}/api/jobs/",
+            headers={"Authorization": f"Bearer {(logs / '.ray-auth-token').read_text()}"})
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            answer = resp.read()
+        assert b"t-local-1" in answer and not any(p in answer for p in planted)
+        release.write_text("go")
+        code = proc.wait(timeout=240)
+        out.close()
+        log = (setup.root / "train.log").read_text()
+        assert code == 0, log[-3000:]
+        digest = hashlib.sha256(key.encode()).hexdigest()
+        driver = (logs / "driver.log").read_text()
+        assert f"WANDB_API_KEY sha256 {digest} (driver)" in driver, driver[-3000:]
+        assert f"WANDB_API_KEY sha256 {digest} (ray worker)" in driver, driver[-3000:]
+        assert not job_env.exists()
+        assert not holders(setup.root), holders(setup.root)
+        assert not leftover("t-local-1")
+    finally:
+        shutil.rmtree(temp_root, ignore_errors=True)

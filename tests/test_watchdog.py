@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -106,10 +108,110 @@ def test_stall_policy() -> None:
 
 @pytest.mark.parametrize(("text", "seconds"), [
     ("1:02:03", 3723.0), ("2-00:00:10", 172810.0), ("4:05", 245.0), ("0:00", 0.0),
-    ("UNLIMITED", math.inf), ("NOT_SET", math.inf), ("INVALID", 0.0), ("-0:05", 0.0),
-    ("", None), ("n/a", None)])
+    ("UNLIMITED", math.inf), ("NOT_SET", math.inf), ("-0:05", 0.0),
+    # INVALID: a negative time left, or more than 365 days: it tells nothing (scontrol's
+    # end time is read instead); garbage tells nothing either, never "no time left"
+    ("INVALID", None), ("", None), ("n/a", None), ("12:xx:00", None),
+    ("squeue: error: Invalid job id specified", None)])
 def test_parse_time_left(text: str, seconds: float | None) -> None:
     assert wd.parse_time_left(text) == seconds
+
+
+# `scontrol show job 42` as SLURM 22.05 prints it for a running job.
+SCONTROL_JOB = """\
+JobId=42 JobName=train
+   UserId=hy3(1000) GroupId=hy3(1000) MCS_label=N/A
+   Priority=4294901757 Nice=0 Account=(null) QOS=(null)
+   JobState=RUNNING Reason=None Dependency=(null)
+   Requeue=1 Restarts=0 BatchFlag=1 Reboot=0 ExitCode=0:0
+   RunTime={run} TimeLimit={limit} TimeMin=N/A
+   SubmitTime=2026-12-05T06:00:00 EligibleTime=2026-12-05T06:00:00
+   AccrueTime=2026-12-05T06:00:00
+   StartTime=2026-12-05T06:00:01 EndTime={end} Deadline=N/A
+   SuspendTime=None SecsPreSuspend=0 LastSchedEval=2026-12-05T06:00:01 Scheduler=Main
+   Partition=gpu AllocNode:Sid=login1:3141
+   ReqNodeList=(null) ExcNodeList=(null)
+   NodeList=n[1-2]
+   BatchHost=n1
+   NumNodes=2 NumCPUs=4 NumTasks=2 CPUs/Task=1 ReqB:S:C:T=0:0:*:*
+   TRES=cpu=4,node=2,billing=4,gres/gpu=4
+   Socks/Node=* NtasksPerN:B:S:C=1:0:*:* CoreSpec=*
+   MinCPUsNode=1 MinMemoryNode=0 MinTmpDiskNode=0
+   Features=(null) DelayBoot=00:00:00
+   OverSubscribe=NO Contiguous=0 Licenses=(null) Network=(null)
+   Command=/work/results/hy3/.snakemake/slurm_logs/rule_train/sbatch.sh
+   WorkDir=/work
+   StdErr=/work/.snakemake/slurm_logs/rule_train/42.log
+   StdIn=/dev/null
+   StdOut=/work/.snakemake/slurm_logs/rule_train/42.log
+   Power=
+   TresPerNode=gres:gpu:2
+
+"""
+
+
+def local(text: str) -> float:
+    from datetime import datetime
+
+    return datetime.strptime(text, "%Y-%m-%dT%H:%M:%S").timestamp()
+
+
+def test_job_time_left_from_scontrol_when_squeue_says_invalid(caplog) -> None:
+    now = local("2026-12-05T07:00:01")
+    job = SCONTROL_JOB.format
+    # an hour in: 3 h left, by the controller's figures and by the end time alike
+    assert wd.parse_job_time_left(job(run="01:00:00", limit="04:00:00",
+                                      end="2026-12-05T10:00:01"), now) == 3 * 3600
+    # past the limit (the time limit's SIGTERM; squeue: INVALID): none left
+    assert wd.parse_job_time_left(job(run="04:00:03", limit="04:00:00",
+                                      end="2026-12-05T10:00:01"),
+                                  local("2026-12-05T10:00:04")) == 0.0
+    # more than 365 days left (squeue: INVALID too): the real figure
+    assert wd.parse_job_time_left(job(run="01:00:00", limit="400-00:00:00",
+                                      end="2027-01-09T06:00:01"), now) == \
+        400 * 86400 - 3600
+    assert wd.parse_job_time_left(job(run="01:00:00", limit="UNLIMITED", end="Unknown"),
+                                  now) == math.inf
+    # this host's clock jumped 2 h ahead: EndTime - now says 1 h, the controller says 3 h
+    caplog.clear()
+    assert wd.parse_job_time_left(job(run="01:00:00", limit="04:00:00",
+                                      end="2026-12-05T10:00:01"),
+                                  now + 2 * 3600) == 3 * 3600
+    assert "this host's clock disagrees with the controller's" in caplog.text
+    # only the end time readable: from it
+    assert wd.parse_job_time_left(job(run="n/a", limit="Partition_Limit",
+                                      end="2026-12-05T08:00:01"), now) == 3600
+    # garbage: unknown, never "no time left"
+    for garbage in ("", "slurm_load_jobs error: Socket timed out on send/recv",
+                    job(run="??", limit="??", end="??"), "JobId=42 EndTime=soon"):
+        assert wd.parse_job_time_left(garbage, now) is None, garbage
+
+
+def test_slurm_time_left_reads_the_end_when_squeue_says_invalid(tmp_path: Path, monkeypatch,
+                                                                caplog) -> None:
+    """squeue and scontrol as the job's PATH has them (executables printing what SLURM
+    prints): INVALID -> scontrol's figure; garbage from both -> unknown, logged."""
+    def tools(squeue_out: str, scontrol_out: str) -> None:
+        for name, out in (("squeue", squeue_out), ("scontrol", scontrol_out)):
+            (tmp_path / f"{name}.out").write_text(out)
+            (tmp_path / name).write_text(f"#!/bin/sh\ncat {tmp_path / name}.out\n")
+            (tmp_path / name).chmod(0o755)
+
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    from datetime import datetime
+
+    end = datetime.fromtimestamp(time.time() + 7200).strftime("%Y-%m-%dT%H:%M:%S")
+    tools("INVALID\n", SCONTROL_JOB.format(run="10-00:00:00", limit="400-00:00:00", end=end))
+    assert wd.slurm_time_left("42") == 390 * 86400
+    tools("1:00:00\n", "unused")
+    assert wd.slurm_time_left("42") == 3600
+    caplog.clear()
+    tools("INVALID\n", "garbage\n")
+    assert wd.slurm_time_left("42") is None
+    assert "squeue -j 42 -o %L printed 'INVALID' and scontrol show job 42 tells no end " \
+        "time: time left unknown" in caplog.text
+    tools("", "")
+    assert wd.slurm_time_left("42") is None
 
 
 class Clock:

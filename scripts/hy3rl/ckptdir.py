@@ -304,6 +304,9 @@ def slurm_job_state(job_id: str) -> str | None:
     except FileNotFoundError:
         raise CheckpointDirError(f"lock names SLURM job {job_id} but squeue is not available "
                                  "here to check it") from None
+    except subprocess.TimeoutExpired:
+        raise CheckpointDirError(f"lock names SLURM job {job_id} but squeue did not answer "
+                                 "within 60s: whether it still runs cannot be told") from None
     out = proc.stdout.strip()
     if proc.returncode != 0:
         if "Invalid job id" in proc.stderr:

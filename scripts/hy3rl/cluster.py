@@ -75,14 +75,23 @@ def node_report(env: dict[str, str] | None = None) -> NodeReport:
 
 def allocation_nodes(job_id: str) -> list[str]:
     """The node names of job ``job_id`` (expanded), asked from slurmctld."""
-    nodelist = subprocess.run(
-        ["squeue", "-h", "-j", job_id, "-o", "%N"], check=True, capture_output=True, text=True
-    ).stdout.strip()
+    nodelist = _slurm(["squeue", "-h", "-j", job_id, "-o", "%N"]).strip()
     if not nodelist:
         raise ProbeFailed(f"squeue shows no nodes for job {job_id}")
-    return subprocess.run(
-        ["scontrol", "show", "hostnames", nodelist], check=True, capture_output=True, text=True
-    ).stdout.split()
+    return _slurm(["scontrol", "show", "hostnames", nodelist]).split()
+
+
+def _slurm(cmd: list[str], timeout_s: float = 60) -> str:
+    """stdout of a SLURM command; ProbeFailed naming it when it fails or does not answer
+    within ``timeout_s``."""
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
+                              stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        raise ProbeFailed(f"{' '.join(cmd)} did not answer within {timeout_s:g}s") from None
+    if proc.returncode != 0:
+        raise ProbeFailed(f"{' '.join(cmd)} exited {proc.returncode}: {proc.stderr.strip()}")
+    return proc.stdout
 
 
 def evaluate(result: ProbeResult) -> ProbeResult:

@@ -26,8 +26,10 @@
    environment variable ``HY3RL_RAY_SCOPE``), never another job's Ray (``ray stop`` would).
 
 Logs (``spec.log_dir``): ``launcher.log`` (timestamped phases), ``driver.log``,
-``node-<name>.log``, ``ray.json`` (nodes, head, ports), ``runtime_env.yaml`` (0600; secrets
-redacted in every log by ``hy3rl.redact``, as ``[REDACTED]``).
+``node-<name>.log``, ``ray.json`` (nodes, head, ports), ``runtime_env.yaml`` (a copy of the
+runtime env submitted, which holds no secret: the job's secrets reach it through
+``.job-env``, 0600, removed at the teardown, ``hy3rl.jobenv``; secrets redacted in every log
+by ``hy3rl.redact``, as ``[REDACTED]``).
 
 Runtime (``spec.runtime``, from ``train.runtime``): every node process runs as
 ``[srun ...] <prefix> env PYTHONPATH=<this workflow's scripts/> <python> -m hy3rl.raynode node
@@ -64,11 +66,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hy3rl import jobenv
 from hy3rl.atomic import write_json_atomic, write_text_atomic
 from hy3rl.errors import StageError
 from hy3rl.rayjob import TERMINAL, AuthToken, JobRun, without_auth
 from hy3rl.raynode import RAY, Ports, redact_files
-from hy3rl.redact import Redactor, make_redactor
+from hy3rl.redact import REDACTED, Redactor, is_secret_key, make_redactor
 from hy3rl.watchdog import StopRequest
 
 if TYPE_CHECKING:
@@ -229,14 +232,48 @@ class Node:
     gpus: int | None = None
 
 
+@dataclass
+class Outage:
+    """The dashboard not answering while the Ray job runs: ridden out for ``limit_s``
+    seconds (``train.ray.dashboard_outage_s``; 0: for ever) while the watchdog goes on
+    watching the trainer's own progress (its log lines, the checkpoint's bytes), which alone
+    decides whether a trainer is healthy. Logged when it starts and when it ends."""
+
+    limit_s: float
+    since: float | None = None
+
+    def unanswered(self, now: float, address: str | None) -> bool:
+        """A status that did not come; whether the outage is past its limit."""
+        if self.since is None:
+            self.since = now
+            log.warning("Ray's dashboard at %s does not answer: the job's status is unknown; "
+                        "%s while the watchdog watches the trainer's progress", address,
+                        f"riding it out for up to {self.limit_s:g}s" if self.limit_s > 0
+                        else "riding it out (train.ray.dashboard_outage_s: 0, no limit)")
+        return self.limit_s > 0 and now - self.since > self.limit_s
+
+    def answered(self, now: float, address: str | None) -> None:
+        if self.since is not None:
+            log.warning("Ray's dashboard at %s answers again after %.0fs", address,
+                        now - self.since)
+        self.since = None
+
+    def message(self, submission_id: str, address: str | None) -> str:
+        return (f"ray job status of {submission_id} unavailable for {self.limit_s:g}s: the "
+                f"dashboard at {address} did not answer (train.ray.dashboard_outage_s)")
+
+
 # --------------------------------------------------------------------------- allocation
 
 
 def _run(cmd: list[str], timeout: float = 60) -> str:
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                              stdin=subprocess.DEVNULL)
     except FileNotFoundError:
         raise LaunchError(f"{cmd[0]} not found on PATH") from None
+    except subprocess.TimeoutExpired:
+        raise LaunchError(f"{shlex.join(cmd)} did not answer within {timeout:g}s") from None
     if proc.returncode != 0:
         raise LaunchError(f"{shlex.join(cmd)} failed ({proc.returncode}): {proc.stderr.strip()}")
     return proc.stdout
@@ -389,6 +426,7 @@ class Launcher:
         self.ray_versions: dict[str, Any] = {}
         self.watch: StopRequest | None = None  # the watchdog's stop, when it stopped the job
         self.secret_files: list[Path] = []  # removed in the teardown
+        self.job_env: Path | None = None  # the job's secrets (hy3rl.jobenv), once written
         self.diagnostics: dict[str, Any] | None = None
         self.t0 = time.monotonic()
 
@@ -559,10 +597,14 @@ class Launcher:
                 info = json.loads(published.read_text())
             if info is not None:
                 addr = f"{info['ip']}:{info['gcs_port']}"
-                hc = subprocess.run([RAY, "health-check", "--address", addr],
-                                    capture_output=True, timeout=60,
-                                    env={**without_auth(dict(os.environ)), **self.ray_env()})
-                if hc.returncode == 0:
+                try:
+                    hc = subprocess.run([RAY, "health-check", "--address", addr],
+                                        capture_output=True, timeout=60,
+                                        stdin=subprocess.DEVNULL,
+                                        env={**without_auth(dict(os.environ)), **self.ray_env()})
+                except subprocess.TimeoutExpired:
+                    hc = None  # not alive yet: asked again until head_timeout_s
+                if hc is not None and hc.returncode == 0:
                     self.phase("head GCS alive at %s", addr)
                     return info
             self.stop_event.wait(1.0)
@@ -659,6 +701,11 @@ class Launcher:
             "ray_failed", missing)
 
     def merged_runtime_env(self) -> Path:
+        """The runtime env ``ray job submit`` reads: deps' runtime env with this launch's
+        ``env_vars``, less every secret (hy3rl.redact's one policy), which goes through a
+        0600 file instead (hy3rl.jobenv: Ray writes a runtime env's ``env_vars`` in its
+        logs); the runtime env names that file and Ray's ``worker_process_setup_hook`` that
+        reads it in every worker of the job."""
         import yaml
 
         try:
@@ -671,18 +718,34 @@ class Launcher:
         env.update({n: os.environ[n] for n in self.spec.passthrough_env if n in os.environ})
         # hy3rl.redact's one policy: values under secret-looking names, known token shapes.
         self.redactor = make_redactor(env, [])
-        merged = {**base, "env_vars": env}
-        # The real one (it may hold passed-through keys) lives only while the job is
-        # submitted: a private temp file (0600), removed in the teardown; the attempt's
-        # folder keeps a redacted copy. No output holds a key.
+        # A secret: under a secret-looking name, or a value that is a token as a whole (a
+        # path holding a hex component stays: workers read PYTHONPATH before any hook runs).
+        secrets = {k: v for k, v in env.items()
+                   if is_secret_key(k) or (v and self.redactor.text(v).strip() == REDACTED)}
+        public = {k: v for k, v in env.items() if k not in secrets}
+        merged = {**base, "env_vars": public}
+        self.job_env = None
+        if secrets:
+            if base.get("worker_process_setup_hook"):
+                raise LaunchError(f"{self.spec.runtime_env}: a worker_process_setup_hook "
+                                  f"({base['worker_process_setup_hook']!r}) cannot be combined "
+                                  f"with the launch's secrets ({', '.join(sorted(secrets))}), "
+                                  "which reach the job through hy3rl.jobenv's hook")
+            self.job_env = jobenv.write(self.spec.log_dir, secrets)
+            self.secret_files.append(self.job_env)
+            public[jobenv.ENV_VAR] = str(self.job_env)
+            merged["worker_process_setup_hook"] = jobenv.HOOK
+        # No secret in it; a private temp file all the same (0600), removed in the teardown;
+        # the attempt's folder keeps a copy, redacted.
         fd, name = tempfile.mkstemp(prefix="hy3rl-runtime-env-", suffix=".yaml")
         with os.fdopen(fd, "w") as fh:
             fh.write(yaml.safe_dump(merged, sort_keys=False))
         self.secret_files.append(Path(name))
         kept = self.spec.log_dir / "runtime_env.yaml"
         write_text_atomic(kept, yaml.safe_dump(self.redactor(merged), sort_keys=False))
-        self.phase("runtime env %s (from %s; redacted copy %s): env_vars %s", name,
-                   self.spec.runtime_env, kept, self.redactor(env))
+        self.phase("runtime env %s (from %s; copy %s): env_vars %s; secrets %s through %s "
+                   "(0600)", name, self.spec.runtime_env, kept, self.redactor(public),
+                   sorted(secrets) or "none", self.job_env or "-")
         return Path(name)
 
     def run_job(self, runtime_env: Path) -> tuple[int, str, str]:
@@ -692,9 +755,9 @@ class Launcher:
         self.job = job = JobRun(
             self.dashboard, self.spec.submission_id, RAY, self.spec.log_dir / "driver.log",
             env={**without_auth(dict(os.environ)), **self.ray_env()}, headers=self.headers(),
-            redact=self.redactor.text)
-        cmd = job.submit(runtime_env, ["bash", str(self.spec.launch_script),
-                                       *self.spec.launch_args])
+            redact=self.redactor.text, timeout_s=self.ray.dashboard_timeout_s)
+        command = ["bash", str(self.spec.launch_script), *self.spec.launch_args]
+        cmd = job.submit(runtime_env, jobenv.entrypoint(command) if self.job_env else command)
         self.submitted = True
         self.phase("submitted: %s", shlex.join(cmd))
         monitor = self.spec.monitor
@@ -702,7 +765,8 @@ class Launcher:
             monitor.start()
         status_every = max(1.0, min(self.spec.poll_s, 10.0))
         next_poll = next_status = time.monotonic()
-        status, unanswered_since = None, None
+        status = None
+        outage = Outage(self.ray.dashboard_outage_s)
         while True:
             self.check_stop()
             now = time.monotonic()
@@ -712,24 +776,29 @@ class Launcher:
                 if request is not None:
                     self.watchdog_stop(request)
             if now >= next_status:
+                status = job.status()  # bounded: None within train.ray.dashboard_timeout_s
+                now = time.monotonic()
                 next_status = now + status_every
-                status = job.status()
                 if status in TERMINAL:
                     break
                 if status is None:
                     failed = job.submit_failed()
                     if failed:
                         raise LaunchError(failed, "ray job submit failed")
-                    unanswered_since = unanswered_since or now
-                    if now - unanswered_since > 60:
-                        # The head's dashboard is gone: most likely a node's Ray died; let
-                        # its step end first.
-                        self.stop_event.wait(15)
+                    if outage.unanswered(now, self.dashboard):
+                        # Past the ride-out: most likely the head died; let a node's step
+                        # end first (that names the lost node).
+                        if self.procs:
+                            self.stop_event.wait(15)
                         self.check_stop()
-                        raise LaunchError(f"ray job status of {self.spec.submission_id} "
-                                          "unavailable for 60s", "ray job status unavailable")
+                        raise LaunchError(outage.message(self.spec.submission_id,
+                                                         self.dashboard),
+                                          "ray job status unavailable")
+                    # While it does not answer, ask less often: the loop stays free for
+                    # the watchdog and the signals.
+                    next_status = now + max(status_every, 3 * job.timeout_s)
                 else:
-                    unanswered_since = None
+                    outage.answered(now, self.dashboard)
                     if not job.stream_open():
                         job.reattach()
             self.stop_event.wait(min(0.5, self.spec.poll_s))
@@ -738,13 +807,13 @@ class Launcher:
         self.check_stop()
         try:
             info = job.info()
-        except Exception as exc:
-            raise LaunchError(f"ray job info of {self.spec.submission_id} unavailable: "
-                              f"{exc}", "ray job status unavailable") from None
+        except Exception as exc:  # the status said how it ended: its exit code is unknown
+            log.warning("ray job info of %s unavailable: %s", self.spec.submission_id, exc)
+            info = None
         code = getattr(info, "driver_exit_code", None)
         self.phase("ray job %s: %s (driver exit code %s; log stream re-attached %d time(s)) "
                    "%s", self.spec.submission_id, status, code, job.reattached,
-                   info.message or "")
+                   getattr(info, "message", None) or "")
         if status == "SUCCEEDED":
             return 0, "succeeded", status
         exit_code = int(code) if isinstance(code, int) and code != 0 else 1

@@ -10,13 +10,20 @@ Ray cluster to everyone else (the cluster's bring-up is ``hy3rl.launch``).
   the job is not terminal is re-attached (``tail_job_logs``) from the character of the
   job's log where it ended, so that ``driver.log`` holds the whole log once.
 - **Authentication.** Ray's dashboard and jobs API answer anyone on the network by
-  default: a job's ``runtime_env.env_vars`` (a passed-through ``WANDB_API_KEY``) can be read
-  and jobs submitted that run as this user. :class:`AuthToken` makes a fresh 256-bit token
+  default: a job's runtime env can be read (it holds no secret: ``hy3rl.jobenv``) and jobs
+  submitted that run as this user. :class:`AuthToken` makes a fresh 256-bit token
   per launch in a file only this user can read (0600, on the shared results storage, so
   that every node's ``ray start`` reads the same file), removed at the teardown; every Ray
   process of the launch runs with ``RAY_AUTH_MODE=token`` and ``RAY_AUTH_TOKEN_PATH`` (Ray
   2.60's token authentication), and the launcher's own job client sends the token as a
   bearer header. A request without it is refused (401).
+- **Bounded calls.** Every call to the dashboard has a time limit (``timeout_s``,
+  ``train.ray.dashboard_timeout_s``): Ray's job SDK passes no timeout to ``requests`` (a
+  dashboard that accepts the connection and never answers blocks it for ever), but its
+  ``_do_request`` forwards keyword arguments to ``requests.request``, so
+  :func:`bounded_client` gives each request what is left of the call's budget, the client's
+  own version checks included. A call that does not answer in time is "unknown" (``status()``
+  returns None, ``stop()`` gives up), logged; no thread is left behind.
 """
 
 from __future__ import annotations
@@ -24,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import secrets
 import subprocess
 import sys
@@ -32,8 +38,11 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cache
 from pathlib import Path
 from typing import Any
+
+from hy3rl.jobenv import write_private
 
 log = logging.getLogger("hy3rl.rayjob")
 
@@ -43,6 +52,34 @@ TERMINAL = frozenset({"SUCCEEDED", "FAILED", "STOPPED"})
 TAIL_MARKER = "Tailing logs until the job exits"
 TOKEN_NAME = ".ray-auth-token"
 TAIL_KEPT = 4096  # characters of the job's log kept to find where a stream ended
+
+
+@cache
+def _bounded_class() -> type:
+    from ray.job_submission import JobSubmissionClient
+
+    class BoundedJobClient(JobSubmissionClient):
+        """Ray's job client whose every HTTP request (the constructor's version checks
+        included) gets what is left of the budget ending at ``until`` (monotonic seconds)
+        as its ``requests`` timeout (module doc)."""
+
+        def __init__(self, address: str, headers: dict[str, str], until: float):
+            self.until = until
+            super().__init__(address, headers=headers)
+
+        def _do_request(self, method: str, endpoint: str, **kwargs: Any) -> Any:
+            left = self.until - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no time left for {method} {endpoint}")
+            kwargs.setdefault("timeout", left)
+            return super()._do_request(method, endpoint, **kwargs)
+
+    return BoundedJobClient
+
+
+def bounded_client(address: str, headers: dict[str, str], until: float) -> Any:
+    """A JobSubmissionClient for ``address`` whose requests end by ``until`` (module doc)."""
+    return _bounded_class()(address, dict(headers), until)
 
 
 def resume_offset(full: str, tail: str, counted: int) -> int:
@@ -71,13 +108,9 @@ class AuthToken:
 
     @classmethod
     def create(cls, directory: Path) -> AuthToken:
-        directory.mkdir(parents=True, exist_ok=True)
         path = directory / TOKEN_NAME
-        path.unlink(missing_ok=True)
         token = secrets.token_hex(32)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as fh:
-            fh.write(token)
+        write_private(path, token)
         return cls(path, token)
 
     def env(self) -> dict[str, str]:
@@ -103,7 +136,8 @@ class JobRun:
     """The Ray job ``submission_id`` on the dashboard at ``address`` (module doc).
     ``ray_cli``: the Ray CLI; ``env``: the environment of the CLI (with the token's);
     ``headers``: the job client's; ``redact``: applied to every line of output before it is
-    written; ``driver_log``: where the output goes (and this process's stdout)."""
+    written; ``driver_log``: where the output goes (and this process's stdout);
+    ``timeout_s``: the limit of each call to the dashboard (module doc)."""
 
     address: str
     submission_id: str
@@ -112,6 +146,7 @@ class JobRun:
     env: dict[str, str]
     headers: dict[str, str]
     redact: Callable[[str], str] = str
+    timeout_s: float = 10.0
     proc: subprocess.Popen | None = None
     job_chars: int = 0  # characters of the job's own log written so far
     job_tail: str = ""  # the last TAIL_KEPT of them
@@ -120,10 +155,11 @@ class JobRun:
     streams: list[threading.Thread] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def client(self) -> Any:
-        from ray.job_submission import JobSubmissionClient
-
-        return JobSubmissionClient(self.address, headers=dict(self.headers))
+    def client(self, until: float | None = None) -> Any:
+        """A job client whose requests end by ``until`` (default: ``timeout_s`` from now)."""
+        if until is None:
+            until = time.monotonic() + self.timeout_s
+        return bounded_client(self.address, self.headers, until)
 
     def submit(self, runtime_env: Path, entrypoint: list[str]) -> list[str]:
         """Submit the job; its output streams from now on. Returns the command."""
@@ -182,6 +218,7 @@ class JobRun:
     def _pump_tail(self, skip: int) -> None:
         async def follow() -> None:
             left = skip
+            # The stream itself lasts as long as the job: only setting it up is bounded.
             async for chunk in self.client().tail_job_logs(self.submission_id):
                 if left >= len(chunk):
                     left -= len(chunk)
@@ -195,12 +232,13 @@ class JobRun:
             log.warning("re-attached log stream of %s ended: %s", self.submission_id, exc)
 
     def status(self) -> str | None:
-        """Ray's status of the job (PENDING, RUNNING, SUCCEEDED, ...); None when the
-        dashboard does not answer."""
+        """Ray's status of the job (PENDING, RUNNING, SUCCEEDED, ...); None (unknown) when
+        the dashboard does not answer within ``timeout_s``."""
         try:
             status = self.client().get_job_status(self.submission_id)
         except Exception as exc:
-            log.warning("ray job status %s: %s", self.submission_id, exc)
+            log.warning("ray job status %s: no answer from %s within %gs: %s (unknown)",
+                        self.submission_id, self.address, self.timeout_s, exc)
             return None
         self.known = True
         return str(getattr(status, "value", status))
@@ -222,19 +260,31 @@ class JobRun:
     def info(self) -> Any:
         return self.client().get_job_info(self.submission_id)
 
-    def stop(self) -> None:
+    def stop(self) -> bool:
         """Ask Ray to stop the job: the job client first (no CLI start-up: a stop right
-        after a save must land before the next step), the CLI if that fails."""
+        after a save must land before the next step), the CLI if that fails and time is
+        left; both within ``timeout_s``. Whether a stop was sent."""
+        until = time.monotonic() + self.timeout_s
         try:
-            self.client().stop_job(self.submission_id)
+            self.client(until).stop_job(self.submission_id)
             log.info("ray job stop %s", self.submission_id)
+            return True
         except Exception as exc:
-            log.warning("ray job stop via the job client: %s; trying the CLI", exc)
-            with contextlib.suppress(subprocess.TimeoutExpired, OSError):
-                subprocess.run([self.ray_cli, "job", "stop", "--no-wait", "--address",
-                                self.address, self.submission_id],
-                               capture_output=True, timeout=15, env=self.env)
-                log.info("ray job stop %s (CLI)", self.submission_id)
+            left = until - time.monotonic()
+            log.warning("ray job stop %s via the job client: %s; %s", self.submission_id, exc,
+                        f"trying the CLI ({left:.0f}s left)" if left >= 1 else
+                        f"no answer within {self.timeout_s:g}s (not stopped by Ray)")
+            if left < 1:
+                return False
+        try:
+            proc = subprocess.run([self.ray_cli, "job", "stop", "--no-wait", "--address",
+                                   self.address, self.submission_id],
+                                  capture_output=True, timeout=left, env=self.env)
+        except (subprocess.TimeoutExpired, OSError) as exc:
+            log.warning("ray job stop %s (CLI): %s", self.submission_id, exc)
+            return False
+        log.info("ray job stop %s (CLI): exit %d", self.submission_id, proc.returncode)
+        return proc.returncode == 0
 
     def close(self, wait_s: float = 10) -> None:
         """End the CLI's stream (it may still tail a job being stopped) and let the

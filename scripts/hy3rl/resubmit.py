@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -55,6 +54,7 @@ from typing import Any
 from hy3rl.errors import StageError
 from hy3rl.layout import ATTEMPT_RE, Layout
 from hy3rl.timefmt import parse, utc_now
+from hy3rl.watchdog import slurm_output
 
 FAILED = frozenset({"failed", "hung"})
 # A job that ended for the time limit or a preemption did not fail: it is resubmitted
@@ -63,7 +63,6 @@ PLANNED = frozenset({"stopped_for_time_limit", "time_limit", "preempted"})
 # Snakemake's retries of a training job: max_submissions - 1 failed submissions plus at
 # most this many planned ones (each must add a checkpoint: bounded by the run's saves).
 PLANNED_CAP = 1000
-SLURM_TIMEOUT_S = 60
 
 # Types of the record keys the guard reads (other keys are not its business). Records of
 # older versions lack the newer keys: a missing key reads as None / [].
@@ -277,15 +276,6 @@ def decisions_since(layout: Layout, since: datetime) -> list[dict[str, Any]]:
 
 
 # --------------------------------------------------------------------------- SLURM
-
-
-def slurm_output(cmd: list[str]) -> str | None:
-    """stdout of a SLURM command, None when it is missing, fails or times out."""
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=SLURM_TIMEOUT_S)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return proc.stdout if proc.returncode == 0 else None
 
 
 def hostnames(nodelist: str) -> list[str]:

@@ -239,6 +239,8 @@ class Ray:
     stop_grace_s: float
     temp_root: str
     node_setup: str
+    dashboard_timeout_s: float
+    dashboard_outage_s: float
 
 
 @dataclass(frozen=True)

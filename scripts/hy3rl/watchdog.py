@@ -36,7 +36,9 @@ validations where they happen, the save) plus ``train.time_limit_margin_min``, t
 trainer is stopped right there: 0 steps lost. The time left comes from the job's deadline
 (:class:`Deadline`), read when the job starts and refreshed at each decision; a failed
 query keeps the last deadline, and a save whose decision could not be made is looked at
-again at the next poll.
+again at the next poll. squeue's ``%L`` says ``INVALID`` both for a negative time left and
+for more than 365 days: then the job's end is read from ``scontrol show job``
+(:func:`slurm_time_left`); an answer that cannot be read is unknown, never "no time left".
 
 Standard library only (it runs in the launcher's process).
 """
@@ -51,6 +53,7 @@ import subprocess
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -235,18 +238,14 @@ class StallPolicy:
 # --------------------------------------------------------------------------- the job's end
 
 
-def parse_time_left(text: str) -> float | None:
-    """squeue's ``%L`` (``[D-]HH:MM:SS``, ``MM:SS``, ``UNLIMITED``, ``NOT_SET``,
-    ``INVALID``) in seconds: ``inf`` for no limit, None for an unknown form. ``INVALID`` is
-    what squeue prints when the time left is negative, the normal case at the time limit's
-    SIGTERM: 0 (no time left), so that the signal is classified as the time limit, never
-    as a preemption."""
-    text = text.strip()
-    if text == "INVALID":
-        return 0.0
-    if text in ("UNLIMITED", "NOT_SET"):
-        return math.inf
-    m = re.fullmatch(r"(-)?(?:(\d+)-)?(?:(\d+):)?(\d+):(\d+)", text)
+_DURATION = re.compile(r"(-)?(?:(\d+)-)?(?:(\d+):)?(\d+):(\d+)")
+CLOCK_SKEW_S = 300.0  # the controller's and this host's view of the job's end may differ
+
+
+def parse_duration(text: str) -> float | None:
+    """SLURM's ``[-][D-]HH:MM:SS`` / ``MM:SS`` in seconds (a negative one is 0); None for
+    any other form."""
+    m = _DURATION.fullmatch(text.strip())
     if not m:
         return None
     days, hours, minutes, seconds = (int(g) if g else 0 for g in m.groups()[1:])
@@ -254,21 +253,91 @@ def parse_time_left(text: str) -> float | None:
     return 0.0 if m.group(1) else left
 
 
-def slurm_time_left(job_id: str) -> float | None:
-    """Seconds until SLURM ends the job (its time limit; follows ``scontrol update``);
-    ``inf`` for none; None when it cannot be told (logged)."""
+def parse_time_left(text: str) -> float | None:
+    """squeue's ``%L`` (``[D-]HH:MM:SS``, ``MM:SS``, ``UNLIMITED``, ``NOT_SET``,
+    ``INVALID``) in seconds: ``inf`` for no limit, None when it tells nothing. ``INVALID``
+    is what squeue prints both for a negative time left (the time limit's SIGTERM) and for
+    more than 365 days left: None, so that the job's end is read instead
+    (:func:`parse_job_time_left`)."""
+    text = text.strip()
+    if text in ("UNLIMITED", "NOT_SET"):
+        return math.inf
+    return parse_duration(text)
+
+
+def _field(text: str, key: str) -> str | None:
+    m = re.search(rf"(?:^|\s){re.escape(key)}=(\S*)", text)
+    return m.group(1) if m else None
+
+
+def parse_job_time_left(text: str, now: float) -> float | None:
+    """Seconds left to the job that ``scontrol show job <id>`` describes (``Key=Value``
+    pairs over several lines): ``TimeLimit`` - ``RunTime``, both the controller's (``inf``
+    for ``TimeLimit=UNLIMITED``; 0 once the run time reaches the limit), else ``EndTime``
+    (local time, as scontrol prints it) - ``now`` (this host's epoch seconds). When both
+    can be read and differ by more than :data:`CLOCK_SKEW_S` (this host's clock jumped, or
+    the job was suspended), the controller's own figure is taken and the difference logged.
+    None when neither can be read (a garbage answer)."""
+    limit_text = _field(text, "TimeLimit")
+    if limit_text == "UNLIMITED":
+        return math.inf
+    limit = parse_duration(limit_text or "")
+    run = parse_duration(_field(text, "RunTime") or "")
+    by_limit = None if limit is None or run is None else max(0.0, limit - run)
+    by_end = None
+    end_text = _field(text, "EndTime")
     try:
-        proc = subprocess.run(["squeue", "-h", "-j", str(job_id), "-o", "%L"],
-                              capture_output=True, text=True, timeout=30,
+        end = datetime.strptime(end_text or "", "%Y-%m-%dT%H:%M:%S").timestamp()
+        by_end = max(0.0, end - now)
+    except ValueError:
+        pass
+    if by_limit is not None:
+        if by_end is not None and abs(by_end - by_limit) > CLOCK_SKEW_S:
+            log.warning("scontrol: EndTime=%s is %.0fs from now here, TimeLimit=%s - RunTime=%s "
+                        "is %.0fs: this host's clock disagrees with the controller's; "
+                        "taking the controller's", end_text, by_end, limit_text,
+                        _field(text, "RunTime"), by_limit)
+        return by_limit
+    return by_end
+
+
+def slurm_output(cmd: list[str], timeout_s: float = 60, level: int = logging.DEBUG) -> str | None:
+    """stdout of a SLURM command (bounded by ``timeout_s``); None when it is missing, fails
+    or does not answer in time, logged at ``level`` with the reason."""
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
                               stdin=subprocess.DEVNULL)
     except (OSError, subprocess.TimeoutExpired) as exc:
-        log.warning("squeue -j %s -o %%L: %s (time left unknown)", job_id, exc)
+        log.log(level, "%s: %s", " ".join(cmd), exc)
         return None
     if proc.returncode != 0:
-        log.warning("squeue -j %s -o %%L exited %d: %s (time left unknown)", job_id,
-                    proc.returncode, proc.stderr.strip())
+        log.log(level, "%s exited %d: %s", " ".join(cmd), proc.returncode, proc.stderr.strip())
         return None
-    return parse_time_left(proc.stdout.strip().splitlines()[0] if proc.stdout.strip() else "")
+    return proc.stdout
+
+
+def slurm_time_left(job_id: str) -> float | None:
+    """Seconds until SLURM ends the job (its time limit; follows ``scontrol update``);
+    ``inf`` for none; None when it cannot be told (logged), never 0 for an answer that
+    cannot be read. squeue's ``%L`` first; when it prints ``INVALID`` or anything else
+    unreadable, the job's end from ``scontrol show job`` (:func:`parse_job_time_left`)."""
+    out = slurm_output(["squeue", "-h", "-j", str(job_id), "-o", "%L"], 30, logging.WARNING)
+    if out is None:
+        log.warning("time left of job %s unknown", job_id)
+        return None
+    text = out.strip().splitlines()[0].strip() if out.strip() else ""
+    left = parse_time_left(text)
+    if left is not None:
+        return left
+    detail = slurm_output(["scontrol", "show", "job", str(job_id)], 30, logging.WARNING)
+    left = None if detail is None else parse_job_time_left(detail, time.time())
+    if left is None:
+        log.warning("squeue -j %s -o %%L printed %r and scontrol show job %s tells no end "
+                    "time: time left unknown", job_id, text, job_id)
+    else:
+        log.info("squeue -j %s -o %%L printed %r: %.0fs left from scontrol show job",
+                 job_id, text, left)
+    return left
 
 
 @dataclass
