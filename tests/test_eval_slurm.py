@@ -35,7 +35,10 @@ import yaml
 from fixtures.common import REPO_ROOT, SNAKEMAKE
 from fixtures.gpu_dag import double_sources
 
-pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+pytestmark = [pytest.mark.slurm, pytest.mark.slow,
+              # one scenario of many invocations (about 10 minutes alone; each invocation
+              # has its own timeout): pytest's 900 s would fail it on a loaded machine
+              pytest.mark.timeout(1800)]
 
 RUN = "eval-beside"
 TOTAL, SAVE_FREQ = 8, 2

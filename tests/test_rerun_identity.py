@@ -39,7 +39,10 @@ import yaml
 from fixtures.gpu_dag import attempt, double_sources, mtimes, snakemake, workflow_copy
 from fixtures.trainer_double import leftover_ray
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
+pytestmark = [pytest.mark.ray, pytest.mark.slow,
+              # one scenario of many invocations (about 10 minutes alone; each invocation
+              # has its own timeout): pytest's 900 s would fail it on a loaded machine
+              pytest.mark.timeout(1800)]
 
 RUN = "rerun"
 IDENTITY = "hy3rl-run-identity.json"
