@@ -785,7 +785,9 @@ class Launcher:
                     failed = job.submit_failed()
                     if failed:
                         raise LaunchError(failed, "ray job submit failed")
-                    if outage.unanswered(now, self.dashboard):
+                    if job.unregistered:
+                        pass  # the dashboard answered; the submission is on its way
+                    elif outage.unanswered(now, self.dashboard):
                         # Past the ride-out: most likely the head died; let a node's step
                         # end first (that names the lost node).
                         if self.procs:
@@ -794,9 +796,10 @@ class Launcher:
                         raise LaunchError(outage.message(self.spec.submission_id,
                                                          self.dashboard),
                                           "ray job status unavailable")
-                    # While it does not answer, ask less often: the loop stays free for
-                    # the watchdog and the signals.
-                    next_status = now + max(status_every, 3 * job.timeout_s)
+                    else:
+                        # While it does not answer, ask less often: the loop stays free for
+                        # the watchdog and the signals.
+                        next_status = now + max(status_every, 3 * job.timeout_s)
                 else:
                     outage.answered(now, self.dashboard)
                     if not job.stream_open():

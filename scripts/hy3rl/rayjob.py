@@ -152,6 +152,9 @@ class JobRun:
     job_tail: str = ""  # the last TAIL_KEPT of them
     reattached: int = 0
     known: bool = False  # Ray answered a status for the job at least once
+    # the dashboard's last answer was that the job does not exist yet (the submission, an
+    # upload first, is still on its way): an answer, not an outage
+    unregistered: bool = False
     streams: list[threading.Thread] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -237,10 +240,16 @@ class JobRun:
         try:
             status = self.client().get_job_status(self.submission_id)
         except Exception as exc:
-            log.warning("ray job status %s: no answer from %s within %gs: %s (unknown)",
-                        self.submission_id, self.address, self.timeout_s, exc)
+            # Ray's SDK raises RuntimeError("Request failed with status code 404: Job <id>
+            # does not exist.") for a job the dashboard does not know yet
+            self.unregistered = not self.known and "does not exist" in str(exc)
+            if self.unregistered:
+                log.info("ray job status %s: not registered yet", self.submission_id)
+            else:
+                log.warning("ray job status %s: no answer from %s within %gs: %s (unknown)",
+                            self.submission_id, self.address, self.timeout_s, exc)
             return None
-        self.known = True
+        self.known, self.unregistered = True, False
         return str(getattr(status, "value", status))
 
     def submit_failed(self) -> str | None:
