@@ -7,17 +7,13 @@ or ``stop``), the values that crossed the threshold and a one-line message namin
 :func:`last_healthy` names the newest complete checkpoint whose steps passed every ``stop``
 rule. Format and thresholds: docs/formats/train.md "Training health".
 
-How the launcher will call it (not built yet; the launcher does not run the guard today)::
-
-    watcher = Watcher(cfg.train.health)
-    for rec in verl_log.merged_attempts(attempts_dir, since):   # the lineage so far
-        watcher.feed(rec)                                        # baselines, the best so far
-    ...
-    for rec in new lines of this attempt's metrics log:          # as they arrive
-        for event in watcher.feed(rec):
-            warn: notify, record; stop: stop after the next complete save (a non-finite
-            value: at once), record the attempt `unhealthy` with the event and
-            last_healthy(complete checkpoint steps, watcher.events)
+How the launcher (hy3rl.train) calls it: one :class:`Watcher` per attempt, fed the merged
+logs of the lineage so far (baselines, the best so far; their events are history, acted on
+by no one), then wrapped with the watchdog's monitor in a :class:`Guard`, which the launcher
+polls in the monitor's place. The guard feeds the watcher the lines the monitor read, hands
+each new event to the launcher (``warn``: logged, recorded, notified) and ends the attempt
+with outcome ``unhealthy`` on a ``stop`` event: at once for ``nonfinite``, else right after
+the next complete save (the first save step at or after the step where the rule fired).
 
 Semantics:
 
@@ -364,6 +360,57 @@ def watch(health: Health, records: Iterable[Mapping[str, Any]]) -> list[Event]:
     for rec in records:
         w.feed(rec)
     return w.events
+
+
+UNHEALTHY = "unhealthy"  # the attempt record's outcome (and exit_reason) of a stop
+
+
+class Guard:
+    """The watcher beside the watchdog (module doc). ``monitor``: the watchdog's
+    :class:`hy3rl.watchdog.Monitor` (polled first; its ``lines`` are what this feeds);
+    ``on_event(event)``: each new event, as it arrives; ``next_save(step)``: the first save
+    step at or after ``step`` (None: the run does not save); ``is_saved(step)``: whether that
+    checkpoint is complete. After the stop, :attr:`stop` is the event and
+    :attr:`stopped_after_save` the save it waited for (None: stopped at once)."""
+
+    def __init__(self, watcher: Watcher, monitor: Any, *,
+                 on_event: Callable[[Event], None],
+                 next_save: Callable[[int], int | None],
+                 is_saved: Callable[[int], bool]) -> None:
+        self.watcher, self.monitor = watcher, monitor
+        self.on_event, self.next_save, self.is_saved = on_event, next_save, is_saved
+        self.fed = 0
+        self.pending: Event | None = None
+        self.save_step: int | None = None
+        self.stop: Event | None = None
+        self.stopped_after_save: int | None = None
+
+    def start(self) -> None:
+        self.monitor.start()
+
+    def poll(self) -> Any:
+        """The monitor's poll, then the guard's: a ``StopRequest`` (hy3rl.watchdog) with
+        outcome ``unhealthy`` wins over the monitor's own."""
+        from hy3rl.watchdog import StopRequest
+
+        request = self.monitor.poll()
+        lines = self.monitor.lines
+        for rec in lines[self.fed:]:
+            for event in self.watcher.feed(rec):
+                self.on_event(event)
+                if event.action == "stop" and self.pending is None:
+                    self.pending = event
+                    self.save_step = (None if event.rule == "nonfinite"
+                                      else self.next_save(event.step))
+        self.fed = len(lines)
+        e = self.pending
+        if e is None or (self.save_step is not None and not self.is_saved(self.save_step)):
+            return request
+        self.stop, self.stopped_after_save = e, self.save_step
+        when = ("at once (a non-finite value)" if self.save_step is None
+                else f"right after the complete save of step {self.save_step}")
+        return StopRequest(UNHEALTHY, f"{e.message}; the trainer was stopped {when}",
+                           self.monitor.last_step)
 
 
 def last_healthy(checkpoint_steps: Iterable[int], events: Iterable[Event]) -> int | None:
