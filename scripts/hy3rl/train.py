@@ -172,6 +172,29 @@ def load_attempt(layout: Layout, k: int) -> dict[str, Any]:
         raise TrainError(f"{path}: not valid JSON ({exc})") from None
 
 
+def health_stop_at(layout: Layout) -> int | None:
+    """The first step of the earliest ``stop`` rule that fired in the checkpoint directory's
+    lineage (the ``health`` events of its attempt records; a rewind drops the events past its
+    step): a checkpoint at or past it was trained through unhealthy steps (the selection
+    never picks one, hy3rl.selection). None when none fired, or unreadable records."""
+    ckpt = layout.checkpoint_dir
+    try:
+        since, cuts = lineage_first_attempt(ckpt), lineage_cuts(ckpt)
+        records = [load_attempt(layout, k) for k in attempt_numbers(layout) if k >= since]
+    except StageError as exc:
+        log.warning("health stops unknown: %s", exc)
+        return None
+    firsts = []
+    for rec in records:
+        k = int(rec.get("attempt") or 0)
+        bound = min((n for at, n in cuts if k < at), default=None)
+        for e in rec.get("health") or []:
+            if isinstance(e, dict) and e.get("action") == "stop" and isinstance(
+                    e.get("first_step"), int) and (bound is None or e["first_step"] <= bound):
+                firsts.append(e["first_step"])
+    return min(firsts, default=None)
+
+
 def last_step(lines: list[dict[str, Any]]) -> int | None:
     return max((r["step"] for r in lines), default=None)
 
