@@ -288,3 +288,19 @@ def test_after_attempt_never_restarts_an_unhealthy_attempt() -> None:
     step = train.after_attempt(rec, [rec], restarts_left=3, lost=[], allocation=["n"],
                                nodes_needed=1, time_left=None, interval=None)
     assert (step.restart, step.retry, step.reason) == (False, False, "unhealthy: x")
+
+
+def test_a_stop_rule_that_fired_before_the_trainer_ended_on_its_own(guarded) -> None:
+    """Drift fires at step 3, the next save is step 6, and the trainer crashes at step 4
+    before it: the attempt is still unhealthy (not a crash to restart), and says how the
+    trainer ended."""
+    setup, run = guarded({"drift_from": 2, "crash_at": 4}, health={"drift": {"steps": 2}},
+                         total=6, save_freq=6)
+    with pytest.raises(train.TrainFailed, match=r"health rule drift .* fired at step 3 .*the "
+                       r"trainer ended \(failed: exit 1\) before the guard stopped it; last "
+                       r"healthy checkpoint: none"):
+        run()
+    rec = _record(setup)
+    assert (rec["outcome"], rec["exit_reason"]) == (UNHEALTHY, UNHEALTHY)
+    assert rec["health_stop"]["stopped_after_save"] is None
+    assert train.attempt_numbers(setup.layout()) == [1]  # not restarted as a crash

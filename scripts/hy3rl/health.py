@@ -348,10 +348,12 @@ class Watcher:
         return [e for e in self.events if e.step == step and e not in before]
 
     def _replay(self, records: dict[int, dict[str, Any]]) -> None:
-        self.records, self.events = {}, []
-        self._rules = build_rules(self.health)
+        # built apart, then swapped: a reader in another thread (retention asks for the
+        # last healthy checkpoint) never sees the events half rebuilt
+        fresh = Watcher(self.health)
         for step in sorted(records):
-            self.feed({"step": step, "data": records[step]})
+            fresh.feed({"step": step, "data": records[step]})
+        self.records, self._rules, self.events = fresh.records, fresh._rules, fresh.events
 
 
 def watch(health: Health, records: Iterable[Mapping[str, Any]]) -> list[Event]:
@@ -394,15 +396,7 @@ class Guard:
         from hy3rl.watchdog import StopRequest
 
         request = self.monitor.poll()
-        lines = self.monitor.lines
-        for rec in lines[self.fed:]:
-            for event in self.watcher.feed(rec):
-                self.on_event(event)
-                if event.action == "stop" and self.pending is None:
-                    self.pending = event
-                    self.save_step = (None if event.rule == "nonfinite"
-                                      else self.next_save(event.step))
-        self.fed = len(lines)
+        self._feed(self.monitor.lines)
         e = self.pending
         if e is None or (self.save_step is not None and not self.is_saved(self.save_step)):
             return request
@@ -411,6 +405,34 @@ class Guard:
                 else f"right after the complete save of step {self.save_step}")
         return StopRequest(UNHEALTHY, f"{e.message}; the trainer was stopped {when}",
                            self.monitor.last_step)
+
+    def _feed(self, lines: list[dict[str, Any]]) -> None:
+        for rec in lines[self.fed:]:
+            for event in self.watcher.feed(rec):
+                self.on_event(event)
+                if event.action == "stop" and self.pending is None:
+                    self.pending = event
+                    self.save_step = (None if event.rule == "nonfinite"
+                                      else self.next_save(event.step))
+        self.fed = max(self.fed, len(lines))
+
+    def finish(self) -> bool:
+        """After the trainer ended (whatever ended it): feed the lines the last poll did not
+        see; True when a stop rule fired in this attempt (it is unhealthy, also when the
+        trainer ended before the guard could stop it: then :attr:`stopped_after_save` is
+        the awaited save if it is complete, else None)."""
+        from hy3rl.verl_log import read_metrics
+
+        try:
+            lines = read_metrics(self.monitor.metrics)
+        except Exception:  # a bad line: verl_log names it when the logs are merged
+            lines = self.monitor.lines
+        self._feed(lines)
+        if self.pending is not None and self.stop is None:
+            self.stop = self.pending
+            s = self.save_step
+            self.stopped_after_save = s if s is not None and self.is_saved(s) else None
+        return self.stop is not None
 
 
 def last_healthy(checkpoint_steps: Iterable[int], events: Iterable[Event]) -> int | None:

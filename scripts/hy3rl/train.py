@@ -703,13 +703,16 @@ class Job:
             hook.start()
             self.hooks.append(hook)
 
-    def health_stop(self, event: Event, after_save: int | None) -> dict[str, Any]:
+    def health_stop(self, event: Event, after_save: int | None,
+                    ended: str | None = None) -> dict[str, Any]:
         """The record's ``health_stop``: the event, the last healthy checkpoint and how to go
-        on from it (docs/formats/train.md "Training health")."""
+        on from it (docs/formats/train.md "Training health"). ``ended``: how the trainer
+        ended, when not by the guard's stop."""
         ckpt = self.layout.checkpoint_dir
         best = self.last_healthy()
-        when = ("at once (a non-finite value)" if after_save is None
-                else f"right after the complete save of step {after_save}")
+        stopped = ended or "the trainer was stopped " + (
+            "at once (a non-finite value)" if after_save is None
+            else f"right after the complete save of step {after_save}")
         if best is None:
             where = "none (no complete checkpoint was saved before the rule's first step)"
             how = ("start afresh under a changed configuration: train.on_config_change: "
@@ -724,8 +727,8 @@ class Job:
                    "workflow again")
         values = ", ".join(f"{v}@{s}" for s, v in event.values)
         message = (f"unhealthy: health rule {event.rule} ({event.metric}) fired at step "
-                   f"{event.step} (from step {event.first_step}; values {values}); the "
-                   f"trainer was stopped {when}; last healthy checkpoint: {where}; {how}")
+                   f"{event.step} (from step {event.first_step}; values {values}); "
+                   f"{stopped}; last healthy checkpoint: {where}; {how}")
         return {**dataclasses.asdict(event), "stopped_after_save": after_save,
                 "last_healthy_step": best,
                 "last_healthy_checkpoint": None if best is None
@@ -889,6 +892,8 @@ class Job:
             pruner.join(timeout=30)
         if result.ray_versions:
             rec["runtime"]["ray"] = result.ray_versions
+        # the lines the last poll did not see: a stop rule that fired as the trainer ended
+        sick = guard.finish() and result.outcome != "planned_kill"
         removed = prune(ckpt, train.checkpoint_keep, self.protected)
         best = newest_complete(scan(ckpt))
         self.end_step = best.step if best else None
@@ -897,9 +902,11 @@ class Job:
         close_record(rec, layout, self.end_step, result.reason, result.exit_code)
         rec["timing"] = monitor.timing()
         self.describe(rec, outcome, result, log_dir)
-        if outcome == UNHEALTHY and guard.stop is not None:
-            rec["exit_reason"] = UNHEALTHY
-            rec["health_stop"] = self.health_stop(guard.stop, guard.stopped_after_save)
+        if sick and guard.stop is not None:
+            ended = None if outcome == UNHEALTHY else (
+                f"the trainer ended ({outcome}: {result.reason}) before the guard stopped it")
+            rec["outcome"] = rec["exit_reason"] = outcome = UNHEALTHY
+            rec["health_stop"] = self.health_stop(guard.stop, guard.stopped_after_save, ended)
             log.error("attempt %d: %s", k, rec["health_stop"]["message"])
         for hook in self.hooks:
             hook.join(timeout=1)
