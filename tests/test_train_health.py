@@ -116,6 +116,17 @@ def _record(setup: TrainSetup, k: int = 1) -> dict:
     return json.loads(Path(setup.layout().attempt_record(k)).read_text())
 
 
+def _stopped(setup: TrainSetup, run, match: str) -> dict:
+    """Run; the job fails with ``match`` and its one attempt is recorded unhealthy, never
+    restarted in the allocation. Returns the record."""
+    with pytest.raises(train.TrainFailed, match=match):
+        run()
+    rec = _record(setup)
+    assert (rec["outcome"], rec["exit_reason"]) == (UNHEALTHY, UNHEALTHY)
+    assert train.attempt_numbers(setup.layout()) == [1]
+    return rec
+
+
 def _complete(setup: TrainSetup) -> list[int]:
     return [c.step for c in ckptdir.scan(setup.ckpt) if c.complete]
 
@@ -156,11 +167,9 @@ def test_drift_stops_right_after_the_next_save_and_retention_keeps_the_last_heal
     step 3 (saved before step 4); checkpoint_keep 1 would prune it, the guard keeps it."""
     setup, run = guarded({"drift_from": 4}, health={"drift": {"steps": 2}}, total=12,
                          save_freq=3, keep=1)
-    with pytest.raises(train.TrainFailed, match=r"health rule drift .* fired at step 5 "
-                       r"\(from step 4; values 0.05@4, 0.05@5\).*right after the complete "
-                       r"save of step 6.*last healthy checkpoint: step 3"):
-        run()
-    rec = _record(setup)
+    rec = _stopped(setup, run, r"health rule drift .* fired at step 5 \(from step 4; values "
+                   r"0.05@4, 0.05@5\).*right after the complete save of step 6.*last "
+                   r"healthy checkpoint: step 3")
     stop = rec["health_stop"]
     assert (stop["rule"], stop["step"], stop["first_step"]) == ("drift", 5, 4)
     assert stop["stopped_after_save"] == 6 and stop["last_healthy_step"] == 3
@@ -262,10 +271,9 @@ def test_a_normal_double_run_raises_nothing(guarded) -> None:
 def test_reward_floor_stops_after_the_save(guarded) -> None:
     setup, run = guarded({"reward_min_from": 2}, health={"reward_floor": {"steps": 2}},
                          total=6, save_freq=2)
-    with pytest.raises(train.TrainFailed, match=r"health rule reward_floor \(critic/score/mean"
-                       r"\) fired at step 3 .*save of step 4.*no complete checkpoint"):
-        run()
-    assert _record(setup)["health_stop"]["last_healthy_step"] is None
+    rec = _stopped(setup, run, r"health rule reward_floor \(critic/score/mean\) fired at "
+                   r"step 3 .*save of step 4.*no complete checkpoint")
+    assert rec["health_stop"]["last_healthy_step"] is None
 
 
 def test_resubmit_refuses_an_unhealthy_record_without_job_exit(tmp_path: Path) -> None:
@@ -296,11 +304,7 @@ def test_a_stop_rule_that_fired_before_the_trainer_ended_on_its_own(guarded) -> 
     trainer ended."""
     setup, run = guarded({"drift_from": 2, "crash_at": 4}, health={"drift": {"steps": 2}},
                          total=6, save_freq=6)
-    with pytest.raises(train.TrainFailed, match=r"health rule drift .* fired at step 3 .*the "
-                       r"trainer ended \(failed: exit 1\) before the guard stopped it; last "
-                       r"healthy checkpoint: none"):
-        run()
-    rec = _record(setup)
-    assert (rec["outcome"], rec["exit_reason"]) == (UNHEALTHY, UNHEALTHY)
+    rec = _stopped(setup, run, r"health rule drift .* fired at step 3 .*the trainer ended "
+                   r"\(failed: exit 1\) before the guard stopped it; last healthy "
+                   r"checkpoint: none")  # not restarted as a crash
     assert rec["health_stop"]["stopped_after_save"] is None
-    assert train.attempt_numbers(setup.layout()) == [1]  # not restarted as a crash
