@@ -13,7 +13,10 @@
    ``pip freeze``) in the attempt record, then run the launcher (``hy3rl.launch``): Ray over
    the job's nodes, one Ray version on the job client and the cluster (recorded; a mismatch
    refuses), ``ray job submit`` of the rendered ``launch.sh`` with this attempt's
-   ``VERL_FILE_LOGGER_PATH``; meanwhile prune old complete checkpoints (retention);
+   ``VERL_FILE_LOGGER_PATH``; meanwhile the watchdog (``hy3rl.watchdog``) and the
+   training-health guard (``hy3rl.health.Guard``: a ``stop`` rule ends the attempt
+   ``unhealthy``, naming the last healthy checkpoint, which retention keeps) watch it, and
+   old complete checkpoints are pruned (retention);
 5. record the attempt, merge every attempt's metrics log (``hy3rl.verl_log``), and, when
    training reached its last step, write the sentinel ``done.json`` last.
 
