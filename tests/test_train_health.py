@@ -308,3 +308,49 @@ def test_a_stop_rule_that_fired_before_the_trainer_ended_on_its_own(guarded) -> 
                    r"\(failed: exit 1\) before the guard stopped it; last healthy "
                    r"checkpoint: none")  # not restarted as a crash
     assert rec["health_stop"]["stopped_after_save"] is None
+
+
+def test_retention_keeps_the_checkpoint_before_a_run_that_may_still_fire(
+        tmp_path: Path, ckpt_writer) -> None:
+    """Drift over 2 steps, crossed at step 4 only so far, and step 4's checkpoint saved: the
+    rule may fire at step 5 with its first step 4, so step 2 (the last healthy then) is
+    kept from retention (keep 1); once a healthy value closes the run, it may go."""
+    from fixtures.common import make_config
+    from fixtures.trainer_double import double_module
+    from hy3rl.layout import Layout
+
+    cfg = make_config(train={"checkpoint_root": str(tmp_path / "ckpt"),
+                             "health": {"drift": {"steps": 2}}})
+    layout = Layout(str(tmp_path / "results"), "r", str(tmp_path / "ckpt"))
+    for step in (2, 4):
+        ckpt_writer(layout.checkpoint_dir, step)
+    job = train.Job(cfg.train, cfg.cluster, layout, {}, target=8, total=8, keep_steps=[7],
+                    launch_script=Path(), runtime_env=Path(),
+                    metrics=Path(layout.train_metrics))
+    job.watcher = train.Watcher(cfg.train.health)
+    assert job.protected() == [7]
+    metrics = double_module().metrics
+    for step in range(1, 5):
+        data = metrics(step, 8)
+        if step == 4:
+            data["training/rollout_probs_diff_mean"] = 0.05
+        assert job.watcher.feed({"step": step, "data": data}) == []
+    assert job.watcher.open_from() == 4 and job.protected() == [2, 7]
+    assert ckptdir.prune(layout.checkpoint_dir, 1, job.protected) == []
+    job.watcher.feed({"step": 5, "data": metrics(5, 8)})  # healthy again: the run ends
+    assert job.watcher.open_from() is None and job.protected() == [7]
+    assert ckptdir.prune(layout.checkpoint_dir, 1, job.protected) == [2]
+
+
+def test_open_from_of_a_falling_window() -> None:
+    """The entropy fall (window 3) as a stop rule: a later window holds the latest 2 values,
+    so a fall may still start there; as a warn rule it bounds nothing."""
+    from fixtures.common import make_config
+
+    for action, expected in (("stop", 4), ("warn", None)):
+        cfg = make_config(train={"health": {"entropy": {"action": action, "max_fall": 0.5,
+                                                        "window": 3}}})
+        w = train.Watcher(cfg.train.health)
+        for step in range(1, 6):
+            w.feed({"step": step, "data": {"actor/entropy": 0.5}})
+        assert w.open_from() == expected, action

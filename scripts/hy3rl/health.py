@@ -118,6 +118,12 @@ class _Rule:
     def feed(self, step: int, data: Mapping[str, Any]) -> list[Event]:
         raise NotImplementedError
 
+    def open_from(self) -> int | None:
+        """The earliest ``first_step`` an event of this rule not raised yet could have among
+        the steps fed (a run of crossed values under way, a window that may fall); None
+        when a future event can only start at a step not fed yet."""
+        return None
+
     def _event(self, step: int, metric: str, values: list[tuple[int, float]],
                reference: float | None, what: str) -> Event:
         shown = tuple((s, _shown(v)) for s, v in values)
@@ -166,6 +172,9 @@ class _Consecutive(_Rule):
         v = metric_value(data.get(self.metric))
         return v if v is not None and math.isfinite(v) else None
 
+    def open_from(self) -> int | None:
+        return self.run[0][0] if self.run else None
+
     def feed(self, step: int, data: Mapping[str, Any]) -> list[Event]:
         v = self.finite(data)
         if v is None:
@@ -207,6 +216,13 @@ class _Fall(_Rule):
         super().__init__(name, section)
         self.values: deque[tuple[int, float]] = deque(maxlen=2 * section.window)
         self.firing = False
+
+    def open_from(self) -> int | None:
+        """A later window holds the latest ``window - 1`` values fed."""
+        k = self.section.window - 1
+        if self.section.max_fall is None or k == 0 or not self.values:
+            return None
+        return self.values[-min(k, len(self.values))][0]
 
     def feed(self, step: int, data: Mapping[str, Any]) -> list[Event]:
         v = metric_value(data.get(self.section.metric))
@@ -355,6 +371,13 @@ class Watcher:
             fresh.feed({"step": step, "data": records[step]})
         self.records, self._rules, self.events = fresh.records, fresh._rules, fresh.events
 
+    def open_from(self) -> int | None:
+        """The earliest step from which a ``stop`` rule may still fire over the steps fed
+        (``_Rule.open_from``); None when none can. Retention keeps the checkpoint before it:
+        a run of drift that began before a save may fire after it."""
+        return min((s for r in list(self._rules) if r.action == "stop"
+                    if (s := r.open_from()) is not None), default=None)
+
 
 def watch(health: Health, records: Iterable[Mapping[str, Any]]) -> list[Event]:
     """Every event of ``records`` fed in order (the events of steps kept)."""
@@ -435,11 +458,15 @@ class Guard:
         return self.stop is not None
 
 
-def last_healthy(checkpoint_steps: Iterable[int], events: Iterable[Event]) -> int | None:
+def last_healthy(checkpoint_steps: Iterable[int], events: Iterable[Event],
+                 open_from: int | None = None) -> int | None:
     """The newest of ``checkpoint_steps`` (the complete checkpoints) saved before the first
     step of every ``stop`` event's run or window, i.e. whose steps all passed every stop
-    rule; None when there is none. ``warn`` events do not count."""
-    bound = min((e.first_step for e in events if e.action == "stop"), default=None)
+    rule; None when there is none. ``warn`` events do not count. ``open_from``
+    (:meth:`Watcher.open_from`): also before it (the checkpoint retention must keep while
+    a stop rule may still fire over steps already logged)."""
+    firsts = [e.first_step for e in events if e.action == "stop"]
+    bound = min(firsts + ([open_from] if open_from is not None else []), default=None)
     ok = [s for s in checkpoint_steps if bound is None or s < bound]
     return max(ok) if ok else None
 

@@ -680,13 +680,19 @@ class Job:
         return last_healthy(steps, list(self.watcher.events))
 
     def protected(self) -> list[int]:
-        """What retention keeps besides the newest: ``keep_steps`` (evaluation's) and, once
-        a stop rule fired in this lineage, the last healthy checkpoint (kept until a later
-        checkpoint is healthy: the rule's steps leave the lineage by a rewind)."""
+        """What retention keeps besides the newest: ``keep_steps`` (evaluation's) and the
+        last healthy checkpoint once a stop rule fired in this lineage (kept until a later
+        checkpoint is healthy: the rule's steps leave the lineage by a rewind), or while one
+        may still fire over steps already logged (a run of crossed values under way: it may
+        fire after the next save, its first step before it)."""
         keep = set(self.keep_steps() if callable(self.keep_steps) else self.keep_steps)
-        if self.watcher is not None and any(e.action == "stop"
-                                            for e in list(self.watcher.events)):
-            best = self.last_healthy()
+        w = self.watcher
+        if w is None:
+            return sorted(keep)
+        events, opened = list(w.events), w.open_from()
+        if opened is not None or any(e.action == "stop" for e in events):
+            steps = [c.step for c in scan(self.layout.checkpoint_dir) if c.complete]
+            best = last_healthy(steps, events, opened)
             if best is not None:
                 keep.add(best)
         return sorted(keep)
