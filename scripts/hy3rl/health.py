@@ -390,6 +390,14 @@ def watch(health: Health, records: Iterable[Mapping[str, Any]]) -> list[Event]:
 UNHEALTHY = "unhealthy"  # the attempt record's outcome (and exit_reason) of a stop
 
 
+def stopped_when(rule: str, after_save: int | None) -> str:
+    """When the guard stopped the trainer, in words."""
+    if after_save is not None:
+        return f"right after the complete save of step {after_save}"
+    return "at once (" + ("a non-finite value" if rule == "nonfinite"
+                          else "the run saves no checkpoint to wait for") + ")"
+
+
 class Guard:
     """The watcher beside the watchdog (module doc). ``monitor``: the watchdog's
     :class:`hy3rl.watchdog.Monitor` (polled first; its ``lines`` are what this feeds);
@@ -424,8 +432,7 @@ class Guard:
         if e is None or (self.save_step is not None and not self.is_saved(self.save_step)):
             return request
         self.stop, self.stopped_after_save = e, self.save_step
-        when = ("at once (a non-finite value)" if self.save_step is None
-                else f"right after the complete save of step {self.save_step}")
+        when = stopped_when(e.rule, self.save_step)
         return StopRequest(UNHEALTHY, f"{e.message}; the trainer was stopped {when}",
                            self.monitor.last_step)
 

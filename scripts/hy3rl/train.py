@@ -61,7 +61,7 @@ from hy3rl.ckptdir import (
     scan,
 )
 from hy3rl.errors import StageError
-from hy3rl.health import UNHEALTHY, Event, Guard, Watcher, last_healthy
+from hy3rl.health import UNHEALTHY, Event, Guard, Watcher, last_healthy, stopped_when
 from hy3rl.layout import ATTEMPT_RE, Layout
 from hy3rl.timefmt import parse, utc_now
 from hy3rl.verl_log import merged_attempts, read_metrics
@@ -719,9 +719,7 @@ class Job:
         ended, when not by the guard's stop."""
         ckpt = self.layout.checkpoint_dir
         best = self.last_healthy()
-        stopped = ended or "the trainer was stopped " + (
-            "at once (a non-finite value)" if after_save is None
-            else f"right after the complete save of step {after_save}")
+        stopped = ended or f"the trainer was stopped {stopped_when(event.rule, after_save)}"
         if best is None:
             where = "none (no complete checkpoint was saved before the rule's first step)"
             how = ("start afresh under a changed configuration: train.on_config_change: "
