@@ -354,3 +354,27 @@ def test_open_from_of_a_falling_window() -> None:
         for step in range(1, 6):
             w.feed({"step": step, "data": {"actor/entropy": 0.5}})
         assert w.open_from() == expected, action
+
+
+def test_rewind_refuses_without_an_identity_and_while_a_trainer_holds_the_dir(
+        ckpt: Path) -> None:
+    """`hy3rl rewind` on checkpoints no run of this workflow recorded, and on a directory a
+    live trainer holds: refused by name, nothing moved."""
+    import socket
+    import subprocess
+
+    before = sorted(p.name for p in ckpt.iterdir())
+    with pytest.raises(ckptdir.CheckpointDirError, match="no run identity file: nothing to "
+                       "rewind"):
+        ckptdir.rewind(ckpt, 2, attempt=1)
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        ckptdir.acquire_lock(ckpt, ckptdir.LockInfo(
+            None, "local", socket.gethostname(), live.pid,
+            ckptdir._pid_create_time(live.pid), 1, "t"))
+        with pytest.raises(ckptdir.LockHeld, match=f"local process {live.pid}"):
+            ckptdir.rewind(ckpt, 2, attempt=1)
+    finally:
+        live.kill()
+        live.wait()
+    assert sorted(p.name for p in ckpt.iterdir() if p.name != ckptdir.LOCK_NAME) == before
