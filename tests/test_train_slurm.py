@@ -497,3 +497,79 @@ def test_wandb_one_run_across_attempts(slurm_train) -> None:
     for path in st.setup.results.rglob("*"):
         if path.is_file():
             assert secret not in path.read_bytes().decode(errors="replace"), path
+
+
+def test_health_guard_stops_names_the_last_healthy_and_a_rewind_goes_on(slurm_train) -> None:
+    """Issue 30 on the real cluster, one invocation per case, one checkpoint directory
+    (checkpoint_keep 1, saves every 2 steps, drift watched over 2 steps). (1) NaN grad norm at
+    step 3: the trainer is stopped at once; the record names the rule and the last healthy
+    checkpoint (step 2); the controller submits nothing more although max_submissions
+    allows it. (2) Rerun with drift from step 4 instead: it resumes from step 2, the rule
+    fires at step 5 and the trainer is stopped right after the save of step 6; the last
+    healthy checkpoint is still step 2, which retention kept (keep 1 would have pruned it);
+    nothing is resubmitted. (3) `hy3rl rewind --step 2` and a changed config (another
+    learning rate, on_config_change: resume; the drift gone): the next invocation goes on
+    from step 2 in a new lineage (steps 4 and 6 moved aside) to the end."""
+    import sys
+
+    st = slurm_train(total=8, save_freq=2, step_s=0.3, restarts_per_job=1,
+                     max_submissions=2, checkpoint_keep=1, health={"drift": {"steps": 2}},
+                     watchdog={"poll_s": 0.5})
+    # the steps after the stop point are slow (the double's slow_from: 5 s a step), so that
+    # the Ray job's stop is never raced by the next save
+    st.setup.set_faults(nan_grad_at=3, slow_from=4)
+    first = st.run(check=False)
+    assert first.returncode != 0
+    [a1] = records(st)
+    assert (a1["outcome"], a1["exit_reason"]) == ("unhealthy", "unhealthy"), a1
+    stop = a1["health_stop"]
+    assert (stop["rule"], stop["step"], stop["values"]) == ("nonfinite", 3, [[3, "nan"]])
+    assert stop["stopped_after_save"] is None and stop["last_healthy_step"] == 2, stop
+    assert stop["last_healthy_checkpoint"] == str(st.setup.ckpt / "global_step_2")
+    assert a1["end_step"] == 2 and a1["last_logged_step"] == 3, a1  # stopped at once
+    out = first.stdout + first.stderr
+    assert "health rule nonfinite (actor/grad_norm) fired at step 3" in out, out[-4000:]
+    assert "hy3rl rewind --step 2" in out
+    assert submitted_jobs(st) == [a1["slurm_job_id"]]  # not resubmitted, not restarted
+    no_leftovers(st, a1["slurm_job_id"])
+
+    st.setup.set_faults(drift_from=4, slow_from=7)
+    second = st.run(check=False)
+    assert second.returncode != 0
+    a2 = records(st)[-1]
+    assert a2["attempt"] == 2 and a2["start_step"] == 2 and a2["outcome"] == "unhealthy", a2
+    stop = a2["health_stop"]
+    assert (stop["rule"], stop["step"], stop["first_step"]) == ("drift", 5, 4), stop
+    assert stop["stopped_after_save"] == 6 and stop["last_healthy_step"] == 2, stop
+    assert a2["end_step"] == 6 and a2["last_logged_step"] == 6, a2
+    assert [e["rule"] for e in a2["health"]] == ["drift"]
+    complete = [c.step for c in ckptdir.scan(st.setup.ckpt) if c.complete]
+    assert complete == [2, 6], complete  # 2 kept (keep 1), nothing after 6
+    out = second.stdout + second.stderr
+    assert "health rule drift (training/rollout_probs_diff_mean) fired at step 5" in out
+    assert len(submitted_jobs(st)) == 2  # this invocation's one job, no resubmission
+    exit_doc = json.loads((st.train_dir / "attempts" / "job-exit.json").read_text())
+    assert exit_doc["retry"] is False and "health rule drift" in exit_doc["reason"]
+    no_leftovers(st, a2["slurm_job_id"])
+
+    configs = st.profile_args[st.profile_args.index("--configfile") + 1:]
+    subprocess.run([sys.executable, "-m", "hy3rl.cli", "rewind", "--step", "2",
+                    "--configfile", *configs, str(st.config_file)], cwd=st.work, check=True,
+                   timeout=120)
+    assert [c.step for c in ckptdir.scan(st.setup.ckpt) if c.complete] == [2]
+    assert ckptdir.read_identity(st.setup.ckpt)["lineage"] == 2
+    st.setup.set_faults()
+    st.setup.write_plan(plan_json(st.setup.ckpt, 8, 2, RUN, lr="5e-7"))
+    st.train_cfg["on_config_change"] = "resume"
+    st.write_config()
+    st.run(check=True)
+    a3 = records(st)[-1]
+    assert a3["attempt"] == 3 and a3["start_step"] == 2 and a3["outcome"] == "succeeded", a3
+    assert a3["identity_action"] == "resume_changed" and a3["health"] == [], a3
+    done = json.loads((st.train_dir / "done.json").read_text())
+    assert done["final_step"] == 8
+    merged = [json.loads(x) for x in (st.train_dir / "metrics.jsonl").read_text().splitlines()]
+    assert all((m["data"].get("training/rollout_probs_diff_mean") or 0) < 0.02 for m in merged)
+    aside = [p for p in st.setup.ckpt.iterdir() if p.name.startswith("superseded-")]
+    assert [sorted(q.name for q in p.iterdir()) for p in aside] == [["global_step_6"]], aside
+    no_leftovers(st, a3["slurm_job_id"])

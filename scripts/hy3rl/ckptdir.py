@@ -525,6 +525,76 @@ def decide_identity(ckpt_dir: Path, trajectory: dict, total: int,
         "or restore the old values"))
 
 
+def move_aside(ckpt_dir: Path, now: str,
+               chosen: Callable[[str], bool]) -> tuple[Path, list[str]]:
+    """Move the entries of ``ckpt_dir`` whose name is ``chosen`` into a new
+    ``superseded-<time>/`` (nothing deleted); returns it and the names moved."""
+    stamp = now.replace(":", "").replace("+0000", "Z")
+    aside = free_name(ckpt_dir / f"superseded-{stamp}")
+    aside.mkdir()
+    moved = []
+    for entry in sorted(ckpt_dir.iterdir()):
+        if chosen(entry.name):
+            os.rename(entry, aside / entry.name)
+            moved.append(entry.name)
+    return aside, moved
+
+
+def lineage_cuts(ckpt_dir: Path) -> list[tuple[int, int]]:
+    """The rewinds of the directory's lineage as ``(attempt, step)``: the attempts before
+    ``attempt`` count up to ``step`` only (hy3rl.verl_log.merged_attempts)."""
+    doc = read_identity(ckpt_dir) or {}
+    return [(int(r["attempt"]), int(r["step"])) for r in doc.get("rewinds") or []]
+
+
+def rewind(ckpt_dir: Path, step: int, attempt: int) -> list[str]:
+    """Go on from the complete checkpoint ``step`` in a new lineage (``hy3rl rewind``; the
+    way on after the health guard stopped a run: docs/formats/train.md): every
+    ``global_step_M`` with M > ``step`` (complete or not, and leftovers of incomplete saves)
+    moves into ``superseded-<time>/`` (nothing deleted), the tracker names ``step``, and
+    the identity file records it (``lineage`` + 1, a ``rewind`` history event, and in
+    ``rewinds`` the next ``attempt`` and ``step``: the metrics of earlier attempts count up
+    to ``step`` only). Refused while a trainer holds the directory, for a step that is not
+    a complete checkpoint, or for a directory without a run identity. Returns the actions
+    taken."""
+    from hy3rl.atomic import write_json_atomic
+
+    ckpt_dir = Path(ckpt_dir)
+    check_lock_free(ckpt_dir)
+    doc = read_identity(ckpt_dir)
+    if doc is None:
+        raise CheckpointDirError(f"{identity_path(ckpt_dir)}: no run identity file: nothing "
+                                 "to rewind (no run has trained here under this workflow)")
+    ok, why = check_complete(ckpt_dir / f"global_step_{step}", step)
+    if not ok:
+        complete = [c.step for c in scan(ckpt_dir) if c.complete]
+        raise CheckpointDirError(f"{ckpt_dir / f'global_step_{step}'}: not a complete "
+                                 f"checkpoint ({why}); the complete ones are steps {complete}")
+
+    def later(name: str) -> bool:
+        m = re.match(r"^global_step_(\d+)", name)
+        return m is not None and int(m.group(1)) > step
+
+    now = utc_now()
+    aside, moved = move_aside(ckpt_dir, now, later)
+    write_tracker(ckpt_dir, step)
+    doc = dict(doc)
+    doc["lineage"] = int(doc.get("lineage") or 1) + 1
+    doc["rewinds"] = [*(doc.get("rewinds") or []), {"at": now, "attempt": attempt,
+                                                    "step": step, "moved_to": aside.name}]
+    doc["history"] = [*doc.get("history", []), {
+        "at": now, "attempt": attempt, "action": "rewind", "at_step": step,
+        "trajectory_id": doc["trajectory"].get("id"), "moved": moved}]
+    doc["updated"] = now
+    write_json_atomic(identity_path(ckpt_dir), doc)
+    actions = [f"rewound to step {step} (lineage {doc['lineage']}): moved {len(moved)} "
+               f"entries after it aside to {aside.name}/ (nothing deleted): "
+               f"{', '.join(moved) or 'none'}; tracker -> {step}"]
+    for a in actions:
+        log.info("identity: %s", a)
+    return actions
+
+
 def apply_identity(ckpt_dir: Path, decision: IdentityDecision, trajectory: dict, total: int,
                    segment_steps: int, *, attempt: int | None = None) -> list[str]:
     """Carry out ``decision`` (never a refusal) and write the identity file atomically:
@@ -542,14 +612,8 @@ def apply_identity(ckpt_dir: Path, decision: IdentityDecision, trajectory: dict,
     actions: list[str] = []
     lineage = int((old or {}).get("lineage") or 1)
     if decision.action == "fresh":
-        stamp = now.replace(":", "").replace("+0000", "Z")
-        aside = free_name(ckpt_dir / f"superseded-{stamp}")
-        aside.mkdir()
-        moved = []
-        for entry in sorted(ckpt_dir.iterdir()):
-            if entry.name.startswith("global_step_") or entry.name in (TRACKER, IDENTITY_NAME):
-                os.rename(entry, aside / entry.name)
-                moved.append(entry.name)
+        aside, moved = move_aside(ckpt_dir, now, lambda name: name.startswith(
+            "global_step_") or name in (TRACKER, IDENTITY_NAME))
         actions.append(f"moved {len(moved)} entries made by the old configuration aside to "
                        f"{aside.name}/ (nothing deleted): {', '.join(moved)}")
         lineage += 1

@@ -2,6 +2,7 @@
 
     hy3rl preflight --configfile config/config.yaml [--configfile site.yaml]
     hy3rl config --configfile config/config.yaml config/paper.yaml   # the resolved config
+    hy3rl rewind --step 40 --configfile ...          # go on from step 40, a new lineage
     hy3rl profile install                            # ~/.config/snakemake/slurm -> profiles/slurm
 
 Each subcommand loads and validates the config files (merged in order, as Snakemake merges
@@ -124,6 +125,20 @@ def _train(cfg: Config, layout: Layout, args: argparse.Namespace) -> None:
               rehearsed=rehearsal.passed_identity(rehearsal.gate(cfg, layout)))
 
 
+def _rewind(cfg: Config, layout: Layout, args: argparse.Namespace) -> None:
+    from hy3rl import ckptdir, train
+
+    if args.step is None:
+        raise ckptdir.CheckpointDirError("hy3rl rewind needs --step N (the last healthy "
+                                         "checkpoint the health guard named)")
+    ckptdir.rewind(layout.checkpoint_dir, args.step,
+                   attempt=(train.attempt_numbers(layout) or [0])[-1] + 1)
+    if Path(layout.train_attempts).is_dir():  # train/metrics.jsonl: the new lineage's steps
+        train.write_merged(Path(layout.train_attempts), Path(layout.train_metrics),
+                           ckptdir.lineage_first_attempt(layout.checkpoint_dir),
+                           ckptdir.lineage_cuts(layout.checkpoint_dir))
+
+
 def _evaluate(cfg: Config, layout: Layout, args: argparse.Namespace) -> None:
     from hy3rl import evaluate
 
@@ -188,6 +203,8 @@ STAGES: dict[str, tuple[Stage, str]] = {
                   "then the checks (rehearsal/checks.json, rehearsal.json)"),
     "train": (_train, "train on this job's nodes (or this machine), resuming from the "
               "checkpoints (train/done.json)"),
+    "rewind": (_rewind, "go on from the complete checkpoint --step N in a new lineage: the "
+               "checkpoints after it move aside (after the health guard stopped a run)"),
     "evaluate": (_evaluate, "generate one tag's samples (eval/<tag>/samples.jsonl; --tag)"),
     "score": (_score, "grade one tag's samples with both graders (eval/<tag>/scores.jsonl)"),
     "metrics": (_metrics, "one tag's metrics (eval/<tag>/metrics.json; --tag)"),
@@ -214,6 +231,9 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--out", type=Path, default=None, help="write the report files "
                            "there instead of results/<run>/report/: a report of a run still "
                            "going, which leaves the run's own outputs untouched")
+        if name == "rewind":
+            p.add_argument("--step", type=int, default=None, help="the checkpoint step to go "
+                           "on from (the last healthy checkpoint the guard named)")
         if name == "model":
             p.add_argument("--threads", type=int, default=8, help="files transferred or "
                            "hashed in parallel (default 8, as the rule)")

@@ -7,17 +7,13 @@ or ``stop``), the values that crossed the threshold and a one-line message namin
 :func:`last_healthy` names the newest complete checkpoint whose steps passed every ``stop``
 rule. Format and thresholds: docs/formats/train.md "Training health".
 
-How the launcher will call it (not built yet; the launcher does not run the guard today)::
-
-    watcher = Watcher(cfg.train.health)
-    for rec in verl_log.merged_attempts(attempts_dir, since):   # the lineage so far
-        watcher.feed(rec)                                        # baselines, the best so far
-    ...
-    for rec in new lines of this attempt's metrics log:          # as they arrive
-        for event in watcher.feed(rec):
-            warn: notify, record; stop: stop after the next complete save (a non-finite
-            value: at once), record the attempt `unhealthy` with the event and
-            last_healthy(complete checkpoint steps, watcher.events)
+How the launcher (hy3rl.train) calls it: one :class:`Watcher` per attempt, fed the merged
+logs of the lineage so far (baselines, the best so far; their events are history, acted on
+by no one), then wrapped with the watchdog's monitor in a :class:`Guard`, which the launcher
+polls in the monitor's place. The guard feeds the watcher the lines the monitor read, hands
+each new event to the launcher (``warn``: logged, recorded, notified) and ends the attempt
+with outcome ``unhealthy`` on a ``stop`` event: at once for ``nonfinite``, else right after
+the next complete save (the first save step at or after the step where the rule fired).
 
 Semantics:
 
@@ -122,6 +118,12 @@ class _Rule:
     def feed(self, step: int, data: Mapping[str, Any]) -> list[Event]:
         raise NotImplementedError
 
+    def open_from(self) -> int | None:
+        """The earliest ``first_step`` an event of this rule not raised yet could have among
+        the steps fed (a run of crossed values under way, a window that may fall); None
+        when a future event can only start at a step not fed yet."""
+        return None
+
     def _event(self, step: int, metric: str, values: list[tuple[int, float]],
                reference: float | None, what: str) -> Event:
         shown = tuple((s, _shown(v)) for s, v in values)
@@ -170,6 +172,9 @@ class _Consecutive(_Rule):
         v = metric_value(data.get(self.metric))
         return v if v is not None and math.isfinite(v) else None
 
+    def open_from(self) -> int | None:
+        return self.run[0][0] if self.run else None
+
     def feed(self, step: int, data: Mapping[str, Any]) -> list[Event]:
         v = self.finite(data)
         if v is None:
@@ -211,6 +216,13 @@ class _Fall(_Rule):
         super().__init__(name, section)
         self.values: deque[tuple[int, float]] = deque(maxlen=2 * section.window)
         self.firing = False
+
+    def open_from(self) -> int | None:
+        """A later window holds the latest ``window - 1`` values fed."""
+        k = self.section.window - 1
+        if self.section.max_fall is None or k == 0 or not self.values:
+            return None
+        return self.values[-min(k, len(self.values))][0]
 
     def feed(self, step: int, data: Mapping[str, Any]) -> list[Event]:
         v = metric_value(data.get(self.section.metric))
@@ -352,10 +364,19 @@ class Watcher:
         return [e for e in self.events if e.step == step and e not in before]
 
     def _replay(self, records: dict[int, dict[str, Any]]) -> None:
-        self.records, self.events = {}, []
-        self._rules = build_rules(self.health)
+        # built apart, then swapped: a reader in another thread (retention asks for the
+        # last healthy checkpoint) never sees the events half rebuilt
+        fresh = Watcher(self.health)
         for step in sorted(records):
-            self.feed({"step": step, "data": records[step]})
+            fresh.feed({"step": step, "data": records[step]})
+        self.records, self._rules, self.events = fresh.records, fresh._rules, fresh.events
+
+    def open_from(self) -> int | None:
+        """The earliest step from which a ``stop`` rule may still fire over the steps fed
+        (``_Rule.open_from``); None when none can. Retention keeps the checkpoint before it:
+        a run of drift that began before a save may fire after it."""
+        return min((s for r in list(self._rules) if r.action == "stop"
+                    if (s := r.open_from()) is not None), default=None)
 
 
 def watch(health: Health, records: Iterable[Mapping[str, Any]]) -> list[Event]:
@@ -366,11 +387,93 @@ def watch(health: Health, records: Iterable[Mapping[str, Any]]) -> list[Event]:
     return w.events
 
 
-def last_healthy(checkpoint_steps: Iterable[int], events: Iterable[Event]) -> int | None:
+UNHEALTHY = "unhealthy"  # the attempt record's outcome (and exit_reason) of a stop
+
+
+def stopped_when(rule: str, after_save: int | None) -> str:
+    """When the guard stopped the trainer, in words."""
+    if after_save is not None:
+        return f"right after the complete save of step {after_save}"
+    return "at once (" + ("a non-finite value" if rule == "nonfinite"
+                          else "the run saves no checkpoint to wait for") + ")"
+
+
+class Guard:
+    """The watcher beside the watchdog (module doc). ``monitor``: the watchdog's
+    :class:`hy3rl.watchdog.Monitor` (polled first; its ``lines`` are what this feeds);
+    ``on_event(event)``: each new event, as it arrives; ``next_save(step)``: the first save
+    step at or after ``step`` (None: the run does not save); ``is_saved(step)``: whether that
+    checkpoint is complete. After the stop, :attr:`stop` is the event and
+    :attr:`stopped_after_save` the save it waited for (None: stopped at once)."""
+
+    def __init__(self, watcher: Watcher, monitor: Any, *,
+                 on_event: Callable[[Event], None],
+                 next_save: Callable[[int], int | None],
+                 is_saved: Callable[[int], bool]) -> None:
+        self.watcher, self.monitor = watcher, monitor
+        self.on_event, self.next_save, self.is_saved = on_event, next_save, is_saved
+        self.fed = 0
+        self.pending: Event | None = None
+        self.save_step: int | None = None
+        self.stop: Event | None = None
+        self.stopped_after_save: int | None = None
+
+    def start(self) -> None:
+        self.monitor.start()
+
+    def poll(self) -> Any:
+        """The monitor's poll, then the guard's: a ``StopRequest`` (hy3rl.watchdog) with
+        outcome ``unhealthy`` wins over the monitor's own."""
+        from hy3rl.watchdog import StopRequest
+
+        request = self.monitor.poll()
+        self._feed(self.monitor.lines)
+        e = self.pending
+        if e is None or (self.save_step is not None and not self.is_saved(self.save_step)):
+            return request
+        self.stop, self.stopped_after_save = e, self.save_step
+        when = stopped_when(e.rule, self.save_step)
+        return StopRequest(UNHEALTHY, f"{e.message}; the trainer was stopped {when}",
+                           self.monitor.last_step)
+
+    def _feed(self, lines: list[dict[str, Any]]) -> None:
+        for rec in lines[self.fed:]:
+            for event in self.watcher.feed(rec):
+                self.on_event(event)
+                if event.action == "stop" and self.pending is None:
+                    self.pending = event
+                    self.save_step = (None if event.rule == "nonfinite"
+                                      else self.next_save(event.step))
+        self.fed = max(self.fed, len(lines))
+
+    def finish(self) -> bool:
+        """After the trainer ended (whatever ended it): feed the lines the last poll did not
+        see; True when a stop rule fired in this attempt (it is unhealthy, also when the
+        trainer ended before the guard could stop it: then :attr:`stopped_after_save` is
+        the awaited save if it is complete, else None)."""
+        from hy3rl.verl_log import read_metrics
+
+        try:
+            lines = read_metrics(self.monitor.metrics)
+        except Exception:  # a bad line: verl_log names it when the logs are merged
+            lines = self.monitor.lines
+        self._feed(lines)
+        if self.pending is not None and self.stop is None:
+            self.stop = self.pending
+            s = self.save_step
+            self.stopped_after_save = s if s is not None and self.is_saved(s) else None
+        return self.stop is not None
+
+
+def last_healthy(checkpoint_steps: Iterable[int], events: Iterable[Event],
+                 open_from: int | None = None) -> int | None:
     """The newest of ``checkpoint_steps`` (the complete checkpoints) saved before the first
     step of every ``stop`` event's run or window, i.e. whose steps all passed every stop
-    rule; None when there is none. ``warn`` events do not count."""
-    bound = min((e.first_step for e in events if e.action == "stop"), default=None)
+    rule; None when there is none. ``warn`` events do not count. ``open_from``
+    (:meth:`Watcher.open_from`): also before it (the checkpoint retention must keep while
+    a stop rule may still fire over steps already logged)."""
+    firsts = [e.first_step for e in events if e.action == "stop"]
+    bound = min(firsts + ([open_from] if open_from is not None else []), default=None)
     ok = [s for s in checkpoint_steps if bound is None or s < bound]
     return max(ok) if ok else None
 

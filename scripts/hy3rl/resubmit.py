@@ -19,6 +19,9 @@ Contract (docs/formats/train.md):
   nodes are not a loop yet: the job ends for a new allocation instead of restarting in
   its own, and a loop needs the hang on other nodes too. Any other outcome in between
   breaks the chain.
+- An attempt the health guard stopped (outcome ``unhealthy``, hy3rl.health) is never
+  resubmitted: the decision stops with its ``health_stop`` message (the rule, the step,
+  the values, the last healthy checkpoint and how to go on).
 - :func:`decide` for Snakemake's ``attempt`` (1 = the first submission of this job in this
   invocation). Attempt 1 reads nothing and asks SLURM nothing: the dry run and the DAG
   never touch the records or the cluster, and a person's rerun (a new invocation) is never
@@ -444,6 +447,12 @@ def decide(layout: Layout, attempt: int, since: str, *,
     loop = crash_loop(records, layout.train_attempts)
     if stop is None and loop:
         stop = loop
+    sick = next((r for r in reversed(mine) if outcome(r) == "unhealthy"), None)
+    if stop is None and sick is not None:  # the health guard stopped it: never resubmitted
+        health = sick.get("health_stop")
+        message = health.get("message") if isinstance(health, dict) else None
+        stop = str(message or f"attempt {sick['attempt']} was stopped by the health guard "
+                   "(unhealthy)")
     free, no_progress = planned(sorted(mine, key=lambda r: r["attempt"]))
     if free:
         notes.append("the job ended as planned and added a checkpoint: no failed submission")

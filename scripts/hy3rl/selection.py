@@ -187,32 +187,41 @@ def _step_order(c: Mapping[str, Any]) -> float:
     return float("inf") if c.get("step") is None else float(c["step"])
 
 
-def select(candidates: list[dict[str, Any]], rule: Mapping[str, Any] | None = None
-           ) -> dict[str, Any]:
+def select(candidates: list[dict[str, Any]], rule: Mapping[str, Any] | None = None,
+           stop_at: int | None = None) -> dict[str, Any]:
     """The selected candidate of ``candidates`` (``{"tag", "step", "value"}``; value None:
     no held-out result). Highest value wins; a tie (equal within :data:`TIE_REL_TOL`)
-    goes to the earliest step (module docstring: why). Returns ``{"tag", "step", "value",
-    "ties", "missing", "considered", "reason"}``: ``ties`` the other candidates with the
-    winner's value (passed over by the tie rule), ``missing`` the tags without a value,
-    ``considered`` how many had one; ``tag`` None (and ``reason``) when none had."""
+    goes to the earliest step (module docstring: why). ``stop_at``: the first step of a
+    ``stop`` rule that fired in the lineage (:func:`hy3rl.train.health_stop_at`): a
+    checkpoint at or past it (or of an unknown step) was trained through unhealthy steps
+    and is never selected. Returns ``{"tag", "step", "value", "ties", "missing",
+    "considered", "unhealthy", "reason"}``: ``ties`` the other candidates with the winner's
+    value (passed over by the tie rule), ``missing`` the tags without a value,
+    ``considered`` how many had one, ``unhealthy`` the tags passed over for ``stop_at``;
+    ``tag`` None (and ``reason``) when none had."""
     missing = [c["tag"] for c in candidates if c.get("value") is None]
     have = sorted((c for c in candidates if c.get("value") is not None), key=_step_order)
+    past = [] if stop_at is None else [c["tag"] for c in have
+                                        if c.get("step") is None or c["step"] >= stop_at]
+    have = [c for c in have if c["tag"] not in past]
+    unhealthy = (f"; passed over, trained through steps where a stop rule fired (from step "
+                 f"{stop_at}): {', '.join(past)}") if past else ""
     if not have:
         what = f"a held-out {rule_key(rule)}" if rule else "a held-out value"
         why = (f"no candidate has {what} (missing: {', '.join(missing)})" if missing
                else "no checkpoint tag to select from (no eval.steps, no final)")
         return {"tag": None, "step": None, "value": None, "ties": [], "missing": missing,
-                "considered": 0, "reason": why}
+                "considered": 0, "unhealthy": past, "reason": why + unhealthy}
     best = max(c["value"] for c in have)
     tied = [c for c in have
             if math.isclose(c["value"], best, rel_tol=TIE_REL_TOL, abs_tol=1e-12)]
     win = tied[0]  # have is in step order: the earliest of the tied
     reason = (f"highest value {win['value']:.4g}" + (
         f"; tied with {', '.join(c['tag'] for c in tied[1:])}: the earliest step wins"
-        if len(tied) > 1 else ""))
+        if len(tied) > 1 else "")) + unhealthy
     return {"tag": win["tag"], "step": win.get("step"), "value": win["value"],
             "ties": [c["tag"] for c in tied[1:]], "missing": missing, "considered": len(have),
-            "reason": reason}
+            "unhealthy": past, "reason": reason}
 
 
 def candidate_tags(cfg: Config) -> list[str]:
@@ -281,13 +290,15 @@ def selection_doc(rule: Mapping[str, Any], heldout: Mapping[str, Mapping[str, An
                   test: Mapping[str, Mapping[str, Any] | None],
                   boot: Bootstrap | Mapping[str, Any], *,
                   sources: Mapping[str, str] | None = None,
-                  final_step: int | None = None) -> dict[str, Any]:
+                  final_step: int | None = None,
+                  stop_at: int | None = None) -> dict[str, Any]:
     """The selected.json document (docs/formats/eval.md) from documents already read:
     ``heldout`` {model tag: held-out metrics.json or None (not evaluated)} of the candidate
     tags (and ``base``, shown for reference, never a candidate), ``test`` {model tag: the
     test set's metrics.json or None} of ``base``, the candidates and ``final``.
     ``sources``: {"heldout/<tag>" or "<tag>": path} for messages and the document;
-    ``final_step``: final's step when no document records it."""
+    ``final_step``: final's step when no document records it; ``stop_at``: see
+    :func:`select`."""
     boot = _boot(boot)
     sources = dict(sources or {})
     n = next((d.get("n") for d in heldout.values() if isinstance(d, Mapping)), None)
@@ -305,7 +316,7 @@ def selection_doc(rule: Mapping[str, Any], heldout: Mapping[str, Mapping[str, An
             "metrics": sources.get(heldout_tag(tag))})
     cands.sort(key=_step_order)
     cands, duplicate = dedup_final(cands)
-    chosen = select(cands, rule)
+    chosen = select(cands, rule, stop_at)
     if duplicate:
         chosen["reason"] += f"; final is the checkpoint of {duplicate} (one candidate)"
     base = heldout.get("base")
@@ -364,6 +375,7 @@ def selection_doc(rule: Mapping[str, Any], heldout: Mapping[str, Mapping[str, An
             + ("excludes 0: selected and final differ beyond the interval." if differ else
                "includes 0: selected and final do not differ beyond the interval."))
     return {"rule": rule, "selected": chosen, "candidates": cands, "heldout_base": base_row,
+            "health_stop_at": stop_at,
             "test": {"rows": rows, "missing": test_missing,
                      "metrics": {t: sources[t] for t in ("base", sel_tag, "final")
                                  if t and t in sources}},
@@ -389,13 +401,14 @@ def _read(path: Path, missing_ok: bool) -> dict[str, Any] | None:
 
 def run(rule: Select | Mapping[str, Any], *, heldout: Mapping[str, Path],
         test: Mapping[str, Path], out: Path, boot: Bootstrap | Mapping[str, Any],
-        rule_source: str = "preflight/plan.json") -> dict[str, Any]:
+        rule_source: str = "preflight/plan.json", stop_at: int | None = None
+        ) -> dict[str, Any]:
     """``out`` (eval/selected.json, atomically) from the held-out metrics.json of each
     candidate tag (``heldout``: {tag: path}, tags as ``step20`` or ``heldout/step20``;
     ``base`` too, for reference) and the test set's (``test``: {tag: path} of base, the
     candidates and final). Every file must exist. Returns the document. ``boot``:
     ``eval.bootstrap``; ``rule_source``: where the rule was read (the document's
-    ``rule_source``)."""
+    ``rule_source``); ``stop_at``: see :func:`select`."""
     rule_d = as_rule(rule)
     if rule_d is None:
         raise SelectionError("no selection rule (eval.select is null)")
@@ -409,7 +422,7 @@ def run(rule: Select | Mapping[str, Any], *, heldout: Mapping[str, Path],
         tdocs[tag] = _read(path, missing_ok=False)
         sources[tag] = str(path)
     doc = {"rule_source": rule_source,
-           **selection_doc(rule_d, hdocs, tdocs, boot, sources=sources)}
+           **selection_doc(rule_d, hdocs, tdocs, boot, sources=sources, stop_at=stop_at)}
     write_json_atomic(Path(out), doc, indent=1)
     sel = doc["selected"]
     print(f"selection ({doc['rule']['key']} on {doc['rule'].get('set')}): "
@@ -443,8 +456,10 @@ def run_rule(cfg: Config, rule: Mapping[str, Any] | None, *, heldout: Sequence[P
     if rule is None:
         rule, source = as_rule(cfg.eval.select), \
             "config (eval.select; preflight/plan.json holds no selection)"
+    from hy3rl.train import health_stop_at
+
     return run(rule, heldout=tagged(heldout), test=tagged(test), out=out,
-               boot=cfg.eval.bootstrap, rule_source=source)
+               boot=cfg.eval.bootstrap, rule_source=source, stop_at=health_stop_at(layout))
 
 
 def so_far(layout: Layout, cfg: Config, rule: Select | Mapping[str, Any] | None
@@ -470,8 +485,10 @@ def so_far(layout: Layout, cfg: Config, rule: Select | Mapping[str, Any] | None
         metas = [_read(Path(layout.eval_samples_meta(t)), True)
                  for t in (heldout_tag("final"), "final")]
         final_step = tag_step("final", *metas)
+    from hy3rl.train import health_stop_at
+
     doc = selection_doc(rule_d, hdocs, tdocs, cfg.eval.bootstrap, sources=sources,
-                   final_step=final_step)
+                        final_step=final_step, stop_at=health_stop_at(layout))
     done = sum(hdocs[t] is not None for t in tags)
     doc = {"tag": doc["selected"]["tag"], "step": doc["selected"]["step"], **doc}
     doc["progress"] = {"evaluated": done, "expected": len(tags),

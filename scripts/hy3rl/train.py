@@ -13,7 +13,10 @@
    ``pip freeze``) in the attempt record, then run the launcher (``hy3rl.launch``): Ray over
    the job's nodes, one Ray version on the job client and the cluster (recorded; a mismatch
    refuses), ``ray job submit`` of the rendered ``launch.sh`` with this attempt's
-   ``VERL_FILE_LOGGER_PATH``; meanwhile prune old complete checkpoints (retention);
+   ``VERL_FILE_LOGGER_PATH``; meanwhile the watchdog (``hy3rl.watchdog``) and the
+   training-health guard (``hy3rl.health.Guard``: a ``stop`` rule ends the attempt
+   ``unhealthy``, naming the last healthy checkpoint, which retention keeps) watch it, and
+   old complete checkpoints are pruned (retention);
 5. record the attempt, merge every attempt's metrics log (``hy3rl.verl_log``), and, when
    training reached its last step, write the sentinel ``done.json`` last.
 
@@ -32,6 +35,7 @@ import logging
 import os
 import re
 import shutil
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +51,7 @@ from hy3rl.ckptdir import (
     apply_identity,
     check_complete,
     decide_identity,
+    lineage_cuts,
     lineage_first_attempt,
     my_lock_info,
     newest_complete,
@@ -56,6 +61,7 @@ from hy3rl.ckptdir import (
     scan,
 )
 from hy3rl.errors import StageError
+from hy3rl.health import UNHEALTHY, Event, Guard, Watcher, last_healthy, stopped_when
 from hy3rl.layout import ATTEMPT_RE, Layout
 from hy3rl.timefmt import parse, utc_now
 from hy3rl.verl_log import merged_attempts, read_metrics
@@ -82,12 +88,14 @@ class TrainFailed(TrainError):
 # --------------------------------------------------------------------------- metrics
 
 
-def write_merged(attempts_dir: Path, out: Path, since: int = 1) -> int:
+def write_merged(attempts_dir: Path, out: Path, since: int = 1,
+                 cuts: Sequence[tuple[int, int]] = ()) -> int:
     """``out`` (train/metrics.jsonl): the merge of the logs under ``attempts_dir`` of the
     attempts ``since`` and later (the checkpoint directory's lineage,
-    ``hy3rl.ckptdir.lineage_first_attempt``; ``hy3rl.verl_log.merged_attempts``); returns its
+    ``hy3rl.ckptdir.lineage_first_attempt``, with its rewinds' ``cuts``,
+    ``hy3rl.ckptdir.lineage_cuts``; ``hy3rl.verl_log.merged_attempts``); returns its
     number of lines."""
-    merged = merged_attempts(Path(attempts_dir), since)
+    merged = merged_attempts(Path(attempts_dir), since, cuts)
     write_jsonl_atomic(Path(out), merged)
     return len(merged)
 
@@ -144,6 +152,11 @@ class AttemptRecord:
     # The checkpoint selection rule of the plan it ran with (plan.json selection): the first
     # attempt's is the rule fixed before training; the report shows a later change.
     selection: dict[str, Any] | None = None
+    # The training-health guard (hy3rl.health): every event of this attempt's steps, as it
+    # arrived ({rule, step, first_step, action, metric, values, message}), and, when a stop
+    # rule ended it, the stop with the last healthy checkpoint (docs/formats/train.md).
+    health: list[dict[str, Any]] = field(default_factory=list)
+    health_stop: dict[str, Any] | None = None
 
 
 def attempt_numbers(layout: Layout) -> list[int]:
@@ -160,6 +173,29 @@ def load_attempt(layout: Layout, k: int) -> dict[str, Any]:
         return json.loads(path.read_text())
     except ValueError as exc:
         raise TrainError(f"{path}: not valid JSON ({exc})") from None
+
+
+def health_stop_at(layout: Layout) -> int | None:
+    """The first step of the earliest ``stop`` rule that fired in the checkpoint directory's
+    lineage (the ``health`` events of its attempt records; a rewind drops the events past its
+    step): a checkpoint at or past it was trained through unhealthy steps (the selection
+    never picks one, hy3rl.selection). None when none fired, or unreadable records."""
+    ckpt = layout.checkpoint_dir
+    try:
+        since, cuts = lineage_first_attempt(ckpt), lineage_cuts(ckpt)
+        records = [load_attempt(layout, k) for k in attempt_numbers(layout) if k >= since]
+    except StageError as exc:
+        log.warning("health stops unknown: %s", exc)
+        return None
+    firsts = []
+    for rec in records:
+        k = int(rec.get("attempt") or 0)
+        bound = min((n for at, n in cuts if k < at), default=None)
+        for e in rec.get("health") or []:
+            if isinstance(e, dict) and e.get("action") == "stop" and isinstance(
+                    e.get("first_step"), int) and (bound is None or e["first_step"] <= bound):
+                firsts.append(e["first_step"])
+    return min(firsts, default=None)
 
 
 def last_step(lines: list[dict[str, Any]]) -> int | None:
@@ -281,6 +317,9 @@ def after_attempt(rec: Mapping[str, Any], records: Sequence[Mapping[str, Any]], 
         return JobStep(False, True, reason, exclude)
     if outcome in ("refused", "cancelled"):
         return JobStep(False, False, reason, exclude)
+    if outcome == UNHEALTHY:  # the same trainer would only break again: never retried
+        return JobStep(False, False, str((rec.get("health_stop") or {}).get("message")
+                                         or reason), exclude)
     loop = crash_loop(list(records), attempts_dir)
     if loop:
         return JobStep(False, False, loop, exclude)
@@ -401,7 +440,8 @@ def run_metrics(layout: Layout) -> list[dict[str, Any]]:
     when a log cannot be read (the merge after the attempt names the line)."""
     try:
         return merged_attempts(Path(layout.train_attempts),
-                               lineage_first_attempt(layout.checkpoint_dir))
+                               lineage_first_attempt(layout.checkpoint_dir),
+                               lineage_cuts(layout.checkpoint_dir))
     except StageError as exc:
         log.warning("measured times unavailable: %s", exc)
         return []
@@ -547,7 +587,7 @@ def run(train: Train, cluster: Cluster, layout: Layout, *, keep_steps: Protected
                 lost=job.lost, allocation=job.allocation or rec.get("nodes") or [],
                 nodes_needed=cluster.nodes, time_left=time_left(me.job_id),
                 interval=job.restart_need(), attempts_dir=layout.train_attempts)
-            if not step.retry and rec["outcome"] not in ("refused", "cancelled") \
+            if not step.retry and rec["outcome"] not in ("refused", "cancelled", UNHEALTHY) \
                     and not rec.get("disk_full"):
                 rec["crash_loop"] = step.reason
                 write_json_atomic(Path(layout.attempt_record(k)), rec)
@@ -601,6 +641,8 @@ class Job:
     identity_action: str | None = None  # the last attempt's hy3rl.ckptdir decision
     kill_after: int | None = None  # the rehearsal's planned kill (first attempt only)
     rehearsed: Mapping[str, Any] | None = None  # the runtime identity the rehearsal passed in
+    watcher: Watcher | None = None  # the health guard's, of the attempt running now
+    hooks: list[threading.Thread] = field(default_factory=list)  # warn notifications
 
     @property
     def identity(self) -> dict[str, Any]:
@@ -614,6 +656,103 @@ class Job:
     def since(self) -> int:
         """The first attempt of the checkpoint directory's lineage (metrics merge)."""
         return lineage_first_attempt(self.layout.checkpoint_dir)
+
+    def cuts(self) -> list[tuple[int, int]]:
+        """The lineage's rewinds (metrics merge: hy3rl.ckptdir.lineage_cuts)."""
+        return lineage_cuts(self.layout.checkpoint_dir)
+
+    # ---------------------------------------------------------------- the health guard
+
+    def lineage_watcher(self) -> Watcher:
+        """``train.health``'s watcher fed the lineage's merged logs so far (baselines, the
+        best so far; their events are history: nothing acts on them)."""
+        watcher = Watcher(self.train.health)
+        for line in run_metrics(self.layout):
+            watcher.feed(line)
+        return watcher
+
+    def last_healthy(self) -> int | None:
+        """The newest complete checkpoint whose steps passed every stop rule
+        (hy3rl.health.last_healthy over the watcher's events); None without a watcher."""
+        if self.watcher is None:
+            return None
+        steps = [c.step for c in scan(self.layout.checkpoint_dir) if c.complete]
+        return last_healthy(steps, list(self.watcher.events))
+
+    def protected(self) -> list[int]:
+        """What retention keeps besides the newest: ``keep_steps`` (evaluation's) and the
+        last healthy checkpoint once a stop rule fired in this lineage (kept until a later
+        checkpoint is healthy: the rule's steps leave the lineage by a rewind), or while one
+        may still fire over steps already logged (a run of crossed values under way: it may
+        fire after the next save, its first step before it)."""
+        keep = set(self.keep_steps() if callable(self.keep_steps) else self.keep_steps)
+        w = self.watcher
+        if w is None:
+            return sorted(keep)
+        events, opened = list(w.events), w.open_from()
+        if opened is not None or any(e.action == "stop" for e in events):
+            steps = [c.step for c in scan(self.layout.checkpoint_dir) if c.complete]
+            best = last_healthy(steps, events, opened)
+            if best is not None:
+                keep.add(best)
+        return sorted(keep)
+
+    def on_health(self, record: Path, event: Event) -> None:
+        """An event of this attempt: in its record at once; a ``warn`` logged and passed to
+        ``train.notify_command`` (the record's path appended, as hy3rl.notify runs it)."""
+        self.rec.setdefault("health", []).append(dataclasses.asdict(event))
+        write_json_atomic(record, self.rec)
+        (log.warning if event.action == "warn" else log.error)("%s", event.message)
+        if event.action == "warn" and self.train.notify_command:
+            from hy3rl.notify import run_hook
+
+            hook = threading.Thread(target=run_hook, daemon=True, name="health-notify",
+                                    args=(self.train.notify_command, record.resolve(),
+                                          Path(self.layout.log("notify"))))
+            hook.start()
+            self.hooks.append(hook)
+
+    def health_stop(self, event: Event, after_save: int | None,
+                    ended: str | None = None) -> dict[str, Any]:
+        """The record's ``health_stop``: the event, the last healthy checkpoint and how to go
+        on from it (docs/formats/train.md "Training health"). ``ended``: how the trainer
+        ended, when not by the guard's stop."""
+        ckpt = self.layout.checkpoint_dir
+        best = self.last_healthy()
+        stopped = ended or f"the trainer was stopped {stopped_when(event.rule, after_save)}"
+        if best is None:
+            where = "none (no complete checkpoint was saved before the rule's first step)"
+            how = ("start afresh under a changed configuration: train.on_config_change: "
+                   "fresh (moves the checkpoints aside, nothing deleted)")
+        else:
+            where = f"step {best} ({ckpt / f'global_step_{best}'})"
+            how = (f"to go on from step {best} in a new lineage: `hy3rl rewind --step {best} "
+                   "--configfile <the run's config files>` (the checkpoints after it move "
+                   "aside to superseded-<time>/, nothing deleted), then change the "
+                   "configuration (what the rule points at: e.g. a lower learning rate, a "
+                   "larger KL coefficient) with train.on_config_change: resume, and run the "
+                   "workflow again")
+        values = ", ".join(f"{v}@{s}" for s, v in event.values)
+        message = (f"unhealthy: health rule {event.rule} ({event.metric}) fired at step "
+                   f"{event.step} (from step {event.first_step}; values {values}); "
+                   f"{stopped}; last healthy checkpoint: {where}; {how}")
+        return {**dataclasses.asdict(event), "stopped_after_save": after_save,
+                "last_healthy_step": best,
+                "last_healthy_checkpoint": None if best is None
+                else str(ckpt / f"global_step_{best}"),
+                "how_to_go_on": how, "message": message, "event_message": event.message}
+
+    def check_healthy_start(self, start: int) -> None:
+        """Refuse to resume from a checkpoint trained through steps where a stop rule fired
+        (a rerun after an ``unhealthy`` stop, without a rewind), naming the way on."""
+        assert self.watcher is not None
+        broken = [e for e in self.watcher.events if e.action == "stop" and e.first_step <= start]
+        if broken:
+            stop = self.health_stop(broken[0], None)
+            raise TrainError(f"the newest complete checkpoint, step {start}, was trained "
+                             f"through steps where {broken[0].message}; last healthy "
+                             f"checkpoint: step {stop['last_healthy_step']}; "
+                             f"{stop['how_to_go_on']}")
 
     def check_identity(self, k: int) -> list[str]:
         """Before attempt ``k`` starts the trainer: the checkpoint directory's identity
@@ -682,6 +821,8 @@ class Job:
             log.info("training already reached step %d (this job's last step %d, total %d): "
                      "nothing to launch", start, self.target, self.total)
             return None
+        self.watcher = self.lineage_watcher()
+        self.check_healthy_start(start)
         if self.runtime is None:
             runtime: dict[str, Any] = dict(launch.resolve_runtime(train.runtime))
             runtime["identity"] = runtime_id.identify(runtime["prefix"], runtime["python"],
@@ -727,6 +868,10 @@ class Job:
             deadline=Deadline(lambda: time_left(me.job_id)), ckpt_dir=ckpt, start_step=start,
             kill_after=self.kill_after)
         self.kill_after = None  # planned for the first attempt only
+        guard = Guard(self.watcher, monitor,
+                      on_event=lambda event: self.on_health(record, event),
+                      next_save=lambda s: self.schedule().next_save(s - 1),
+                      is_saved=monitor.is_saved)
         spec = launch.LaunchSpec(
             submission_id=sub_id, launch_script=self.launch_script,
             runtime_env=self.runtime_env, log_dir=log_dir,
@@ -737,10 +882,10 @@ class Job:
                                    | set(train.ray_env_passthrough)),
             nodes=cluster.nodes, gpus_per_node=cluster.gpus_per_node,
             cpus_per_node=cluster.cpus_per_node, ray=train.ray, runtime=train.runtime,
-            exclude=list(self.lost), monitor=monitor, poll_s=wd.poll_s,
+            exclude=list(self.lost), monitor=guard, poll_s=wd.poll_s,
             node_logs_mb=train.node_logs_mb)
         spec.env_vars.update(self.wandb_env())
-        pruner = Pruner(ckpt, train.checkpoint_keep, self.keep_steps, train.prune_interval_s)
+        pruner = Pruner(ckpt, train.checkpoint_keep, self.protected, train.prune_interval_s)
         pruner.start()
         signal_outcome: list[str] = []
         try:
@@ -754,7 +899,9 @@ class Job:
             pruner.join(timeout=30)
         if result.ray_versions:
             rec["runtime"]["ray"] = result.ray_versions
-        removed = prune(ckpt, train.checkpoint_keep, self.keep_steps)
+        # the lines the last poll did not see: a stop rule that fired as the trainer ended
+        sick = guard.finish() and result.outcome != "planned_kill"
+        removed = prune(ckpt, train.checkpoint_keep, self.protected)
         best = newest_complete(scan(ckpt))
         self.end_step = best.step if best else None
         outcome = signal_outcome[0] if result.outcome == "signal" and signal_outcome \
@@ -762,9 +909,19 @@ class Job:
         close_record(rec, layout, self.end_step, result.reason, result.exit_code)
         rec["timing"] = monitor.timing()
         self.describe(rec, outcome, result, log_dir)
+        if sick and guard.stop is not None:
+            ended = None if outcome == UNHEALTHY else (
+                f"the trainer ended ({outcome}: {result.reason}) before the guard stopped it")
+            rec["outcome"] = rec["exit_reason"] = outcome = UNHEALTHY
+            rec["health_stop"] = self.health_stop(guard.stop, guard.stopped_after_save, ended)
+            log.error("attempt %d: %s", k, rec["health_stop"]["message"])
+        for hook in self.hooks:
+            hook.join(timeout=1)
+        self.hooks = [h for h in self.hooks if h.is_alive()]
         rec["wandb"] = self.wandb_record(spec.env_vars, log_dir / "driver.log")
         write_json_atomic(record, rec)
-        n = write_merged(Path(layout.train_attempts), self.metrics, self.since())
+        n = write_merged(Path(layout.train_attempts), self.metrics, self.since(),
+                         self.cuts())
         log.info("attempt %d: %s (%s, exit %s); newest complete checkpoint %s; %s steps lost; "
                  "%d merged metric lines; pruned %s", k, rec["exit_reason"], outcome,
                  result.exit_code, self.end_step, rec["steps_lost"], n,
@@ -862,12 +1019,14 @@ class Job:
         rec["outcome"] = "cancelled" if isinstance(exc, KeyboardInterrupt) else "launcher_error"
         write_json_atomic(Path(self.layout.attempt_record(rec["attempt"])), rec)
         with contextlib.suppress(Exception):
-            write_merged(Path(self.layout.train_attempts), self.metrics, self.since())
+            write_merged(Path(self.layout.train_attempts), self.metrics, self.since(),
+                         self.cuts())
 
     def finish(self, sentinel: Path) -> None:
         """Training reached this job's last step: merge, then the sentinel, written last."""
         best = newest_complete(scan(self.layout.checkpoint_dir))
-        write_merged(Path(self.layout.train_attempts), self.metrics, self.since())
+        write_merged(Path(self.layout.train_attempts), self.metrics, self.since(),
+                         self.cuts())
         write_done(self.layout, best.step if best else 0, self.total, sentinel, self.metrics,
                    trajectory_id=self.trajectory_id, this_job=self.attempts,
                    since=self.since())

@@ -94,9 +94,20 @@ def attempt_logs(attempts_dir: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def merged_attempts(attempts_dir: Path, since: int = 1) -> list[dict[str, Any]]:
+def merged_attempts(attempts_dir: Path, since: int = 1,
+                    cuts: Iterable[tuple[int, int]] = ()) -> list[dict[str, Any]]:
     """The logs of attempts ``since`` and later under ``attempts_dir``, merged (``since``:
     the first attempt of the checkpoint directory's lineage, ``hy3rl.ckptdir``: the attempts
-    before a ``fresh`` start trained other checkpoints)."""
-    return merge_metrics(read_metrics(p) for p in attempt_logs(attempts_dir)
-                         if int(ATTEMPT_METRICS_RE.match(p.name).group(1)) >= since)
+    before a ``fresh`` start trained other checkpoints). ``cuts``: ``(attempt k, step N)``
+    pairs (``hy3rl.ckptdir.lineage_cuts``: a rewind to step N before attempt k): the logs of
+    attempts before k keep their steps up to N only."""
+    cuts = list(cuts)
+    out = []
+    for p in attempt_logs(attempts_dir):
+        k = int(ATTEMPT_METRICS_RE.match(p.name).group(1))
+        if k < since:
+            continue
+        bound = min((n for at, n in cuts if k < at), default=None)
+        lines = read_metrics(p)
+        out.append(lines if bound is None else [r for r in lines if r["step"] <= bound])
+    return merge_metrics(out)

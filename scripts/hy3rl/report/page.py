@@ -205,6 +205,50 @@ def failed_attempts(found: Found) -> list[dict[str, Any]]:
             for a in found.attempts if a.failed]
 
 
+def _threshold(section: Any) -> str:
+    """A health rule's threshold band in words (its section's fields, hy3rl.settings)."""
+    skip = {"action", "metric", "metrics"}
+    return ", ".join(f"{k} {v}" for k, v in asdict(section).items()
+                     if k not in skip and v is not None) or "any non-finite value"
+
+
+def health_view(found: Found) -> dict[str, Any]:
+    """The health panel: ``train.health``'s rules each with its metric(s), action, threshold
+    band and the steps where it fired, over the lineage's merged metrics (the rules of this
+    config, hy3rl.health.watch); the events; the last healthy checkpoint (the newest
+    complete checkpoint in the checkpoint directory before every stop rule's first step);
+    and the stops the launcher recorded (attempt records ``health_stop``)."""
+    from hy3rl import ckptdir
+    from hy3rl.health import last_healthy, watch
+
+    health = found.cfg.train.health
+    events = watch(health, ({"step": s, "data": found.metrics[s]}
+                            for s in sorted(found.metrics)))
+    rules = []
+    for name, section in health.rules():
+        metrics = section.metrics if hasattr(section, "metrics") else [section.metric]
+        fired = [e for e in events if e.rule == name]
+        rules.append({"rule": name, "action": section.action, "metrics": ", ".join(metrics),
+                      "threshold": _threshold(section),
+                      "fired": ", ".join(f"step {e.step}" for e in fired) or "never"})
+    try:
+        complete = [c.step for c in ckptdir.scan(found.layout.checkpoint_dir) if c.complete]
+    except OSError:
+        complete = []
+    best = last_healthy(complete, events)
+    stopped = any(e.action == "stop" for e in events)
+    if best is None:
+        healthy = "none" + (" (no complete checkpoint before the first stop rule's steps)"
+                            if stopped and complete else " (no complete checkpoint)")
+    else:
+        healthy = f"step {best}" + ("" if stopped else " (no stop rule fired: the newest)")
+    recorded = [{"attempt": a.attempt, "message": a.raw["health_stop"].get("message")}
+                for a in found.attempts if a.attempt >= found.first_attempt
+                and isinstance(a.raw.get("health_stop"), Mapping)]
+    return {"rules": rules, "events": [asdict(e) for e in events], "last_healthy": healthy,
+            "last_healthy_step": best, "stops": recorded, "steps": len(found.metrics)}
+
+
 def wandb_runs(found: Found) -> list[dict[str, Any]]:
     """The W&B runs the attempt records name (``wandb``; one for a whole training run), in
     order: run id, project, the attempts that logged there, and the run page's URL when an
@@ -611,6 +655,7 @@ def render(found: Found, redact: Redactor, env: Mapping[str, str], figs: Mapping
         attempts=att_rows,
         att_header=ATTEMPT_HEADER,
         failed=failed_attempts(found),
+        health=health_view(found),
         wandb=wandb_runs(found),
         identity_notes=found.identity_notes,
         trajectory=((found.identity or {}).get("trajectory") or {}).get("id"),
