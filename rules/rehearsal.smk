@@ -83,6 +83,7 @@ if rehearsal_enabled():
             launch=ancient(REHEARSAL_LAYOUT.preflight_launch),
             model=ancient(LAYOUT.rehearsal_model),
             val=ancient(LAYOUT.data_val),
+            train=ancient(LAYOUT.data_train),
             runtime_env=ancient(LAYOUT.deps_runtime_env),
         output:
             record=LAYOUT.rehearsal_record,
