@@ -449,10 +449,15 @@ def _torch_load(path: Path) -> Any:
 
     if not Path(path).is_file():
         raise RehearsalError(f"{path}: absent")
-    try:  # plain containers and tensors only; a class verl or Megatron pickled needs them
+    try:  # plain containers and tensors only
         return torch.load(path, map_location="cpu", weights_only=True)
-    except (RuntimeError, pickle.UnpicklingError, OSError, EOFError) as exc:
-        raise RehearsalError(f"{path}: unreadable ({str(exc).splitlines()[0][:200]})") from None
+    except (RuntimeError, pickle.UnpicklingError, OSError, EOFError):
+        pass
+    try:  # as verl and Megatron load them (the trainer wrote them for this run)
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as exc:  # a class only the training runtime has, a truncated file
+        raise RehearsalError(f"{path}: unreadable ({type(exc).__name__}: "
+                             f"{(str(exc).splitlines() or [''])[0][:200]})") from None
 
 
 def read_state(rl: Layout, model: Path | None) -> dict[str, Any]:
