@@ -540,19 +540,47 @@ def test_an_export_unlike_the_input_fails_the_updated_check(tmp_path, monkeypatc
 
     rl = _double_saves(tmp_path, monkeypatch, tiny_hy3_dir)
     hf = rl.checkpoint_hf_model(3)
-    shard = next(p for p in sorted(hf.glob("*.safetensors"))
-                 if "model.norm.weight" in load_file(p))
-    tensors = load_file(shard)
-    tensors["model.norm.weight"] = tensors["model.norm.weight"].float()
-    del tensors[next(k for k in tensors if k != "model.norm.weight")]
-    save_file(tensors, shard)
+    for name, change in (("model.norm.weight", "float"), ("model.layers.0.mlp.down_proj.weight",
+                                                          "drop")):
+        shard = next(p for p in sorted(hf.glob("*.safetensors")) if name in load_file(p))
+        tensors = load_file(shard)
+        if change == "float":
+            tensors[name] = tensors[name].float()
+        else:
+            del tensors[name]
+        save_file(tensors, shard)
     detail = _state_failed(rl, tiny_hy3_dir)["updated"]
-    assert "step 3's export lacks 1 tensor(s): " in detail
+    assert "step 3's export lacks 1 tensor(s): model.layers.0.mlp.down_proj.weight" in detail
     assert re.search(r"model\.norm\.weight: input \(\d+,\) torch\.bfloat16, step 3: \(\d+,\) "
                      r"torch\.float32", detail), detail
     for shard in hf.glob("*.safetensors"):  # step 3's export gone: named, not a pass
         shard.unlink()
     assert _state_failed(rl, tiny_hy3_dir)["updated"] == f"{hf}: no safetensors file"
+
+
+def test_exports_without_the_mtp_layer_pass_the_updated_check(tmp_path, monkeypatch,
+                                                               tiny_hy3_dir) -> None:
+    """verl@220e903 builds no MTP layer unless actor_rollout_ref.model.mtp.enable (the
+    paper's recipe leaves it off): its HF export lacks the MTP tensors, and that is no
+    failure; a missing tensor elsewhere is (test above)."""
+    from safetensors.torch import load_file, save_file
+
+    rl = _double_saves(tmp_path, monkeypatch, tiny_hy3_dir)
+    layers = json.loads((tiny_hy3_dir / "config.json").read_text())["num_hidden_layers"]
+    gone = 0
+    for step in (2, 3):
+        for shard in sorted(rl.checkpoint_hf_model(step).glob("*.safetensors")):
+            tensors = load_file(shard)
+            kept = {k: v for k, v in tensors.items()
+                    if not k.startswith(f"model.layers.{layers}.")}
+            gone += len(tensors) - len(kept)
+            save_file(kept, shard)
+    checks = {c.name: c for c in rh.check_records(_records(state=rh.read_state(
+        rl, tiny_hy3_dir)))}
+    assert checks["updated"].status == "pass", checks["updated"].detail
+    assert f"; {gone // 2} MTP tensors of the input not exported (verl builds no MTP layer " \
+        "without actor_rollout_ref.model.mtp.enable); " in checks["updated"].detail
+    assert gone > 0
 
 
 def test_a_data_order_restarted_at_the_resume_fails_resumed_data(tmp_path, monkeypatch,

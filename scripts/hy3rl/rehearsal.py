@@ -377,9 +377,17 @@ def weight_changes(model: Path, before: Path, after: Path) -> dict[str, Any]:
                  (("input", model), ("before", before), ("after", after))}
     except (OSError, ValueError, KeyError, SafetensorError) as exc:
         raise RehearsalError(f"cannot read the weights to compare: {exc}") from None
+    def is_mtp(name: str) -> bool:
+        m = LAYER_INDEX.match(name)
+        return bool(m) and int(m.group(1)) >= layers
+
     problems = []
+    # verl@220e903 (megatron_utils.check_mtp_config) builds no MTP layer unless
+    # actor_rollout_ref.model.mtp.enable: the exports may lack the input's MTP tensors
+    mtp_absent = sorted({n for n in files["input"] if is_mtp(n)
+                         and not all(n in files[w] for w in ("before", "after"))})
     for which, step in (("before", KILL_AFTER), ("after", TOTAL)):
-        missing = sorted(set(files["input"]) - set(files[which]))
+        missing = sorted(set(files["input"]) - set(files[which]) - set(mtp_absent))
         extra = sorted(set(files[which]) - set(files["input"]))
         for what, names in (("lacks", missing), ("has, unlike the input,", extra)):
             if names:
@@ -405,14 +413,13 @@ def weight_changes(model: Path, before: Path, after: Path) -> dict[str, Any]:
                 problems.append(f"{name}: input {tuple(ref.shape)} {ref.dtype}, "
                                 + ", ".join(unlike))
                 continue
-            m = LAYER_INDEX.match(name)
             kind = ("fixed" if FIXED_TENSOR.search(name) else
-                    "mtp" if m and int(m.group(1)) >= layers else "trained")
+                    "mtp" if is_mtp(name) else "trained")
             tensors[name] = {"kind": kind, "numel": ref.numel(), "ndim": ref.dim(),
                              "vs_before": int((_bits(a) != _bits(b)).sum()),
                              "vs_input": int((_bits(a) != _bits(ref)).sum())}
     return {"model": str(model), "before": str(before), "after": str(after),
-            "problems": problems, "tensors": tensors}
+            "problems": problems, "tensors": tensors, "mtp_absent": mtp_absent}
 
 
 def data_position(path: Path) -> int:
@@ -491,7 +498,8 @@ def _check_updated(state: Mapping[str, Any]) -> Check:
     """Step 3's export against step 2's and the input's: the input's inventory (names, shapes,
     dtypes); every trained matrix (``ndim`` >= 2, not fixed, not MTP) changed against both;
     every fixed tensor (the expert bias) bit-identical to both. 1-D trained tensors (norm
-    weights near 1.0, where one bf16 step is 2^-8) and MTP tensors are counted, not required."""
+    weights near 1.0, where one bf16 step is 2^-8) and MTP tensors are counted, not required;
+    MTP tensors may be absent from the exports (counted)."""
     w = state.get("weights") or {"error": "not read"}
     if "error" in w:
         return Check.of("updated", [str(w["error"])], "")
@@ -525,6 +533,9 @@ def _check_updated(state: Mapping[str, Any]) -> Check:
     figures.append(f"1-D {sum(1 for n in vectors if t[n]['vs_before'])} of {len(vectors)} and "
                    f"MTP {sum(1 for n in mtp if t[n]['vs_before'])} of {len(mtp)} changed "
                    f"against step {KILL_AFTER}")
+    if w.get("mtp_absent"):
+        figures.append(f"{len(w['mtp_absent'])} MTP tensors of the input not exported (verl "
+                       "builds no MTP layer without actor_rollout_ref.model.mtp.enable)")
     figures.append(f"{len(fixed) - len(moved)} of {len(fixed)} expert biases bit-identical")
     return Check.of("updated", problems, f"step {TOTAL}'s export: " + "; ".join(figures))
 
