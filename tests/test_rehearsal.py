@@ -328,9 +328,24 @@ def test_rehearsal_plan_of_the_paper_run_against_real_pinned_verl(tmp_path: Path
     assert red["actor_rollout_ref.actor.megatron.pipeline_model_parallel_size"] == ("16", "1")
     assert red["actor_rollout_ref.rollout.tensor_model_parallel_size"] == ("16", "1")
     assert red["reward.reward_kwargs.overlong_buffer_cfg.len"] == ("4096", "256")
+    # raised so that one step moves bf16 weights (check updated), listed as a reduction
+    assert red["actor_rollout_ref.actor.optim.lr"] == ("1e-6", "0.0001")
     assert "actor_rollout_ref.actor.megatron.expert_model_parallel_size" not in red  # EP 8
     assert doc["effective"]["trainer.total_training_steps"] == 3
     assert doc["effective"]["trainer.save_freq"] == 1
+    # the reward probe (check reward_path) through the pinned verl's own reward manager, as
+    # the plan configures it, with the rehearsal model's tokenizer: DAPO, math_dapo's scorer
+    import sys
+
+    from hy3rl import reward_probe
+
+    res = reward_probe.probe(doc, model_dir=Path(layout.rehearsal_model),
+                             train_files=_train_parquet(tmp_path / "probe.parquet"),
+                             python=[sys.executable])
+    assert res["status"] == "pass", res
+    assert res["detail"] == ("training row 0 (math_dapo, ground truth '34') through "
+                             "DAPORewardManager (dapo): correct 1 (acc True), wrong -1 (acc "
+                             "False)")
 
 
 def test_the_reports_row_says_what_the_rehearsal_did() -> None:
