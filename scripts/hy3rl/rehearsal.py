@@ -11,16 +11,19 @@ watchdog):
 1. :func:`derive`: the run's own config scaled to one node and a small Hy3 of the real layer
    kinds (``rehearsal.model``, built by rule rehearsal_model): ``cluster.nodes`` 1,
    ``rehearsal.env`` over ``train.env`` and ``rehearsal.verl_overrides`` over
-   ``train.verl_overrides``, :data:`TOTAL` steps saved at every step;
+   ``train.verl_overrides``, :data:`TOTAL` steps saved at every step, the actor's learning
+   rate raised (``rehearsal.env`` ``ACTOR_LR``) so that the update shows in bf16 weights;
 2. :func:`plan` (rule rehearsal_plan): preflight itself on that config, verl's validators and
    every rule included, into ``rehearsal/preflight/``; the plan lists each reduction against
    the run's own plan (``rehearsal.reductions``);
 3. :func:`run` (rule rehearsal, one node): trains steps 1 and 2 with a save at each, kills
    the trainer once step 2's checkpoint is complete (the watchdog's planned kill), resumes
    in a new attempt for step 3, then generates with ``eval.backend`` in the training
-   runtime on step 3's HF weights; then :func:`check_records` checks the records, not the
-   exit codes: ``rehearsal/checks.json`` always, ``rehearsal/rehearsal.json`` (the gate of
-   the train jobs) only when every check passed.
+   runtime on step 3's HF weights and probes verl's reward manager there
+   (hy3rl.reward_probe); then :func:`check_records` checks the records and what the
+   checkpoints hold (:func:`read_state`: the update, the resumed data position and optimizer
+   step count), not the exit codes: ``rehearsal/checks.json`` always,
+   ``rehearsal/rehearsal.json`` (the gate of the train jobs) only when every check passed.
 """
 
 from __future__ import annotations
