@@ -3,7 +3,8 @@
 # the real layer kinds (rule rehearsal_model) is trained with the run's own plan scaled to
 # one node (rule rehearsal_plan: preflight itself on it), through the training launcher:
 # two steps saved, a kill, a resume for one more step, a generation with eval.backend in
-# the training runtime; then its records are checked. The train jobs take rehearsal.json
+# the training runtime, verl's reward manager probed on a training prompt (data/train.parquet)
+# in that runtime; then its records and checkpoints are checked. The train jobs take rehearsal.json
 # (written only when every check passed) as an input: a failed rehearsal stops the run
 # before the training job is submitted.
 #
@@ -83,6 +84,7 @@ if rehearsal_enabled():
             launch=ancient(REHEARSAL_LAYOUT.preflight_launch),
             model=ancient(LAYOUT.rehearsal_model),
             val=ancient(LAYOUT.data_val),
+            train=ancient(LAYOUT.data_train),
             runtime_env=ancient(LAYOUT.deps_runtime_env),
         output:
             record=LAYOUT.rehearsal_record,

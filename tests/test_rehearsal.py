@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -44,10 +45,16 @@ def test_derive_scales_the_run_to_one_node_and_lists_nothing_it_hides(tmp_path: 
     assert cfg.rehearsal.env["ACTOR_PP"] == 1 and cfg.rehearsal.env["TRAIN_BATCH_SIZE"] == 16
     assert r.train.env == {**cfg.train.env, **cfg.rehearsal.env, "SAVE_FREQ": 1,
                            "TEST_FREQ": 3}
-    # the run's own overrides stay (the paper's lr), the rehearsal's win on a shared key
-    assert r.train.verl_overrides == {"actor_rollout_ref.actor.optim.lr": 2e-6,
+    # the run's own overrides stay, the rehearsal's win on a shared key; the actor's lr is
+    # the rehearsal's raised one (ACTOR_LR) even where the run sets it by an override
+    assert cfg.rehearsal.env["ACTOR_LR"] == 1e-4
+    assert r.train.verl_overrides == {"actor_rollout_ref.actor.optim.lr": 1e-4,
                                       "trainer.experiment_name": "paper-rehearsal",
                                       "++reward.reward_kwargs.overlong_buffer_cfg.len": 256}
+    own = make_config(train={"verl_overrides": {"++actor_rollout_ref.actor.optim.lr": 2e-6}},
+                      rehearsal={"verl_overrides": {"actor_rollout_ref.actor.optim.lr": 3e-5}})
+    assert rh.derive(own, Layout.from_config(own)).train.verl_overrides[
+        "++actor_rollout_ref.actor.optim.lr"] == 2e-6  # the rehearsal's own override decides
     assert r.model.path == os.path.abspath(layout.rehearsal_model)
     assert r.train.on_config_change == "fresh" and r.train.restarts_per_job == 0
     assert r.train.watchdog.poll_s == 1.0 and r.train.watchdog.startup_min == 30.0
@@ -102,6 +109,23 @@ def _sample(i: int, finish_reason: str | None, num_tokens: int) -> dict:
             "finish_reason": finish_reason}
 
 
+# What read_state gives for a good rehearsal (weight_changes, data_position, optimizer_steps
+# on real checkpoints: the tests at the end of this file), and a reward probe that passed.
+GOOD_STATE = {
+    "weights": {"model": "m", "before": "b", "after": "a", "problems": [], "tensors": {
+        "model.embed_tokens.weight": {"kind": "trained", "numel": 8, "ndim": 2,
+                                      "vs_before": 6, "vs_input": 8},
+        "model.layers.1.mlp.expert_bias": {"kind": "fixed", "numel": 4, "ndim": 1,
+                                           "vs_before": 0, "vs_input": 0},
+        "model.norm.weight": {"kind": "trained", "numel": 2, "ndim": 1, "vs_before": 0,
+                              "vs_input": 2},
+        "model.layers.3.eh_proj.weight": {"kind": "mtp", "numel": 4, "ndim": 2,
+                                          "vs_before": 0, "vs_input": 0}}},
+    "data": {2: 2, 3: 3}, "optimizer": {2: 2, 3: 3}}
+GOOD_REWARD = {"status": "pass", "detail": "training row 0 (math_dapo, ground truth '34') "
+               "through DAPORewardManager (dapo): correct 1 (acc True), wrong -1 (acc False)"}
+
+
 def _records(**change) -> rh.Records:
     """The records of a rehearsal that passed (attempt 1 killed after step 2's save, attempt
     2 resumed for step 3, eight samples); ``change`` replaces fields."""
@@ -121,7 +145,7 @@ def _records(**change) -> rh.Records:
         samples=[_sample(i, "length" if i % 3 else "stop", 4 if i % 3 else 2)
                  for i in range(8)],
         samples_meta={"status": "complete", "backend": "vllm", "seconds": 41.0},
-        expected_samples=8)
+        expected_samples=8, state=GOOD_STATE, reward_path=GOOD_REWARD)
     base.update(change)
     return rh.Records(**base)
 
@@ -304,9 +328,24 @@ def test_rehearsal_plan_of_the_paper_run_against_real_pinned_verl(tmp_path: Path
     assert red["actor_rollout_ref.actor.megatron.pipeline_model_parallel_size"] == ("16", "1")
     assert red["actor_rollout_ref.rollout.tensor_model_parallel_size"] == ("16", "1")
     assert red["reward.reward_kwargs.overlong_buffer_cfg.len"] == ("4096", "256")
+    # raised so that one step moves bf16 weights (check updated), listed as a reduction
+    assert red["actor_rollout_ref.actor.optim.lr"] == ("1e-6", "0.0001")
     assert "actor_rollout_ref.actor.megatron.expert_model_parallel_size" not in red  # EP 8
     assert doc["effective"]["trainer.total_training_steps"] == 3
     assert doc["effective"]["trainer.save_freq"] == 1
+    # the reward probe (check reward_path) through the pinned verl's own reward manager, as
+    # the plan configures it, with the rehearsal model's tokenizer: DAPO, math_dapo's scorer
+    import sys
+
+    from hy3rl import reward_probe
+
+    res = reward_probe.probe(doc, model_dir=Path(layout.rehearsal_model),
+                             train_files=_train_parquet(tmp_path / "probe.parquet"),
+                             python=[sys.executable])
+    assert res["status"] == "pass", res
+    assert res["detail"] == ("training row 0 (math_dapo, ground truth '34') through "
+                             "DAPORewardManager (dapo): correct 1 (acc True), wrong -1 (acc "
+                             "False)")
 
 
 def test_the_reports_row_says_what_the_rehearsal_did() -> None:
@@ -433,3 +472,274 @@ def test_the_silent_failures_fail_by_name_as_read_back_from_the_record_files(
     assert checks["finish_reasons"].detail.startswith(
         "8 of 8 sample(s) with a finish reason other than stop or length (null: 7, "
         "\"abort\": 1); first: sample 0 (problem 'p0', index 0): None")
+
+
+# ------------------------------------------- the update, the resume's state, the reward path
+
+
+def test_good_records_record_the_figures_of_the_state_and_reward_checks() -> None:
+    checks = {c.name: c for c in rh.check_records(_records())}
+    assert checks["updated"].detail == (
+        "step 3's export: against step 2 1 of 1 trained matrices changed (75.0% of their "
+        "elements); against the input 1 of 1 trained matrices changed (100.0% of their "
+        "elements); 1-D 0 of 1 and MTP 0 of 1 changed against step 2; 1 of 1 expert biases "
+        "bit-identical")
+    assert checks["resumed_data"].detail == (
+        "train batches the dataloader had yielded (verl's data.pt, the StatefulDataLoader "
+        "state): global_step_2 2, global_step_3 3 (1 a step)")
+    assert checks["resumed_optimizer"].detail.startswith(
+        "optimizer steps (lr_scheduler.num_steps in the optimizer checkpoint's common.pt): "
+        "global_step_2 2, global_step_3 3")
+    assert checks["reward_path"].detail == GOOD_REWARD["detail"]
+
+
+def _double_saves(tmp_path: Path, monkeypatch, source: Path, faults: dict | None = None,
+                  resumed_at: int = 0) -> Layout:
+    """Steps 2 and 3 saved by the trainer double (its HF export "trained" from ``source``,
+    data.pt, the optimizer's common.pt) in a rehearsal layout's checkpoint directory; step 3
+    by an attempt resumed at ``resumed_at`` (0: the same attempt); ``faults`` its fault file."""
+    from fixtures.trainer_double import double_module
+
+    cfg = make_config(run={"results_root": str(tmp_path / "results")})
+    rl = Layout.from_config(cfg).rehearsal_layout()
+    faults_file = tmp_path / "faults.json"
+    faults_file.write_text(json.dumps(faults or {}))
+    monkeypatch.setenv("HY3RL_DOUBLE_FAULTS", str(faults_file))
+    monkeypatch.setenv("HY3RL_DOUBLE_HF_SOURCE", str(source))
+    mod = double_module()
+    mod.save_checkpoint(str(rl.checkpoint_dir), 2)
+    mod.save_checkpoint(str(rl.checkpoint_dir), 3, start=resumed_at)
+    return rl
+
+
+def _state_failed(rl: Layout, model: Path) -> dict[str, str]:
+    return _failed(_records(state=rh.read_state(rl, model)))
+
+
+def test_the_doubles_good_checkpoints_pass_the_state_checks(tmp_path, monkeypatch,
+                                                            tiny_hy3_dir) -> None:
+    rl = _double_saves(tmp_path, monkeypatch, tiny_hy3_dir, resumed_at=2)
+    state = rh.read_state(rl, tiny_hy3_dir)
+    assert state["data"] == {2: 2, 3: 3} and state["optimizer"] == {2: 2, 3: 3}
+    kinds = {v["kind"] for v in state["weights"]["tensors"].values()}
+    assert kinds == {"trained", "fixed", "mtp"}
+    checks = {c.name: c for c in rh.check_records(_records(state=state))}
+    assert {n: checks[n].status for n in ("updated", "resumed_data", "resumed_optimizer")} == \
+        dict.fromkeys(("updated", "resumed_data", "resumed_optimizer"), "pass")
+    assert "expert biases bit-identical" in checks["updated"].detail
+
+
+def test_weights_unchanged_at_step_three_fail_the_updated_check(tmp_path, monkeypatch,
+                                                                tiny_hy3_dir) -> None:
+    rl = _double_saves(tmp_path, monkeypatch, tiny_hy3_dir, {"weights_unchanged": 3})
+    failed = _state_failed(rl, tiny_hy3_dir)
+    assert set(failed) == {"updated"}
+    assert re.fullmatch(r"(\d+) of \1 trained matrices unchanged at step 3 against step 2; "
+                        r"largest: lm_head\.weight \(\d+ elements\), \S+ \(\d+ elements\), "
+                        r"\S+ \(\d+ elements\)", failed["updated"]), failed
+
+
+def test_an_expert_bias_that_moved_fails_the_updated_check(tmp_path, monkeypatch,
+                                                           tiny_hy3_dir) -> None:
+    rl = _double_saves(tmp_path, monkeypatch, tiny_hy3_dir, {"bias_moved": 3})
+    failed = _state_failed(rl, tiny_hy3_dir)
+    assert set(failed) == {"updated"}
+    assert failed["updated"].startswith(
+        "model.layers.1.mlp.expert_bias (fixed: expert bias at update rate 0) moved: 4 of 4 "
+        "elements against step 2, 4 against the input; model.layers.2.mlp.expert_bias")
+
+
+def test_an_export_unlike_the_input_fails_the_updated_check(tmp_path, monkeypatch,
+                                                            tiny_hy3_dir) -> None:
+    from safetensors.torch import load_file, save_file
+
+    rl = _double_saves(tmp_path, monkeypatch, tiny_hy3_dir)
+    hf = rl.checkpoint_hf_model(3)
+    for name, change in (("model.norm.weight", "float"), ("model.layers.0.mlp.down_proj.weight",
+                                                          "drop")):
+        shard = next(p for p in sorted(hf.glob("*.safetensors")) if name in load_file(p))
+        tensors = load_file(shard)
+        if change == "float":
+            tensors[name] = tensors[name].float()
+        else:
+            del tensors[name]
+        save_file(tensors, shard)
+    detail = _state_failed(rl, tiny_hy3_dir)["updated"]
+    assert "step 3's export lacks 1 tensor(s): model.layers.0.mlp.down_proj.weight" in detail
+    assert re.search(r"model\.norm\.weight: input \(\d+,\) torch\.bfloat16, step 3: \(\d+,\) "
+                     r"torch\.float32", detail), detail
+    for shard in hf.glob("*.safetensors"):  # step 3's export gone: named, not a pass
+        shard.unlink()
+    assert _state_failed(rl, tiny_hy3_dir)["updated"] == f"{hf}: no safetensors file"
+
+
+def test_exports_without_the_mtp_layer_pass_the_updated_check(tmp_path, monkeypatch,
+                                                               tiny_hy3_dir) -> None:
+    """verl@220e903 builds no MTP layer unless actor_rollout_ref.model.mtp.enable (the
+    paper's recipe leaves it off): its HF export lacks the MTP tensors, and that is no
+    failure; a missing tensor elsewhere is (test above)."""
+    from safetensors.torch import load_file, save_file
+
+    rl = _double_saves(tmp_path, monkeypatch, tiny_hy3_dir)
+    layers = json.loads((tiny_hy3_dir / "config.json").read_text())["num_hidden_layers"]
+    gone = 0
+    for step in (2, 3):
+        for shard in sorted(rl.checkpoint_hf_model(step).glob("*.safetensors")):
+            tensors = load_file(shard)
+            kept = {k: v for k, v in tensors.items()
+                    if not k.startswith(f"model.layers.{layers}.")}
+            gone += len(tensors) - len(kept)
+            save_file(kept, shard)
+    checks = {c.name: c for c in rh.check_records(_records(state=rh.read_state(
+        rl, tiny_hy3_dir)))}
+    assert checks["updated"].status == "pass", checks["updated"].detail
+    assert f"; {gone // 2} MTP tensors of the input not exported (verl builds no MTP layer " \
+        "without actor_rollout_ref.model.mtp.enable); " in checks["updated"].detail
+    assert gone > 0
+
+
+def test_a_data_order_restarted_at_the_resume_fails_resumed_data(tmp_path, monkeypatch,
+                                                                 tiny_hy3_dir) -> None:
+    rl = _double_saves(tmp_path, monkeypatch, tiny_hy3_dir, {"data_restart": 1}, resumed_at=2)
+    assert _state_failed(rl, tiny_hy3_dir) == {"resumed_data": (
+        "train batches the dataloader had yielded (verl's data.pt, the StatefulDataLoader "
+        "state): global_step_2 2, global_step_3 1: the data order restarted at the resume")}
+
+
+def test_an_optimizer_reset_at_the_resume_fails_resumed_optimizer(tmp_path, monkeypatch,
+                                                                  tiny_hy3_dir) -> None:
+    rl = _double_saves(tmp_path, monkeypatch, tiny_hy3_dir, {"optimizer_reset": 1},
+                       resumed_at=2)
+    assert _state_failed(rl, tiny_hy3_dir) == {"resumed_optimizer": (
+        "optimizer steps (lr_scheduler.num_steps in the optimizer checkpoint's common.pt): "
+        "global_step_2 2, global_step_3 1: the optimizer's step count restarted at the "
+        "resume")}
+
+
+def test_data_position_reads_both_dataloader_state_shapes_and_names_a_foreign_one(
+        tmp_path: Path) -> None:
+    import torch
+
+    path = tmp_path / "data.pt"
+    torch.save({"_num_yielded": 5, "_sampler_iter_yielded": 5, "_iterator_finished": False},
+               path)  # a StatefulDataLoader without worker processes
+    assert rh.data_position(path) == 5
+    torch.save({"_snapshot": {"_snapshot_step": 4, "_main_snapshot": {}},
+                "_steps_since_snapshot": 2, "_iterator_finished": False}, path)
+    assert rh.data_position(path) == 6
+    torch.save({"dataloader_state": {"consumed": 3}}, path)
+    with pytest.raises(rh.RehearsalError, match=r"data\.pt: not a StatefulDataLoader state "
+                       r"\(keys: \['dataloader_state'\]\)"):
+        rh.data_position(path)
+    state = {**GOOD_STATE, "data": {2: {"error": f"{path}: absent"}, 3: 3}}
+    assert _failed(_records(state=state)) == {"resumed_data": f"global_step_2: {path}: absent"}
+    odd = {**GOOD_STATE, "optimizer": {2: 3, 3: 5}}
+    assert "did not advance it by a whole, positive amount a step" in _failed(
+        _records(state=odd))["resumed_optimizer"]
+
+
+# the reward path through the fake verl's reward manager (tests/fixtures/fake_verl.py)
+
+
+def _train_parquet(path: Path, ground_truth: str = "34") -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist([{
+        "data_source": "math_dapo", "ability": "MATH",
+        "prompt": [{"role": "user", "content": "What is 30 + 4? End with Answer: $N$."}],
+        "reward_model": {"ground_truth": ground_truth, "style": "rule"},
+        "extra_info": {"index": 0}}]), path)
+    return path
+
+
+def _probe_plan(verl: Path, *overrides: str) -> dict:
+    return {"verl": {"path": str(verl), "config_dir": str(verl / "verl/trainer/config"),
+                     "config_name": "ppo_trainer"},
+            "overrides": [{"text": t} for t in ("reward.reward_manager.name=dapo", *overrides)]}
+
+
+@pytest.fixture
+def reward_in_process(fake_verl_pkg, tmp_path, monkeypatch):
+    """``score(*overrides)``: hy3rl.reward_probe's payload prepared from a plan over the fake
+    verl clone, its runner's code (``_run``) run in this process with the clone on the path
+    (the runtime's subprocess would spend its time importing torch), judged as probe does."""
+    import sys
+
+    from hy3rl import reward_probe
+
+    verl = fake_verl_pkg().path
+    monkeypatch.syspath_prepend(str(verl))
+    train = _train_parquet(tmp_path / "train.parquet")
+
+    def score(*overrides: str) -> dict:
+        payload, row = reward_probe.prepare(_probe_plan(verl, *overrides), model_dir=tmp_path,
+                                            train_files=train)
+        lines: list[dict] = []
+        reward_probe._run(json.loads(json.dumps(payload)), lines.append)
+        return reward_probe.judge(lines, "", row)
+
+    yield score
+    for name in [m for m in sys.modules if m == "verl" or m.startswith("verl.")]:
+        del sys.modules[name]
+
+
+def test_the_reward_path_scores_through_verls_reward_manager(reward_in_process) -> None:
+    res = reward_in_process()
+    assert res["status"] == "pass", res
+    assert res["detail"] == ("training row 0 (math_dapo, ground truth '34') through "
+                             "DAPORewardManager (dapo): correct 1 (acc True), wrong -1 (acc "
+                             "False)")
+    assert [c["pred"] for c in res["cases"]] == ["34", "35"]
+
+
+@pytest.mark.parametrize(("score", "says"), [
+    (-1.0, "correct -1 (acc -1.0), wrong -1 (acc -1.0): the correct response was scored "
+           "wrong; the correct response did not score above the wrong one"),
+    (1.0, "correct 1 (acc 1.0), wrong 1 (acc 1.0): the wrong response was scored correct; "
+          "the correct response did not score above the wrong one")])
+def test_a_reward_that_never_or_always_scores_correct_fails_reward_path(
+        reward_in_process, tmp_path, score, says) -> None:
+    """The plan's custom reward function (reward.custom_reward_function) is what verl loads;
+    a number it returns is verl's acc too."""
+    fn = tmp_path / "reward_fn.py"
+    fn.write_text(f"def compute_score(data_source, solution_str, ground_truth, extra_info=None,"
+                  f" **kw):\n    return {score}\n")
+    res = reward_in_process(f"reward.custom_reward_function.path={fn}",
+                            "reward.custom_reward_function.name=compute_score")
+    failed = _failed(_records(reward_path=res))
+    assert set(failed) == {"reward_path"}
+    assert failed["reward_path"] == ("training row 0 (math_dapo, ground truth '34') through "
+                                     f"DAPORewardManager (dapo): {says}")
+
+
+def test_verls_reward_raising_fails_reward_path(reward_in_process) -> None:
+    res = reward_in_process("+reward.reward_kwargs.overlong_buffer_cfg.enable=True",
+                            "+reward.reward_kwargs.overlong_buffer_cfg.len=4096",
+                            "+reward.reward_kwargs.max_resp_len=512")
+    assert res["status"] == "fail"
+    assert res["detail"].startswith("verl's reward path raised: AssertionError: max_resp_len "
+                                    "must be larger than overlong_buffer.len at "), res
+
+
+def test_the_reward_path_is_not_run_where_verl_does_not_import(fake_verl_pkg, tmp_path) -> None:
+    """The probe as the rehearsal runs it (the runner in a subprocess of the runtime's python,
+    the plan's verl first on its path), where that path holds no verl."""
+    import sys
+
+    from hy3rl import reward_probe
+
+    plan = _probe_plan(fake_verl_pkg().path)
+    plan["verl"]["path"] = str(tmp_path / "no-verl")
+    res = reward_probe.probe(plan, model_dir=tmp_path, train_files=_train_parquet(
+        tmp_path / "train.parquet"), python=[sys.executable])
+    assert res["status"] == "not run"
+    assert res["detail"].startswith("not run: verl's reward path does not import here "
+                                    "(ModuleNotFoundError: No module named 'omegaconf'") or \
+        res["detail"].startswith("not run: verl's reward path does not import here "
+                                 "(ModuleNotFoundError: No module named 'verl"), res
+    checks = {c.name: c for c in rh.check_records(_records(reward_path=res))}
+    assert checks["reward_path"].status == "not run"  # never a pass: the rehearsal fails
+    absent = {c.name: c for c in rh.check_records(_records(reward_path=None))}["reward_path"]
+    assert (absent.status, absent.detail) == (
+        "not run", "not run: the rehearsal did not reach the reward probe")

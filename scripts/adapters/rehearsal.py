@@ -8,4 +8,5 @@ from hy3rl.smk import rule_job
 
 with rule_job(snakemake) as cfg:
     rehearsal.run(cfg, Layout.from_config(cfg), runtime_env=Path(snakemake.input.runtime_env),
-                  val=Path(snakemake.input.val), out=Path(snakemake.output.record))
+                  val=Path(snakemake.input.val), out=Path(snakemake.output.record),
+                  train=Path(snakemake.input.train))

@@ -272,6 +272,18 @@ class Layout:
         """The HF weights verl saves with a checkpoint (docs/formats/train.md)."""
         return self.checkpoint_dir / f"global_step_{step}" / "actor" / "model" / "huggingface"
 
+    def checkpoint_data_state(self, step: int) -> Path:
+        """verl's train dataloader state at a save (``torch.save`` of the StatefulDataLoader's
+        ``state_dict()``, verl/trainer/ppo/ray_trainer.py)."""
+        return self.checkpoint_dir / f"global_step_{step}" / "data.pt"
+
+    def checkpoint_optimizer_common(self, step: int) -> Path:
+        """The non-sharded part of the actor's optimizer checkpoint: Megatron's
+        dist_checkpointing writes it as ``common.pt`` (``torch.save``), the LR scheduler's
+        ``state_dict()`` (``num_steps``) among it."""
+        return (self.checkpoint_dir / f"global_step_{step}" / "actor" / "optimizer" / "dist_ckpt"
+                / "common.pt")
+
     # ---- rehearsal
     # The one-node rehearsal (rules/rehearsal.smk) lives under ``rehearsal/``, itself laid
     # out as a run (:meth:`rehearsal_layout`).

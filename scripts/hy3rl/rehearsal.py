@@ -11,16 +11,19 @@ watchdog):
 1. :func:`derive`: the run's own config scaled to one node and a small Hy3 of the real layer
    kinds (``rehearsal.model``, built by rule rehearsal_model): ``cluster.nodes`` 1,
    ``rehearsal.env`` over ``train.env`` and ``rehearsal.verl_overrides`` over
-   ``train.verl_overrides``, :data:`TOTAL` steps saved at every step;
+   ``train.verl_overrides``, :data:`TOTAL` steps saved at every step, the actor's learning
+   rate raised (``rehearsal.env`` ``ACTOR_LR``) so that the update shows in bf16 weights;
 2. :func:`plan` (rule rehearsal_plan): preflight itself on that config, verl's validators and
    every rule included, into ``rehearsal/preflight/``; the plan lists each reduction against
    the run's own plan (``rehearsal.reductions``);
 3. :func:`run` (rule rehearsal, one node): trains steps 1 and 2 with a save at each, kills
    the trainer once step 2's checkpoint is complete (the watchdog's planned kill), resumes
    in a new attempt for step 3, then generates with ``eval.backend`` in the training
-   runtime on step 3's HF weights; then :func:`check_records` checks the records, not the
-   exit codes: ``rehearsal/checks.json`` always, ``rehearsal/rehearsal.json`` (the gate of
-   the train jobs) only when every check passed.
+   runtime on step 3's HF weights and probes verl's reward manager there
+   (hy3rl.reward_probe); then :func:`check_records` checks the records and what the
+   checkpoints hold (:func:`read_state`: the update, the resumed data position and optimizer
+   step count), not the exit codes: ``rehearsal/checks.json`` always,
+   ``rehearsal/rehearsal.json`` (the gate of the train jobs) only when every check passed.
 """
 
 from __future__ import annotations
@@ -71,7 +74,15 @@ FINITE_OPTIONAL = ("actor/loss",)
 FINISHED = ("stop", "length")
 PASS, FAIL, NOT_RUN = "pass", "fail", "not run"
 CHECKS = ("plan", "trained", "steps_logged", "checkpoints", "killed", "resumed", "reward",
-          "evaluation", "generated", "finish_reasons", "finite", "phases")
+          "evaluation", "generated", "finish_reasons", "finite", "updated", "resumed_data",
+          "resumed_optimizer", "reward_path", "phases")
+# Tensors the recipe never moves: the MoE expert bias at moe_router_bias_update_rate=0 (the
+# HF checkpoint's inner name ``mlp.expert_bias``, transformers' hy_v3 buffer
+# ``mlp.e_score_correction_bias``).
+FIXED_TENSOR = re.compile(r"\.(mlp\.expert_bias|e_score_correction_bias)$")
+LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
+SHOWN = 3  # the largest unchanged tensors named in a failure
+LR_KEY = "actor_rollout_ref.actor.optim.lr"  # the launch script's ACTOR_LR
 
 
 class RehearsalError(StageError):
@@ -103,9 +114,14 @@ def derive(cfg: Config, layout: Layout) -> Config:
     # saved at every step; validated before training and at the last step (as verl does)
     tr["env"] = {**tr["env"], **reh.env, "SAVE_FREQ": 1, "TEST_FREQ": TOTAL}
     # its own experiment name (W&B run name, verl's logs) unless the rehearsal sets one
-    tr["verl_overrides"] = {**tr["verl_overrides"],
-                            "trainer.experiment_name": f"{cfg.run.name}-rehearsal",
-                            **reh.verl_overrides}
+    overrides = {**tr["verl_overrides"], "trainer.experiment_name": f"{cfg.run.name}-rehearsal",
+                 **reh.verl_overrides}
+    # the raised learning rate (rehearsal.env ACTOR_LR) also where the run sets the actor's
+    # lr by an override, which would beat the knob, unless the rehearsal's overrides set it
+    if "ACTOR_LR" in reh.env and not any(k.lstrip("+~") == LR_KEY for k in reh.verl_overrides):
+        overrides.update({k: reh.env["ACTOR_LR"] for k in tr["verl_overrides"]
+                          if k.lstrip("+~") == LR_KEY})
+    tr["verl_overrides"] = overrides
     tr["total_training_steps"] = TOTAL
     tr["segment_steps"] = 0
     tr["checkpoint_keep"] = TOTAL
@@ -244,10 +260,15 @@ class Records:
     expected_samples: int
     failure: dict[str, Any] | None = None  # the phase and error a run ended on
     extra: dict[str, Any] = field(default_factory=dict)
+    # the checkpoints' state (:func:`read_state`) and the reward probe's result
+    # (hy3rl.reward_probe.probe); absent: those checks fail as not read / not run
+    state: dict[str, Any] = field(default_factory=dict)
+    reward_path: dict[str, Any] | None = None
 
     @classmethod
     def read(cls, rl: Layout, expected_samples: int,
-             failure: dict[str, Any] | None = None) -> Records:
+             failure: dict[str, Any] | None = None, model: Path | None = None,
+             reward_path: dict[str, Any] | None = None) -> Records:
         from hy3rl.ckptdir import check_complete
         from hy3rl.train import attempt_numbers, load_attempt
 
@@ -279,7 +300,8 @@ class Records:
                    merged=merged, done=read_record(rl.train_done), complete=complete,
                    driver_logs=logs, samples=samples,
                    samples_meta=read_record(rl.eval_samples_meta("final")),
-                   expected_samples=expected_samples, failure=failure)
+                   expected_samples=expected_samples, failure=failure,
+                   state=read_state(rl, model), reward_path=reward_path)
 
 
 def _train_lines(lines: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
@@ -312,6 +334,235 @@ def phase_times(rec: Records) -> dict[str, float | None]:
             "save": max(saves) if saves else None, "resume": startup(second),
             "evaluation": finite_number(meta.get("seconds")),
             "total": rec.extra.get("total_s")}
+
+
+# --------------------------------------------------------------------------- the state read back
+
+
+def _tensor_files(folder: Path) -> dict[str, Path]:
+    """Tensor name -> its safetensors file in an HF directory (headers only)."""
+    from safetensors import safe_open
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise RehearsalError(f"{folder}: no safetensors file")
+    out: dict[str, Path] = {}
+    for f in files:
+        with safe_open(f, framework="pt") as fh:
+            for name in fh.keys():
+                out[name] = f
+    return out
+
+
+def _bits(t: Any) -> Any:
+    """The tensor's elements as integers of its width (bit-exact comparison, NaN included)."""
+    import torch
+
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return t.contiguous().reshape(-1).view(ints[t.element_size()])
+
+
+def weight_changes(model: Path, before: Path, after: Path) -> dict[str, Any]:
+    """The input model, step 2's and step 3's HF exports compared tensor by tensor (lazily,
+    one tensor of each at a time, with safetensors): the inventory problems (a name missing
+    or extra, a shape or dtype unlike the input's) and per tensor of the input its ``kind``
+    (``fixed``: :data:`FIXED_TENSOR`; ``mtp``: a layer at or past the config's
+    ``num_hidden_layers``, which verl trains only with MTP enabled; ``trained``), ``numel``,
+    ``ndim`` and the elements that differ bitwise from step 2's (``vs_before``) and from the
+    input's (``vs_input``). Raises :class:`RehearsalError` for a directory it cannot read."""
+    from contextlib import ExitStack
+
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        layers = json.loads((Path(model) / "config.json").read_text())["num_hidden_layers"]
+        files = {k: _tensor_files(Path(d)) for k, d in
+                 (("input", model), ("before", before), ("after", after))}
+    except (OSError, ValueError, KeyError, SafetensorError) as exc:
+        raise RehearsalError(f"cannot read the weights to compare: {exc}") from None
+    def is_mtp(name: str) -> bool:
+        m = LAYER_INDEX.match(name)
+        return bool(m) and int(m.group(1)) >= layers
+
+    problems = []
+    # verl@220e903 (megatron_utils.check_mtp_config) builds no MTP layer unless
+    # actor_rollout_ref.model.mtp.enable: the exports may lack the input's MTP tensors
+    mtp_absent = sorted({n for n in files["input"] if is_mtp(n)
+                         and not all(n in files[w] for w in ("before", "after"))})
+    for which, step in (("before", KILL_AFTER), ("after", TOTAL)):
+        missing = sorted(set(files["input"]) - set(files[which]) - set(mtp_absent))
+        extra = sorted(set(files[which]) - set(files["input"]))
+        for what, names in (("lacks", missing), ("has, unlike the input,", extra)):
+            if names:
+                problems.append(f"step {step}'s export {what} {len(names)} tensor(s): "
+                                f"{', '.join(names[:SHOWN])}")
+    tensors: dict[str, dict[str, Any]] = {}
+    with ExitStack() as stack:
+        handles: dict[Path, Any] = {}
+
+        def tensor(which: str, name: str) -> Any:
+            path = files[which][name]
+            if path not in handles:
+                handles[path] = stack.enter_context(safe_open(path, framework="pt"))
+            return handles[path].get_tensor(name)
+
+        for name in files["input"]:
+            if not all(name in files[w] for w in ("before", "after")):
+                continue
+            ref, b, a = tensor("input", name), tensor("before", name), tensor("after", name)
+            unlike = [f"step {s}: {tuple(t.shape)} {t.dtype}" for s, t in
+                      ((KILL_AFTER, b), (TOTAL, a)) if (t.shape, t.dtype) != (ref.shape, ref.dtype)]
+            if unlike:
+                problems.append(f"{name}: input {tuple(ref.shape)} {ref.dtype}, "
+                                + ", ".join(unlike))
+                continue
+            kind = ("fixed" if FIXED_TENSOR.search(name) else
+                    "mtp" if is_mtp(name) else "trained")
+            tensors[name] = {"kind": kind, "numel": ref.numel(), "ndim": ref.dim(),
+                             "vs_before": int((_bits(a) != _bits(b)).sum()),
+                             "vs_input": int((_bits(a) != _bits(ref)).sum())}
+    return {"model": str(model), "before": str(before), "after": str(after),
+            "problems": problems, "tensors": tensors, "mtp_absent": mtp_absent}
+
+
+def data_position(path: Path) -> int:
+    """Batches the train dataloader had yielded at a save, from verl's ``data.pt``: a
+    StatefulDataLoader's ``state_dict()`` (torchdata): ``_num_yielded`` (no workers) or
+    ``_snapshot._snapshot_step + _steps_since_snapshot`` (worker processes, verl's default)."""
+    sd = _torch_load(path)
+    if isinstance(sd, dict) and "_num_yielded" in sd:
+        return int(sd["_num_yielded"])
+    if isinstance(sd, dict) and isinstance(sd.get("_snapshot"), dict):
+        try:
+            return int(sd["_snapshot"]["_snapshot_step"]) + int(sd["_steps_since_snapshot"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise RehearsalError(f"{path}: a dataloader snapshot without {exc}") from None
+    raise RehearsalError(f"{path}: not a StatefulDataLoader state (keys: "
+                         f"{sorted(sd) if isinstance(sd, dict) else type(sd).__name__})")
+
+
+def optimizer_steps(path: Path) -> int:
+    """The optimizer's step count at a save: ``lr_scheduler.num_steps`` in the actor's
+    optimizer checkpoint's ``common.pt`` (Megatron's OptimizerParamScheduler state, which the
+    resume restores; plain values, read without Megatron)."""
+    sd = _torch_load(path)
+    try:
+        return int(sd["lr_scheduler"]["num_steps"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise RehearsalError(f"{path}: no lr_scheduler.num_steps ({exc!r})") from None
+
+
+def _torch_load(path: Path) -> Any:
+    import pickle
+
+    import torch
+
+    if not Path(path).is_file():
+        raise RehearsalError(f"{path}: absent")
+    try:  # plain containers and tensors only
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except (RuntimeError, pickle.UnpicklingError, OSError, EOFError):
+        pass
+    try:  # as verl and Megatron load them (the trainer wrote them for this run)
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as exc:  # a class only the training runtime has, a truncated file
+        raise RehearsalError(f"{path}: unreadable ({type(exc).__name__}: "
+                             f"{(str(exc).splitlines() or [''])[0][:200]})") from None
+
+
+def read_state(rl: Layout, model: Path | None) -> dict[str, Any]:
+    """What the checks ``updated``, ``resumed_data`` and ``resumed_optimizer`` read of the
+    checkpoints: ``weights`` (:func:`weight_changes` of ``model``, step 2 and step 3),
+    ``data`` and ``optimizer`` (step -> :func:`data_position` / :func:`optimizer_steps`);
+    what could not be read is an ``error`` string in its place."""
+    def attempt(fn: Any, *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except RehearsalError as exc:
+            return {"error": str(exc)}
+
+    steps = (KILL_AFTER, TOTAL)
+    return {
+        "weights": (attempt(weight_changes, model, rl.checkpoint_hf_model(KILL_AFTER),
+                            rl.checkpoint_hf_model(TOTAL)) if model is not None
+                    else {"error": "no input model given"}),
+        "data": {s: attempt(data_position, rl.checkpoint_data_state(s)) for s in steps},
+        "optimizer": {s: attempt(optimizer_steps, rl.checkpoint_optimizer_common(s))
+                      for s in steps},
+    }
+
+
+def _largest(names: Sequence[str], tensors: Mapping[str, Mapping[str, Any]]) -> str:
+    top = sorted(names, key=lambda n: -tensors[n]["numel"])[:SHOWN]
+    return ", ".join(f"{n} ({tensors[n]['numel']} elements)" for n in top)
+
+
+def _check_updated(state: Mapping[str, Any]) -> Check:
+    """Step 3's export against step 2's and the input's: the input's inventory (names, shapes,
+    dtypes); every trained matrix (``ndim`` >= 2, not fixed, not MTP) changed against both;
+    every fixed tensor (the expert bias) bit-identical to both. 1-D trained tensors (norm
+    weights near 1.0, where one bf16 step is 2^-8) and MTP tensors are counted, not required;
+    MTP tensors may be absent from the exports (counted)."""
+    w = state.get("weights") or {"error": "not read"}
+    if "error" in w:
+        return Check.of("updated", [str(w["error"])], "")
+    t = w["tensors"]
+    problems = list(w["problems"])
+    fixed = [n for n, v in t.items() if v["kind"] == "fixed"]
+    moved = [n for n in fixed if t[n]["vs_before"] or t[n]["vs_input"]]
+    for n in moved:
+        problems.append(f"{n} (fixed: expert bias at update rate 0) moved: "
+                        f"{t[n]['vs_before']} of {t[n]['numel']} elements against step "
+                        f"{KILL_AFTER}, {t[n]['vs_input']} against the input")
+    required = [n for n, v in t.items() if v["kind"] == "trained" and v["ndim"] >= 2]
+    figures = []
+    for key, against in (("vs_before", f"step {KILL_AFTER}"), ("vs_input", "the input")):
+        same = [n for n in required if not t[n][key]]
+        if same:
+            problems.append(f"{len(same)} of {len(required)} trained matrices unchanged at step "
+                            f"{TOTAL} against {against}; largest: {_largest(same, t)}")
+        elements = sum(t[n]["numel"] for n in required)
+        changed = sum(t[n][key] for n in required)
+        figures.append(f"against {against} {len(required) - len(same)} of {len(required)} "
+                       f"trained matrices changed ({100 * changed / max(elements, 1):.1f}% of "
+                       "their elements)")
+    if not required:
+        problems.append("no trained matrix in the input's inventory")
+    if not fixed:
+        problems.append("no expert bias (mlp.expert_bias / e_score_correction_bias) in the "
+                        "input's inventory")
+    vectors = [n for n, v in t.items() if v["kind"] == "trained" and v["ndim"] < 2]
+    mtp = [n for n, v in t.items() if v["kind"] == "mtp"]
+    figures.append(f"1-D {sum(1 for n in vectors if t[n]['vs_before'])} of {len(vectors)} and "
+                   f"MTP {sum(1 for n in mtp if t[n]['vs_before'])} of {len(mtp)} changed "
+                   f"against step {KILL_AFTER}")
+    if w.get("mtp_absent"):
+        figures.append(f"{len(w['mtp_absent'])} MTP tensors of the input not exported (verl "
+                       "builds no MTP layer without actor_rollout_ref.model.mtp.enable)")
+    figures.append(f"{len(fixed) - len(moved)} of {len(fixed)} expert biases bit-identical")
+    return Check.of("updated", problems, f"step {TOTAL}'s export: " + "; ".join(figures))
+
+
+def _check_continued(state: Mapping[str, Any], name: str, key: str, what: str,
+                     source: str, lost: str) -> Check:
+    """Step 3's count (``state[key]``) continues steps 1-2's: step 2's count is
+    ``KILL_AFTER`` x a positive per-step increment and step 3's is one increment more."""
+    got = state.get(key) or {}
+    problems = [f"global_step_{s}: {(got.get(s) or {}).get('error', 'not read')}"
+                for s in (KILL_AFTER, TOTAL) if not isinstance(got.get(s), int)]
+    if problems:
+        return Check.of(name, problems, "")
+    before, after = got[KILL_AFTER], got[TOTAL]
+    per_step, rest = divmod(before, KILL_AFTER)
+    figure = (f"{what} ({source}): global_step_{KILL_AFTER} {before}, global_step_{TOTAL} "
+              f"{after}")
+    if per_step <= 0 or rest:
+        problems.append(f"{figure}: steps 1-{KILL_AFTER} did not advance it by a whole, "
+                        f"positive amount a step")
+    elif after != before + per_step:
+        why = lost if after == per_step else f"expected {before + per_step}"
+        problems.append(f"{figure}: {why}")
+    return Check.of(name, problems, f"{figure} ({per_step} a step)")
 
 
 def check_records(rec: Records) -> list[Check]:
@@ -406,7 +657,17 @@ def check_records(rec: Records) -> list[Check]:
     out.append(Check.of("evaluation", problems,
                         f"{rec.expected_samples} samples ({meta.get('backend')})"))
     out += [_check_generated(rec, by_step), _check_finish_reasons(rec),
-            _check_finite(by_step)]
+            _check_finite(by_step), _check_updated(rec.state),
+            _check_continued(rec.state, "resumed_data", "data",
+                             "train batches the dataloader had yielded",
+                             "verl's data.pt, the StatefulDataLoader state",
+                             "the data order restarted at the resume"),
+            _check_continued(rec.state, "resumed_optimizer", "optimizer", "optimizer steps",
+                             "lr_scheduler.num_steps in the optimizer checkpoint's common.pt",
+                             "the optimizer's step count restarted at the resume")]
+    rp = rec.reward_path or {"status": NOT_RUN, "detail": "not run: the rehearsal did not "
+                             "reach the reward probe"}
+    out.append(Check("reward_path", rp["status"], rp["detail"]))
 
     times = phase_times(rec)
     missing = [p for p in ("startup", "step", "save", "resume", "evaluation")
@@ -565,10 +826,30 @@ def generate(cfg: Config, rl: Layout, *, model: Path, val: Path) -> None:
                         f"({shlex.join(interpreter)}): {' | '.join(tail)}")
 
 
-def run(cfg: Config, layout: Layout, *, runtime_env: Path, val: Path, out: Path) -> None:
+def probe_reward(rcfg: Config, rl: Layout, *, train: Path) -> dict[str, Any]:
+    """The check ``reward_path``'s result: hy3rl.reward_probe.probe in the training runtime
+    on the rehearsal plan's composed config, its model's tokenizer and a training prompt."""
+    from hy3rl.bridge import BridgeCheckFailed, runtime_command
+    from hy3rl.reward_probe import probe
+
+    plan_doc = read_record(rl.preflight_plan)
+    if not plan_doc or "overrides" not in plan_doc or "verl" not in plan_doc:
+        return {"status": FAIL, "detail": f"{rl.preflight_plan}: no rehearsal plan with its "
+                "overrides to compose the reward from"}
+    try:
+        interpreter = runtime_command(rcfg.train.runtime)
+    except BridgeCheckFailed as exc:
+        return {"status": FAIL, "detail": str(exc)}
+    return probe(plan_doc, model_dir=Path(rcfg.model.path), train_files=Path(train),
+                 python=interpreter)
+
+
+def run(cfg: Config, layout: Layout, *, runtime_env: Path, val: Path, out: Path,
+        train: Path | None = None) -> None:
     """Rule rehearsal (one node; module doc, step 3). Writes ``rehearsal/checks.json``
     always and ``out`` (rehearsal/rehearsal.json) only when every check passed; raises
-    :class:`RehearsalFailed` naming the failed checks otherwise."""
+    :class:`RehearsalFailed` naming the failed checks otherwise. ``train``: the training
+    parquet the reward probe takes its prompt from (default: the layout's)."""
     from hy3rl import train
     from hy3rl.evaluate import EvalError, final_step
     from hy3rl.launch import resolve_runtime
@@ -605,8 +886,11 @@ def run(cfg: Config, layout: Layout, *, runtime_env: Path, val: Path, out: Path)
         except EvalError as exc:
             failure = {"phase": "evaluation", "error": str(exc)}
             log.error("rehearsal: evaluation failed: %s", exc)
+    reward_path = probe_reward(rcfg, rl, train=Path(train or layout.data_train))
+    log.info("rehearsal: reward path %s: %s", reward_path["status"], reward_path["detail"])
     expected = rcfg.eval.num_problems * rcfg.eval.n_samples
-    rec = Records.read(rl, expected, failure)
+    rec = Records.read(rl, expected, failure, model=Path(rcfg.model.path),
+                       reward_path=reward_path)
     rec.extra["total_s"] = round(time.monotonic() - t0, 1)
     if rec.samples is not None:
         # the test set may hold fewer problems than asked for
