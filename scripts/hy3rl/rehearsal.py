@@ -850,7 +850,7 @@ def run(cfg: Config, layout: Layout, *, runtime_env: Path, val: Path, out: Path,
     always and ``out`` (rehearsal/rehearsal.json) only when every check passed; raises
     :class:`RehearsalFailed` naming the failed checks otherwise. ``train``: the training
     parquet the reward probe takes its prompt from (default: the layout's)."""
-    from hy3rl import train
+    from hy3rl import train as training  # `train` is the parameter
     from hy3rl.evaluate import EvalError, final_step
     from hy3rl.launch import resolve_runtime
     from hy3rl.runtime_id import identify
@@ -872,7 +872,7 @@ def run(cfg: Config, layout: Layout, *, runtime_env: Path, val: Path, out: Path,
         log.info("rehearsal: %s", line)
     failure: dict[str, Any] | None = None
     try:
-        train.run(rcfg.train, rcfg.cluster, rl, keep_steps=range(1, TOTAL + 1),
+        training.run(rcfg.train, rcfg.cluster, rl, keep_steps=range(1, TOTAL + 1),
                   plan=Path(rl.preflight_plan), launch_script=Path(rl.preflight_launch),
                   runtime_env=Path(runtime_env), sentinel=Path(rl.train_done),
                   metrics=Path(rl.train_metrics), kill_after=KILL_AFTER)
