@@ -75,18 +75,32 @@ class VerlCheck:
 
 
 def run_verl_checks(verl_dir: Path, composed: Any, model_dir: Path, *, timeout_s: float = 180,
-                    python: str | None = None) -> list[VerlCheck]:
+                    python: str | None = None, reward_fn: bytes | None = None
+                    ) -> list[VerlCheck]:
     """Run verl's own validation of ``composed`` (the composed Hydra config: a DictConfig or its
     plain container, interpolations unresolved) in a subprocess of ``python`` (default: this
     interpreter, which must have verl's requirements) with ``verl_dir`` first on PYTHONPATH.
     ``model_dir`` is the policy checkpoint as this machine sees it: it stands in for
     ``actor_rollout_ref.model.path`` and gives the reward manager its tokenizer. Never raises
-    for what verl reports; returns the checks in the order they ran."""
+    for what verl reports; returns the checks in the order they ran. ``reward_fn``: the bytes
+    of the custom reward function, which verl's reward manager loads from
+    ``reward.custom_reward_function.path``: preflight writes that copy only when it passes
+    (hy3rl.preflight), so the checks read the same bytes from a temporary copy."""
+    import copy
+
     verl_dir = Path(verl_dir).resolve()
     if hasattr(composed, "_metadata"):  # an OmegaConf container
         from omegaconf import OmegaConf
 
         composed = OmegaConf.to_container(composed, resolve=False)
+    tmp_dir = tempfile.TemporaryDirectory(prefix="hy3rl-verl-checks-")
+    if reward_fn is not None:
+        custom = (composed.get("reward") or {}).get("custom_reward_function") or {}
+        if custom.get("path"):
+            stand_in = Path(tmp_dir.name) / Path(str(custom["path"])).name
+            stand_in.write_bytes(reward_fn)
+            composed = copy.deepcopy(composed)
+            composed["reward"]["custom_reward_function"]["path"] = str(stand_in)
     payload = json.dumps({"verl_dir": str(verl_dir), "model_dir": str(Path(model_dir).absolute()),
                           "composed": composed}, default=str)
     env = dict(os.environ)
@@ -94,7 +108,7 @@ def run_verl_checks(verl_dir: Path, composed: Any, model_dir: Path, *, timeout_s
         [str(verl_dir)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env.setdefault("HF_HUB_OFFLINE", "1")  # the model is local: never reach for the hub
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    with tempfile.TemporaryDirectory(prefix="hy3rl-verl-checks-") as tmp:
+    with tmp_dir as tmp:
         out = Path(tmp) / "checks.jsonl"
         cmd = [python or sys.executable, "-P", str(Path(__file__).resolve()), "--out", str(out)]
         try:

@@ -215,7 +215,8 @@ def run(cfg: Config, *, lock: Path, data_summary: Path | None, train_files: Path
         estimate: dict[str, Any] = dict(NOT_COMPOSED)
     else:
         eff = effective_values(res.composed)
-        verl_checks = run_verl_checks(verl_dir, res.composed, model_dir)
+        verl_checks = run_verl_checks(verl_dir, res.composed, model_dir,
+                                      reward_fn=reward[0] if reward else None)
         rules, ck = check_rules(cfg, res, eff, facts, ckpt_check, weights, weights_from,
                                 verl_checks=verl_checks, bridge=bridge,
                                 bridge_path=bridge_check, identity=ident,
