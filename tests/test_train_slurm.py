@@ -298,10 +298,13 @@ def test_time_limit_every_job_ends_right_after_a_save(slurm_train, tmp_path: Pat
     after a save before the limit, Snakemake resubmits it (no failed submission spent), and
     no step is lost, although squeue answers the job's time left only once per job (the
     deadline read at the start stands when a later query fails)."""
-    # 44 steps of 1 s cannot fit in one 1-minute job with its start-up (10-25 s here) and
-    # the stop's margin; two or three jobs do.
-    st = slurm_train(total=44, save_freq=4, step_s=1.0, max_submissions=5, restarts_per_job=0,
-                     time_limit_margin_min=0.2, watchdog={"poll_s": 0.2})
+    # 24 steps of 0.5 s cannot fit in one 1-minute job with its start-up (20-40 s here: Ray,
+    # the double's torch and its trained weights) and the stop's margin (12 s); each job
+    # trains 4-12 of them, and a job that starts too late to reach its next save stops at its
+    # first one, so up to 10 submissions.
+    total = 24
+    st = slurm_train(total=total, save_freq=4, step_s=0.5, max_submissions=10,
+                     restarts_per_job=0, time_limit_margin_min=0.2, watchdog={"poll_s": 0.2})
     st.cluster = {"train_time_min": 1}
     st.write_config()
     fake = tmp_path / "fakebin"
@@ -323,9 +326,9 @@ def test_time_limit_every_job_ends_right_after_a_save(slurm_train, tmp_path: Pat
     assert recs[-1]["outcome"] == "succeeded"
     assert len({r["slurm_job_id"] for r in recs}) == len(recs)  # one job each
     done = json.loads((st.train_dir / "done.json").read_text())
-    assert done["final_step"] == 44 and done["steps_lost_total"] == 0
+    assert done["final_step"] == total and done["steps_lost_total"] == 0
     merged = [json.loads(x) for x in (st.train_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in merged] == list(range(45))
+    assert [m["step"] for m in merged] == list(range(total + 1))
     decisions = [json.loads(x) for x in
                  (st.train_dir / "attempts" / "submissions.jsonl").read_text().splitlines()]
     assert decisions and all(d["planned"] for d in decisions), decisions
