@@ -298,14 +298,14 @@ def test_time_limit_every_job_ends_right_after_a_save(slurm_train, tmp_path: Pat
     after a save before the limit, Snakemake resubmits it (no failed submission spent), and
     no step is lost, although squeue answers the job's time left only once per job (the
     deadline read at the start stands when a later query fails)."""
-    # 24 steps of 0.5 s cannot fit in one 1-minute job with its start-up (20-40 s here: Ray,
-    # the double's torch and its trained weights) and the stop's margin (12 s); each job
-    # trains 4-12 of them, and a job that starts too late to reach its next save stops at its
-    # first one, so up to 10 submissions.
-    total = 24
-    st = slurm_train(total=total, save_freq=4, step_s=0.5, max_submissions=10,
+    # 60 steps of 1 s cannot fit in one 2-minute job with its start-up (20-45 s here: Ray,
+    # the double's torch and its trained weights) and the stop's margin (12 s); two or three
+    # jobs do. (A 1-minute job no longer holds a start-up and one save interval here: the
+    # controller then rightly refuses to resubmit.)
+    total = 60
+    st = slurm_train(total=total, save_freq=4, step_s=1.0, max_submissions=6,
                      restarts_per_job=0, time_limit_margin_min=0.2, watchdog={"poll_s": 0.2})
-    st.cluster = {"train_time_min": 1}
+    st.cluster = {"train_time_min": 2}
     st.write_config()
     fake = tmp_path / "fakebin"
     fake.mkdir()

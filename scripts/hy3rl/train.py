@@ -690,11 +690,18 @@ class Job:
         if w is None:
             return sorted(keep)
         events, opened = list(w.events), w.open_from()
-        if opened is not None or any(e.action == "stop" for e in events):
-            steps = [c.step for c in scan(self.layout.checkpoint_dir) if c.complete]
-            best = last_healthy(steps, events, opened)
-            if best is not None:
-                keep.add(best)
+        steps = [c.step for c in scan(self.layout.checkpoint_dir) if c.complete]
+        try:  # the guard's thread adds records meanwhile
+            seen = max(list(w.records), default=None)
+        except RuntimeError:  # changed while read: prune nothing this pass
+            return sorted(keep | set(steps))
+        # verl logs a step's metrics after its save: a checkpoint whose step the guard has
+        # not judged yet is not known healthy, so the newest judged healthy one stays until
+        # it is (else a drift starting at a save could leave no healthy checkpoint)
+        judged = [s for s in steps if seen is not None and s <= seen]
+        best = last_healthy(judged, events, opened)
+        if best is not None:
+            keep.add(best)
         return sorted(keep)
 
     def on_health(self, record: Path, event: Event) -> None:
