@@ -298,11 +298,11 @@ def test_time_limit_every_job_ends_right_after_a_save(slurm_train, tmp_path: Pat
     after a save before the limit, Snakemake resubmits it (no failed submission spent), and
     no step is lost, although squeue answers the job's time left only once per job (the
     deadline read at the start stands when a later query fails)."""
-    # 60 steps of 1 s cannot fit in one 2-minute job with its start-up (20-45 s here: Ray,
+    # 100 steps of 1 s cannot fit in one 2-minute job with its start-up (20-45 s here: Ray,
     # the double's torch and its trained weights) and the stop's margin (12 s); two or three
-    # jobs do. (A 1-minute job no longer holds a start-up and one save interval here: the
+    # jobs do (60 steps fitted in one). (A 1-minute job no longer holds a start-up and one save interval here: the
     # controller then rightly refuses to resubmit.)
-    total = 60
+    total = 100
     st = slurm_train(total=total, save_freq=4, step_s=1.0, max_submissions=6,
                      restarts_per_job=0, time_limit_margin_min=0.2, watchdog={"poll_s": 0.2})
     st.cluster = {"train_time_min": 2}
