@@ -300,8 +300,8 @@ def test_time_limit_every_job_ends_right_after_a_save(slurm_train, tmp_path: Pat
     deadline read at the start stands when a later query fails)."""
     # 100 steps of 1 s cannot fit in one 2-minute job with its start-up (20-45 s here: Ray,
     # the double's torch and its trained weights) and the stop's margin (12 s); two or three
-    # jobs do (60 steps fitted in one). (A 1-minute job no longer holds a start-up and one save interval here: the
-    # controller then rightly refuses to resubmit.)
+    # jobs do (60 steps fitted in one). (A 1-minute job no longer holds a start-up and one
+    # save interval here: the controller then rightly refuses to resubmit.)
     total = 100
     st = slurm_train(total=total, save_freq=4, step_s=1.0, max_submissions=6,
                      restarts_per_job=0, time_limit_margin_min=0.2, watchdog={"poll_s": 0.2})
