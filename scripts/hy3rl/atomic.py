@@ -49,3 +49,14 @@ def write_json_atomic(path: Path, obj: Any, *, indent: int = 2, mode: int | None
 def write_jsonl_atomic(path: Path, rows: Iterable[dict[str, Any]]) -> None:
     """One JSON object a line (UTF-8 kept as is)."""
     write_text_atomic(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+
+
+def remove_siblings(path: Path, pattern: str) -> list[Path]:
+    """Remove the files of ``path``'s directory that match glob ``pattern`` other than
+    ``path`` itself (the other digests of a digest-named record: hy3rl.train.record_keys,
+    hy3rl.evalckpt.keep_only_request); returns them, sorted."""
+    path = Path(path)
+    gone = [p for p in sorted(path.parent.glob(pattern)) if p.name != path.name]
+    for p in gone:
+        p.unlink(missing_ok=True)
+    return gone

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hy3rl.atomic import write_json_atomic
+from hy3rl.atomic import remove_siblings, write_json_atomic
 from hy3rl.ckptdir import (
     DEAD_STATES,
     LOCK_NAME,
@@ -329,12 +329,7 @@ def keep_only_request(layout: Layout, tag: str, request: Path) -> list[Path]:
     """Tag ``tag`` was evaluated under ``request`` (``Layout.eval_request``): remove the tag's
     requests of other values, which no longer describe its samples, so that returning to
     those values evaluates again. Returns what was removed."""
-    request = Path(request)
-    pattern = Path(layout.eval_request(tag, "*")).name
-    gone = [p for p in sorted(request.parent.glob(pattern)) if p.name != request.name]
-    for p in gone:
-        p.unlink(missing_ok=True)
-    return gone
+    return remove_siblings(Path(request), Path(layout.eval_request(tag, "*")).name)
 
 
 def has_read(step_dir: Path, tag: str, request: Path) -> bool:

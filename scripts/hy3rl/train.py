@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hy3rl.atomic import write_json_atomic, write_jsonl_atomic
+from hy3rl.atomic import remove_siblings, write_json_atomic, write_jsonl_atomic
 from hy3rl.ckptdir import (
     LockHeld,
     LockInfo,
@@ -485,12 +485,9 @@ def record_keys(layout: Layout, stretch: str, path: Path, config: Mapping[str, A
     from hy3rl.identity import train_keys_params
 
     path = Path(path)
-    pattern = Path(layout.train_keys(stretch, "*"))
-    for old in sorted(Path(path.parent).glob(pattern.name)):
-        if old.name != path.name:
-            old.unlink()
-            log.info("training keys record %s removed: job %s trained under other keys",
-                     old.name, stretch)
+    for old in remove_siblings(path, Path(layout.train_keys(stretch, "*")).name):
+        log.info("training keys record %s removed: job %s trained under other keys",
+                 old.name, stretch)
     write_json_atomic(path, {"stretch": stretch, "written_at": utc_now(),
                              "values": train_keys_params(config, stretch).splitlines()})
 
