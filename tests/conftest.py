@@ -17,33 +17,47 @@ pytest_plugins = sorted(
     if p.stem != "__init__"
 ) + ["suite_timing"]
 
-# Tests that start real clusters (the SLURM test cluster, Ray on this machine, Ray inside
-# SLURM jobs) share the machine's daemons, ports and 2 x 2 fake GPUs: under pytest-xdist
-# (`-n 2`, pyproject.toml) they all run on one worker, one after another, while the other
-# worker takes the unit tests (ClusterScope below: one scope for all of them; xdist's own
-# `--dist loadgroup` cannot group under pytest 9, whose node ids ignore the group suffix it
-# sets). They are the longest stretch of the suite, so they come first. The scheduler runs in
-# the controller, which sees node ids only: the cluster tests are named here by file or by
-# test, and every worker's collection checks that each test marked slurm or ray (or using
-# the cluster fixture) is among them.
+# Tests that start real clusters share the machine's daemons and ports. Under pytest-xdist
+# (`-n 2`, pyproject.toml) they run in two scopes, each on one worker, one test after
+# another (ClusterScope below; xdist's own `--dist loadgroup` cannot group under pytest 9,
+# whose node ids ignore the group suffix it sets):
+# - "slurm": the tests of the real SLURM test cluster (its 2 x 2 fake GPUs, the Ray clusters
+#   inside its jobs, ports derived from SLURM job ids in train.ray's default range);
+# - "ray": the tests that start Ray on this machine outside SLURM; their Ray ports lie in
+#   fixtures.trainer_double.LOCAL_RAY_PORTS, disjoint from the SLURM jobs' range and the
+#   SLURM daemons' ports, and nothing they stop reaches the other scope's processes
+#   (everything is stopped by its HY3RL_RAY_SCOPE or its own submission id).
+# The two scopes run at the same time, on the two workers, while the unit tests fill in
+# around them; they are the longest stretches of the suite, so they come first. The
+# scheduler runs in the controller, which sees node ids only: the cluster tests are named
+# here by file or by test, and every worker's collection checks that each test marked slurm
+# or ray (or using the cluster fixture) is in its scope.
 CLUSTER_MARKS = ("slurm", "ray")
-CLUSTER_FILES = {
-    "tests/test_eval_slurm.py", "tests/test_rerun_identity.py", "tests/test_train_ray.py",
-    "tests/test_train_slurm.py",
-}
-CLUSTER_TESTS = {
-    "tests/test_nodelogs.py::test_real_ray_stack_processes_and_logs",
+SLURM_FILES = {"tests/test_eval_slurm.py", "tests/test_train_slurm.py"}
+SLURM_TESTS = {
     "tests/test_preflight.py::test_preflight_errors_stop_the_workflow_on_the_slurm_cluster",
     "tests/test_slurm.py::test_a_cluster_that_cannot_start_is_retried_once_then_fails_with_its_log_tail",
     "tests/test_slurm.py::test_cluster_state_is_discoverable_and_joined",
     "tests/test_slurm.py::test_cpu_rule_and_two_node_gpu_probe_run_as_sbatch_jobs",
     "tests/test_slurm.py::test_failed_cancelled_and_timed_out_jobs_are_reported_then_rerun",
 }
+RAY_FILES = {"tests/test_rerun_identity.py", "tests/test_train_ray.py"}
+RAY_TESTS = {"tests/test_nodelogs.py::test_real_ray_stack_processes_and_logs"}
+
+
+def cluster_scope(nodeid: str) -> str | None:
+    """"slurm", "ray", or None (a unit of its own)."""
+    test = nodeid.split("[")[0]
+    path = test.split("::")[0]
+    if path in SLURM_FILES or test in SLURM_TESTS:
+        return "slurm"
+    if path in RAY_FILES or test in RAY_TESTS:
+        return "ray"
+    return None
 
 
 def in_cluster_scope(nodeid: str) -> bool:
-    test = nodeid.split("[")[0]
-    return test.split("::")[0] in CLUSTER_FILES or test in CLUSTER_TESTS
+    return cluster_scope(nodeid) is not None
 
 
 def pytest_collection_modifyitems(config, items):
@@ -51,9 +65,16 @@ def pytest_collection_modifyitems(config, items):
              if (any(item.get_closest_marker(m) for m in CLUSTER_MARKS)
                  or "slurm_cluster" in getattr(item, "fixturenames", ()))
              and not in_cluster_scope(item.nodeid)]
+    # the SLURM cluster's tests in the slurm scope (its fixture), Ray's outside SLURM in ray
+    stray += [item.nodeid for item in items
+              if (item.get_closest_marker("slurm")
+                  or "slurm_cluster" in getattr(item, "fixturenames", ()))
+              and cluster_scope(item.nodeid) not in ("slurm", None)]
     if stray:
-        raise pytest.UsageError("tests that start clusters but are not in tests/conftest.py's "
-                                "CLUSTER_FILES or CLUSTER_TESTS: " + ", ".join(stray))
+        raise pytest.UsageError("tests that start clusters but are not in their scope in "
+                                "tests/conftest.py (SLURM_FILES / SLURM_TESTS for the SLURM "
+                                "test cluster, RAY_FILES / RAY_TESTS for Ray outside SLURM): "
+                                + ", ".join(stray))
     items.sort(key=lambda item: not in_cluster_scope(item.nodeid))
 
 
@@ -61,9 +82,11 @@ def pytest_xdist_make_scheduler(config, log):
     from xdist.scheduler import LoadScopeScheduling
 
     class ClusterScope(LoadScopeScheduling):
-        """Each test its own unit of work, but the cluster tests one unit together."""
+        """Each test its own unit of work, but the tests of each cluster scope one unit
+        together (the two largest units: xdist's loadscope reorder gives them one worker
+        each first)."""
 
         def _split_scope(self, nodeid: str) -> str:
-            return "cluster" if in_cluster_scope(nodeid) else nodeid
+            return cluster_scope(nodeid) or nodeid
 
     return ClusterScope(config, log)

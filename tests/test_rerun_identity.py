@@ -37,7 +37,7 @@ from pathlib import Path
 import pytest
 import yaml
 from fixtures.gpu_dag import attempt, double_sources, mtimes, snakemake, workflow_copy
-from fixtures.trainer_double import leftover_ray
+from fixtures.trainer_double import LOCAL_RAY_PORTS, leftover_ray
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow,
               # one scenario of many invocations (about 10 minutes alone; each invocation
@@ -57,7 +57,7 @@ def _base(tmp: Path) -> dict:
             "checkpoint_root": str(tmp / "ckpt"), "total_training_steps": 2,
             "checkpoint_keep": 2, "prune_interval_s": 1, "restarts_per_job": 0,
             "max_submissions": 1,
-            "ray": {"register_timeout_s": 120, "head_timeout_s": 120},
+            "ray": {"register_timeout_s": 120, "head_timeout_s": 120, **LOCAL_RAY_PORTS},
         },
         "eval": {"n_samples": 1, "max_tokens": 4, "num_problems": 2, "steps": [1]},
         # the one-node rehearsal runs for real in tests/test_eval_slurm.py
