@@ -369,9 +369,10 @@ def test_a_file_changed_under_the_same_path_names_another_keys_record(tmp_path: 
     cfg["train"]["reward_function"]["path"] = str(reward)
     cfg["data"]["train"]["source"] = str(data)
 
-    def names() -> tuple[str, str, str]:
-        return (train.keys_digest(cfg, True), train.keys_digest(cfg, False),
-                identity.eval_request_digest(cfg, "step2"))
+    def names() -> tuple[str, str, str]:  # as the DAG names them: the content once
+        content = identity.content_triggers(cfg)
+        return (train.keys_digest(cfg, True, content), train.keys_digest(cfg, False, content),
+                identity.eval_request_digest(cfg, "step2", content))
 
     before = names()
     assert names() == before  # stable: nothing changed, nothing written
@@ -388,7 +389,15 @@ def test_a_file_changed_under_the_same_path_names_another_keys_record(tmp_path: 
     pq.write_table(pa.table({"prompt": ["a", "b"], "answer": ["1", "2"]}), data)
     os.utime(data, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
     assert all(a != b for a, b in zip(names(), before, strict=True))
-    # the content part is computed once per DAG build and handed in: the same digest
-    content = identity.content_triggers(cfg)
-    assert train.keys_digest(cfg, True, content) == train.keys_digest(cfg, True)
-    assert identity.eval_request_digest(cfg, "step2", content) == names()[2]
+    # a local model directory (not the generated tiny model) by its files' stats too
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    cfg["model"]["source"] = str(model)
+    before = names()
+    st = (model / "config.json").stat()
+    (model / "config.json").write_text('{"a": 1}')
+    os.utime(model / "config.json", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    assert all(a != b for a, b in zip(names(), before, strict=True))
+    # computed here when not handed in: the same digest
+    assert train.keys_digest(cfg, True) == names()[0]
