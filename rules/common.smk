@@ -3,6 +3,8 @@
 # value from the typed config (CFG, built in the Snakefile). Rules run their stage through
 # a `script:` adapter under scripts/adapters/ (hy3rl.smk.rule_job). Nothing here has a side
 # effect while the DAG is built: no environment edits, no cluster queries (onstart below).
+import functools
+
 from hy3rl.layout import TAG_PATTERN, TINY_MODEL_DIR, Layout
 from hy3rl.smk import triggers as _triggers
 
@@ -194,19 +196,86 @@ def reward_function_input():
 
 # ---- train ----
 # The config values that re-run a training job (trajectory, extent and location keys,
-# hy3rl.identity) name its keys record (Layout.train_keys), an output of the job and a
-# target of `all`: new values re-run it in the same invocation (a missing target is found
-# even behind a preflight that must run, snakemake#4166), restored ones re-run nothing, and
-# an operational change (loggers, watchdog, retention, resources...) changes no name.
-from hy3rl.identity import eval_request_digest, eval_request_params
+# hy3rl.identity) and what it reads from files under an unchanged path (the reward's
+# sha256, the stats of a local data source, model directory or override file) name its keys
+# record (Layout.train_keys), an output of the job and a target of `all`: new values re-run
+# it in the same invocation (a missing target is found even behind a preflight that must
+# run, snakemake#4166), restored ones re-run nothing, and an operational change (loggers,
+# watchdog, retention, resources, train.on_config_change...) changes no name.
+from hy3rl.identity import content_triggers, eval_request_digest, eval_request_params
+
+# The file contents' part of the training keys, stat'ed (and the reward hashed) once per
+# DAG build: every digest below uses it.
+TRAIN_CONTENT = content_triggers(config)
 
 
 def train_keys_digest(final):
     """The digest in the name of the keys record of the final training job, or of every
-    segment, a pure function of the config (hy3rl.train.keys_digest)."""
+    segment, a pure function of the config and the files' stats (hy3rl.train.keys_digest).
+    """
     from hy3rl.train import keys_digest
 
-    return keys_digest(config, final)
+    return keys_digest(config, final, TRAIN_CONTENT)
+
+
+@functools.cache
+def train_adopted():
+    """Stretch -> hy3rl.train.Adoption for each training job whose sentinel was written under
+    the current training keys before their record existed (records of older code): rule
+    train_adopt writes its record instead of submitting a job that would train nothing.
+    The final job on its own; the segments all or none (one rule makes every segment's
+    outputs). Files read, nothing written."""
+    from hy3rl.train import adoption
+
+    if not gpu_enabled():
+        return {}
+    out = {}
+    final = adoption(LAYOUT, "final", config, TRAIN_CONTENT)
+    if final:
+        out["final"] = final
+    segments = {
+        f"step{end}": adoption(LAYOUT, f"step{end}", config, TRAIN_CONTENT)
+        for end in train_segment_ends()
+    }
+    if segments and all(segments.values()):
+        out.update(segments)
+    return out
+
+
+def train_outputs():
+    """Rule train's outputs: done.json, metrics.jsonl and, unless rule train_adopt writes it
+    (train_adopted), the final job's keys record."""
+    out = {"done": LAYOUT.train_done, "metrics": LAYOUT.train_metrics}
+    if "final" not in train_adopted():
+        out["train_keys"] = LAYOUT.train_keys("final", train_keys_digest(final=True))
+    return out
+
+
+def train_segment_outputs():
+    """Rule train_segment's outputs: the sentinel and, unless rule train_adopt writes them
+    (train_adopted), the keys record."""
+    out = {"sentinel": LAYOUT.segment_sentinel("{end}")}
+    if not any(s != "final" for s in train_adopted()):
+        out["train_keys"] = LAYOUT.train_keys(
+            "step{end}", train_keys_digest(final=False)
+        )
+    return out
+
+
+def train_adopt_constraints():
+    """Rule train_adopt's wildcards: the adopted stretches and their records' digests."""
+    stretches = sorted(train_adopted())
+    digests = {train_keys_digest(final=s == "final") for s in stretches}
+    return {"stretch": "|".join(stretches), "digest": "|".join(sorted(digests))}
+
+
+def train_adopt_inputs(wildcards):
+    """The inputs of the job rule train_adopt stands in for (train_inputs,
+    train_segment_inputs): Snakemake records them with the keys record, and the job that
+    makes it later must find the same set (its `input` rerun trigger)."""
+    if wildcards.stretch == "final":
+        return train_inputs(wildcards)
+    return _segment_inputs(int(wildcards.stretch.removeprefix("step")))
 
 
 def train_targets():
@@ -317,11 +386,23 @@ def train_slurm_extra(wildcards, attempt):
     return with_exclude(base, decision.exclude)
 
 
-def train_base_inputs():
+def recorded_inputs(path):
+    """The inputs Snakemake recorded for the job that made `path` (its metadata; None when
+    it has none, or when no persistence is set up, as in a lint)."""
+    from snakemake.io import IOFile
+
+    persistence = getattr(workflow, "persistence", None)
+    return persistence.input(IOFile(path)) if persistence is not None else None
+
+
+def train_base_inputs(stretch):
     """Inputs of every training job, all ancient (a re-rendered but unchanged plan never
     retrains; what should retrain is the job's missing keys record, an output). With the
     rehearsal on, its record (ancient: a rehearsal re-run for a new runtime retrains
-    nothing, but a training job to run waits for it).
+    nothing, but a training job to run waits for it). The older rule train_keys' file of
+    job `stretch` while Snakemake's record of the job's sentinel lists it as an input
+    (hy3rl.train.legacy_keys_input): the input set stays the one recorded, so the `input`
+    rerun trigger does not re-run a finished job.
     """
     inputs = {
         "plan": ancient(LAYOUT.train_plan),
@@ -330,6 +411,12 @@ def train_base_inputs():
     }
     if rehearsal_enabled():
         inputs["rehearsal"] = ancient(LAYOUT.rehearsal_record)
+    from hy3rl.train import legacy_keys_input
+
+    legacy = legacy_keys_input(
+        LAYOUT, stretch, recorded_inputs(LAYOUT.stretch_sentinel(stretch))
+    )
+    inputs.update({k: ancient(v) for k, v in legacy.items()})
     return inputs
 
 
@@ -341,7 +428,7 @@ def train_segment_ends():
 
 def train_inputs(wildcards):
     """Inputs of the train rule: the base ones, plus the last segment's sentinel."""
-    inputs = train_base_inputs()
+    inputs = train_base_inputs("final")
     ends = train_segment_ends()
     if ends:
         inputs["previous"] = LAYOUT.segment_sentinel(ends[-1])
@@ -350,8 +437,13 @@ def train_inputs(wildcards):
 
 def train_segment_inputs(wildcards):
     """Inputs of the train_segment rule: the base ones, plus the previous segment's."""
-    inputs = train_base_inputs()
-    previous = int(wildcards.end) - CFG.train.segment_steps
+    return _segment_inputs(int(wildcards.end))
+
+
+def _segment_inputs(end):
+    """The inputs of the segment job ending at step `end`."""
+    inputs = train_base_inputs(f"step{end}")
+    previous = end - CFG.train.segment_steps
     if previous > 0:
         inputs["previous"] = LAYOUT.segment_sentinel(previous)
     return inputs
@@ -464,14 +556,14 @@ from hy3rl.identity import EVAL_GENERATION_KEYS
 def eval_request(tag):
     """The tag's request, named by the digest of what it asks (Layout.eval_request): values
     never seen name a missing request, restored ones the request still in place."""
-    return LAYOUT.eval_request(tag, eval_request_digest(config, tag))
+    return LAYOUT.eval_request(tag, eval_request_digest(config, tag, TRAIN_CONTENT))
 
 
 def eval_request_param(wildcards):
     """Rule eval_request's param: the tag, its generation settings and, for a checkpoint
     tag, the training keys (final: with the total, hy3rl.identity.eval_request_params).
     """
-    return eval_request_params(config, wildcards.tag)
+    return eval_request_params(config, wildcards.tag, TRAIN_CONTENT)
 
 
 def eval_generate_threads():

@@ -14,9 +14,14 @@
 # Snakemake finds from `all` in this invocation and, after a refusal, in the next one (a
 # missing target is never masked behind preflight, snakemake#4166); keys restored after a
 # refused change name the record still there, so nothing is submitted and no record has
-# changed. An operational change (a Ray timeout, loggers, names, retention, the watchdog, the
-# time limit, a memory-only knob, a repository's url, the validation set) or other
-# evaluation steps never retrain. The job itself then checks the checkpoint
+# changed. The keys count what the job reads from files under an unchanged path too (the
+# reward function's sha256, the stats of a local data source, model directory or override
+# file): a file replaced in place names a new record. An operational change (a Ray timeout,
+# loggers, names, retention, the watchdog, the time limit, a memory-only knob, a
+# repository's url, the validation set, train.on_config_change) or other evaluation steps
+# never retrain. A sentinel written under the current keys by code that wrote no record of
+# them (the older rule train_keys, or an older set of keys) is adopted by rule train_adopt,
+# on the submit host, instead of submitting a job that would train nothing. The job itself then checks the checkpoint
 # directory's run identity (hy3rl.ckptdir): same trajectory resumes or extends, another is
 # refused unless train.on_config_change says fresh or resume.
 # A relaunch while a live trainer holds the checkpoint directory stops in `onstart:`.
@@ -60,8 +65,7 @@ if gpu_enabled() and train_segment_ends():
         input:
             unpack(train_segment_inputs),
         output:
-            sentinel=LAYOUT.segment_sentinel("{end}"),
-            train_keys=LAYOUT.train_keys("step{end}", train_keys_digest(final=False)),
+            **train_segment_outputs(),
         log:
             LAYOUT.log("train_segment_step{end}"),
         wildcard_constraints:
@@ -80,9 +84,7 @@ if gpu_enabled():
         input:
             unpack(train_inputs),
         output:
-            done=LAYOUT.train_done,
-            metrics=LAYOUT.train_metrics,
-            train_keys=LAYOUT.train_keys("final", train_keys_digest(final=True)),
+            **train_outputs(),
         log:
             LAYOUT.log("train"),
         retries: train_retries()
@@ -91,3 +93,28 @@ if gpu_enabled():
             **train_job_resources(),
         script:
             "../scripts/adapters/train.py"
+
+
+if gpu_enabled() and train_adopted():
+
+    # The keys record of a training job whose sentinel was written under the current
+    # training keys before their record existed (hy3rl.train.adopt: origin adopted, after
+    # preflight's run identity decision says `same` at the job's end), on the submit host;
+    # the job's own rule then leaves the record out of its outputs for this invocation.
+    # Its inputs are the job's: Snakemake records them with the record.
+    rule train_adopt:
+        input:
+            unpack(train_adopt_inputs),
+        output:
+            train_keys=LAYOUT.train_keys("{stretch}", "{digest}"),
+        log:
+            LAYOUT.log("train/adopt_{stretch}.{digest}"),
+        wildcard_constraints:
+            **train_adopt_constraints(),
+        localrule: True
+        threads: 1
+        resources:
+            mem_mb=500,
+            runtime=1,
+        script:
+            "../scripts/adapters/train_adopt.py"

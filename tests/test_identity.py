@@ -27,11 +27,11 @@ def test_training_triggers_move_with_trajectory_and_extent_keys_only():
     for sections in ({"train": {"total_training_steps": 7}},
                      {"train": {"env": {"ACTOR_LR": 5e-6}}},
                      {"train": {"verl_overrides": {"actor_rollout_ref.actor.optim.lr": 1e-5}}},
-                     {"data": {"train": {"limit": 20}}}, {"run": {"name": "other"}},
-                     {"train": {"on_config_change": "fresh"}}):
+                     {"data": {"train": {"limit": 20}}}, {"run": {"name": "other"}}):
         assert _triggers(**sections) != base, sections
     # ... operational keys, evaluation and the report do not
     for sections in ({"eval": {"steps": [10, 20]}}, {"report": {"dpi": 61}},
+                     {"train": {"on_config_change": "fresh"}},
                      {"train": {"checkpoint_keep": 9, "restarts_per_job": 0,
                                 "watchdog": {"stall_min": 3}, "notify_command": "echo",
                                 "loggers": ["console"]}},
@@ -320,3 +320,84 @@ def test_the_key_table_in_the_docs_is_the_generated_one():
     assert committed == identity.kind_table(), (
         "docs/formats/train.md's key table differs from hy3rl.identity.kind_table(): "
         "paste its output between the markers")
+
+
+# ---- the training keys: what a training job's keys record is named by ----
+
+
+def test_on_config_change_alone_names_the_same_keys_record():
+    """train.on_config_change says what a launch does after a trajectory change; that change
+    names a missing record by itself, so the choice alone plans no training job (counted,
+    it planned one that trained nothing) and re-evaluates nothing."""
+    import copy
+
+    from hy3rl import train
+
+    base = make_config().raw  # validated once; each variant edits a copy of it
+    for choice in ("fresh", "resume"):
+        other = copy.deepcopy(base)
+        other["train"]["on_config_change"] = choice
+        assert train.keys_digest(other, True) == train.keys_digest(base, True), choice
+        assert train.keys_digest(other, False) == train.keys_digest(base, False), choice
+        assert identity.eval_request_digest(other, "step2") == identity.eval_request_digest(
+            base, "step2")
+    assert not [v for v in identity.train_keys_params(base, "final").splitlines()
+                if v.startswith("train.on_config_change")]
+    # a trajectory change with the choice still names another record
+    lr = copy.deepcopy(base)
+    lr["train"].update(on_config_change="fresh", env={**lr["train"]["env"], "ACTOR_LR": 5e-6})
+    assert train.keys_digest(lr, True) != train.keys_digest(base, True)
+
+
+def test_a_file_changed_under_the_same_path_names_another_keys_record(tmp_path: Path):
+    """The training keys count what the job reads from files whose path stays: the custom
+    reward function by its sha256 (as the run identity counts it), a local training data
+    source by its files' sizes and mtimes; a file replaced in place names a missing record
+    (the job is planned in the same invocation) and another request for a checkpoint tag."""
+    import copy
+    import os
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from hy3rl import train
+
+    reward = tmp_path / "reward.py"
+    reward.write_text("def compute_score(*a, **k):\n    return 1.0\n")
+    data = tmp_path / "train.parquet"
+    pq.write_table(pa.table({"prompt": ["a"], "answer": ["1"]}), data)
+    cfg = copy.deepcopy(make_config().raw)  # as validated, with the files set
+    cfg["train"]["reward_function"]["path"] = str(reward)
+    cfg["data"]["train"]["source"] = str(data)
+
+    def names() -> tuple[str, str, str]:  # as the DAG names them: the content once
+        content = identity.content_triggers(cfg)
+        return (train.keys_digest(cfg, True, content), train.keys_digest(cfg, False, content),
+                identity.eval_request_digest(cfg, "step2", content))
+
+    before = names()
+    assert names() == before  # stable: nothing changed, nothing written
+    reward.write_text("def compute_score(*a, **k):\n    return 0.0\n")
+    edited = names()
+    assert all(a != b for a, b in zip(edited, before, strict=True)), (edited, before)
+    reward.write_text("def compute_score(*a, **k):\n    return 1.0\n")  # by content
+    assert names() == before
+    values = identity.train_keys_params(cfg, "final")
+    sha = identity.content_stats(cfg)["reward_function.sha256"][0]
+    assert f'reward_function.sha256="{sha}"' in values and "data.train.source.stats=" in values
+
+    st = data.stat()
+    pq.write_table(pa.table({"prompt": ["a", "b"], "answer": ["1", "2"]}), data)
+    os.utime(data, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    assert all(a != b for a, b in zip(names(), before, strict=True))
+    # a local model directory (not the generated tiny model) by its files' stats too
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    cfg["model"]["source"] = str(model)
+    before = names()
+    st = (model / "config.json").stat()
+    (model / "config.json").write_text('{"a": 1}')
+    os.utime(model / "config.json", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    assert all(a != b for a, b in zip(names(), before, strict=True))
+    # computed here when not handed in: the same digest
+    assert train.keys_digest(cfg, True) == names()[0]

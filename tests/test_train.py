@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from fixtures.common import REPO_ROOT, make_config
 from fixtures.trainer_double import launch_sh, partial_checkpoint, plan_json
-from hy3rl import ckptdir, launch, raynode, runtime_id, train, verl_log
+from hy3rl import ckptdir, identity, launch, raynode, runtime_id, train, verl_log
 from hy3rl.errors import StageError
 from hy3rl.layout import Layout
 from hy3rl.settings import Runtime
@@ -390,6 +390,112 @@ def test_a_refused_change_changes_no_record_and_restoring_it_submits_nothing(
     # a segment's record is named by the segments' common keys and its own end
     assert train.keys_digest(before, final=False) == train.keys_digest(
         deep_merge(before, {"train": {"total_training_steps": 40}}), final=False)
+
+
+def _older_values(config: dict) -> list[str]:
+    """The training keys as code before this change wrote them: no file contents, and
+    train.on_config_change counted."""
+    content = identity.content_stats(config)
+    return sorted([v for v in identity.train_keys_params(config, "final").splitlines()
+                   if v.partition("=")[0] not in content]
+                  + [f"train.on_config_change={json.dumps(config['train']['on_config_change'])}"])
+
+
+def _aged(path: Path, than: Path, by_ns: int) -> None:
+    """``path``'s mtime set ``by_ns`` from ``than``'s (negative: older)."""
+    t = than.stat().st_mtime_ns + by_ns
+    os.utime(path, ns=(t, t))
+
+
+def test_a_run_finished_by_older_code_is_adopted_not_trained(tmp_path: Path) -> None:
+    """Issue 27: the first invocation after the training keys changed form (the older rule
+    train_keys' file, or a record named by an older set of keys) finds no record of the
+    current keys; with the same values, the finished job is adopted on the submit host (a
+    record saying `origin: adopted`, nothing trained, nothing else changed) instead of
+    submitting a job that trains nothing. A changed value, a file changed after the
+    sentinel, a keys file newer than the sentinel or preflight's decision other than `same`
+    at the job's end: not adopted (the job runs)."""
+    from hy3rl.config import deep_merge
+
+    cfg, layout, paths = _setup(tmp_path)
+    config = deep_merge(cfg.raw, {"cluster": {"gpu": True},
+                                  "train": {"total_training_steps": 4}})
+    done = train.write_done(layout, 4, 4, paths["sentinel"], paths["metrics"])  # finished
+    current = train.keys_record(layout, "final", config)
+    assert not current.exists()  # the job is in the DAG, as before this change
+    assert train.adoption(layout, "final", config) is None  # no older record: it runs
+
+    # the older rule train_keys' file, written before the job that wrote done.json
+    legacy = Path(layout.train_keys_legacy("final"))
+    legacy.parent.mkdir(parents=True, exist_ok=True)
+    legacy.write_text(json.dumps({"rule": "train_keys", "wildcards": {"stretch": "final"},
+                                  "values": _older_values(config)}))
+    _aged(legacy, done, -10**9)
+    found = train.adoption(layout, "final", config)
+    assert found is not None and found.vouching == legacy and found.sentinel == done
+    assert found.unseen == ("reward_function.sha256",)  # the older code counted no content
+
+    # not adopted: a changed value; the keys file newer than the sentinel (the job that
+    # followed it never finished); a file counted by content changed after the sentinel
+    lr = deep_merge(config, {"train": {"env": {"ACTOR_LR": 5e-6}}})
+    assert train.adoption(layout, "final", lr) is None
+    _aged(legacy, done, 10**9)
+    assert train.adoption(layout, "final", config) is None
+    _aged(legacy, done, -10**9)
+    reward = tmp_path / "reward.py"
+    reward.write_text("def compute_score(*a, **k):\n    return 1.0\n")
+    with_reward = deep_merge(config, {"train": {"reward_function": {"path": str(reward)}}})
+    legacy.write_text(json.dumps({"values": _older_values(with_reward)}))
+    _aged(legacy, done, -10**9)
+    _aged(reward, done, -10**9)
+    assert train.adoption(layout, "final", with_reward) is not None
+    _aged(reward, done, 10**9)
+    assert train.adoption(layout, "final", with_reward) is None
+    legacy.write_text(json.dumps({"values": _older_values(config)}))
+    _aged(legacy, done, -10**9)
+
+    # preflight's decision must say the checkpoints are this trajectory's, at the total
+    plan = Path(layout.train_plan)
+    plan.parent.mkdir(parents=True, exist_ok=True)
+    doc = json.loads(Path(layout.preflight_plan).read_text())
+    doc["identity"]["decision"] = {"action": "fresh", "newest_step": 4}
+    plan.write_text(json.dumps(doc))
+    records = _records(layout)
+    with pytest.raises(train.TrainError, match=r"not adopted: .* 'fresh' .* remove "):
+        train.adopt(layout, "final", current, config, plan)
+    assert _records(layout) == records  # nothing written
+    doc["identity"]["decision"] = {"action": "same", "newest_step": 4}  # as preflight says
+    plan.write_text(json.dumps(doc))
+    records = _records(layout)
+    train.adopt(layout, "final", current, config, plan)
+    rec = json.loads(current.read_text())
+    assert rec["origin"] == "adopted" and rec["adopted"]["vouching_record"] == str(legacy)
+    assert rec["adopted"]["identity_decision"] == {"action": "same", "newest_step": 4}
+    assert "no training job ran" in rec["adopted"]["note"]
+    assert rec["values"] == identity.train_keys_params(config, "final").splitlines()
+    assert {p: v for p, v in _records(layout).items() if p != current} == records
+    assert train.adoption(layout, "final", config) is None  # done: the record is in place
+    # a job that trained says so
+    trained = Path(layout.train_keys("final", "0" * 16))
+    train.record_keys(layout, "final", trained, config)
+    assert json.loads(trained.read_text())["origin"] == "trained" and not current.exists()
+    trained.unlink()
+
+    # a record named by an older set of keys (written after done.json by the job) vouches
+    # too, and is replaced by the adopted one
+    older = Path(layout.train_keys("final", "f" * 16))
+    older.write_text(json.dumps({"stretch": "final", "values": _older_values(config)}))
+    _aged(older, done, 10**9)
+    found = train.adoption(layout, "final", config)
+    assert found is not None and found.vouching == older
+    train.adopt(layout, "final", current, config, plan)
+    assert current.is_file() and not older.exists()
+
+    # the older rule's file stays an input while Snakemake's record of done.json lists it
+    assert train.legacy_keys_input(layout, "final", [layout.train_plan, str(legacy)]) == {
+        "legacy_keys": str(legacy)}
+    assert train.legacy_keys_input(layout, "final", [layout.train_plan]) == {}
+    assert train.legacy_keys_input(layout, "final", None) == {}
 
 
 # ---------------------------------------------------------------- launcher pieces

@@ -297,12 +297,18 @@ def local_file_stats(root: str | Path) -> dict[str, str]:
     is built, and free of side effects. A file replaced, rewritten, added or removed in
     place changes a value, so Snakemake re-runs rule model (the manifest, and with it the
     run identity, follow the directory) and its reason names each such file with its size
-    and mtime before and now. Empty when ``root`` is not a directory (rule model names it)."""
+    and mtime before and now. A file ``root`` gives its own entry (a local data source file in
+    the training keys: hy3rl.identity.content_stats); empty when ``root`` is neither (rule
+    model names it)."""
     root = Path(root).expanduser()
-    if not root.is_dir():
+    if root.is_file():
+        root, names = root.parent, [root.name]
+    elif root.is_dir():
+        names = list_files(root)
+    else:
         return {}
     out = {}
-    for rel in list_files(root):
+    for rel in names:
         st = (root / rel).stat()
         key = "file_" + hashlib.sha1(rel.encode(), usedforsecurity=False).hexdigest()[:16]
         out[key] = f"{rel}: {st.st_size} bytes, mtime_ns {st.st_mtime_ns}"

@@ -27,7 +27,7 @@ Every config key (:data:`CONFIG_KINDS`), launch-script knob (:data:`KNOBS`) and 
 them for docs/formats/train.md. The config-level kinds decide what re-runs training in the
 same invocation (the training keys that name a job's keys record, rules/train.smk:
 trajectory, extent and location keys, ``train.env`` and ``train.verl_overrides`` by their
-trajectory entries).
+trajectory entries, and the files read under an unchanged path, :func:`content_stats`).
 
 The identity of a checkpoint directory, its history and the decision on a rerun are
 :mod:`hy3rl.ckptdir`'s (docs/formats/train.md "Run identity").
@@ -91,8 +91,9 @@ CONFIG_KINDS: dict[str, tuple[str, str]] = {
     "train.checkpoint_keep": (OPERATIONAL, "the workflow's retention"),
     "train.keep_eval_checkpoints": (OPERATIONAL, "the workflow's retention"),
     "train.prune_interval_s": (OPERATIONAL, "the workflow's retention"),
-    "train.on_config_change": (OPERATIONAL, "the choice after a refusal (still a training "
-                               "trigger: choosing fresh or resume launches at once)"),
+    "train.on_config_change": (OPERATIONAL, "what a launch does after a trajectory change, "
+                               "not what it trains: no training key (a change that it "
+                               "answers already names a missing keys record)"),
     "train.max_submissions": (OPERATIONAL, "resubmission"),
     "train.restarts_per_job": (OPERATIONAL, "restarts inside an allocation"),
     "train.watchdog": (OPERATIONAL, "hang and time limits"),
@@ -293,12 +294,14 @@ def _entry(table: Mapping[str, tuple[str, str]], key: str) -> tuple[str, str] | 
     return table[max(hits, key=lambda p: p.count(".") + 1)] if hits else None
 
 
+@functools.cache  # the tables are constants; asked for every config leaf at each digest
 def config_kind(key: str) -> str | None:
     """The kind of a config key (dotted leaf), None when no entry of CONFIG_KINDS names it."""
     entry = _entry(CONFIG_KINDS, key)
     return entry[0] if entry else None
 
 
+@functools.cache
 def verl_entry(key: str) -> tuple[str, str] | None:
     """``(kind, why)`` of a resolved verl key (``+``/``~`` prefix ignored), None when no entry
     of VERL_KINDS names it."""
@@ -334,32 +337,93 @@ def refused_override(key: str) -> str | None:
     return None
 
 
-def train_trigger_values(config: Mapping[str, Any], extent: bool = True) -> dict[str, str]:
+def content_stats(config: Mapping[str, Any]) -> dict[str, tuple[str, tuple[Path, ...]]]:
+    """What the training reads from files whose path stays the same, as seen while the DAG
+    is built: name -> ``(value, files)``. The names are the run identity's where it has one
+    (:data:`CONTENT_NAMES`, computed the same way where that is cheap):
+    ``reward_function.sha256``, the sha256 of ``train.reward_function.path`` (a small file,
+    read whole; null when it is unset, ``missing`` when absent: preflight names it);
+    ``data.train.source.stats``, ``model.source.stats`` (a local model directory other than
+    the generated tiny model, whose weights its config keys give) and
+    ``override_paths.stats`` (:func:`override_paths`): ``sha256:`` of each file's path,
+    size and mtime (:func:`hy3rl.hub.local_file_stats`, a stat per file and nothing read,
+    the same stats that re-run rule model), since hashing the data or the weights at every
+    DAG build is too slow and their content identity (``data.train.sha256``,
+    ``model.identity``) exists only once rule data or model has run again. A replaced
+    file changes a value, so the training keys name a missing record and the job is
+    planned in the same invocation; its own identity check then compares the content."""
+    from hy3rl.data import local_source_path
+    from hy3rl.hub import is_local_source, list_files, local_file_stats
+    from hy3rl.layout import TINY_MODEL_DIR
+    from hy3rl.runtime_id import sha256_file
+
+    def stats(paths: list[Path]) -> tuple[str, tuple[Path, ...]]:
+        rows = [[str(p), sorted(local_file_stats(p).values())] for p in paths]
+        files = [f for p in paths
+                 for f in ([p] if p.is_file() else [p / rel for rel in list_files(p)]
+                           if p.is_dir() else [])]
+        return "sha256:" + digest({"stats": rows}), tuple(files)
+
+    train = config.get("train") or {}
+    out: dict[str, tuple[str, tuple[Path, ...]]] = {}
+    reward = str((train.get("reward_function") or {}).get("path") or "")
+    out["reward_function.sha256"] = ((sha256_file(reward), (Path(reward),))
+                                     if reward and Path(reward).is_file()
+                                     else ("missing" if reward else None, ()))
+    source = str(((config.get("data") or {}).get("train") or {}).get("source") or "")
+    local = local_source_path(source) if source else None
+    if local:
+        out["data.train.source.stats"] = stats([Path(local)])
+    model = str((config.get("model") or {}).get("source") or "")
+    if model and is_local_source(model) and model != TINY_MODEL_DIR:
+        out["model.source.stats"] = stats([Path(model).expanduser()])
+    paths = override_paths(config)
+    if paths:
+        out["override_paths.stats"] = stats([Path(p) for p in paths])
+    return out
+
+
+def content_triggers(config: Mapping[str, Any]) -> dict[str, str]:
+    """:func:`content_stats` as training keys (``name=<JSON value>``): computed once while
+    the DAG is built (rules/common.smk) and handed to the functions below."""
+    return {f"content_{name}": f"{name}={json.dumps(value)}"
+            for name, (value, _) in sorted(content_stats(config).items())}
+
+
+def train_trigger_values(config: Mapping[str, Any], extent: bool = True,
+                         content: Mapping[str, str] | None = None) -> dict[str, str]:
     """``key=<JSON value>`` (``hy3rl.smk.triggers``) for every leaf of the validated config
     whose kind is trajectory, location or (``extent``) extent, ``train.env`` and
-    ``train.verl_overrides`` by their trajectory entries, and ``train.on_config_change``
-    (choosing fresh or resume after a refusal launches at once)."""
+    ``train.verl_overrides`` by their trajectory entries, and what the training reads from
+    files under an unchanged path (``content``: :func:`content_triggers`, computed here
+    when None). ``train.on_config_change`` is none of them: it says what a launch does
+    after a trajectory change, and that change names a missing keys record by itself
+    (choosing ``fresh`` after a refusal re-runs preflight, which passes, and the job that
+    was missing runs); counted, a change of the choice alone planned a job that trained
+    nothing."""
     from hy3rl.smk import _leaves, triggers  # the leaves a trigger names
 
     kinds = TRIGGER_KINDS if extent else (TRAJECTORY, LOCATION)
     keys = [leaf for section in sorted(config) for leaf, _ in _leaves(config[section], section)
             if config_kind(leaf) in kinds]
-    out = triggers(config, *keys, "train.on_config_change")
+    out = triggers(config, *keys)
     train = config.get("train") or {}
     env = {k: v for k, v in (train.get("env") or {}).items() if knob_kind(k) == TRAJECTORY}
     ovr = {k: v for k, v in (train.get("verl_overrides") or {}).items()
            if verl_kind(k) == TRAJECTORY}
     out.update(triggers({"train": {"env": env, "verl_overrides": ovr}},
                         "train.env", "train.verl_overrides"))
+    out.update(content_triggers(config) if content is None else content)
     return out
 
 
-def train_keys_params(config: Mapping[str, Any], stretch: str) -> str:
+def train_keys_params(config: Mapping[str, Any], stretch: str,
+                      content: Mapping[str, str] | None = None) -> str:
     """A training job's training keys (their digest names its keys record,
     ``hy3rl.train.keys_digest``): ``final`` (rule train) takes
     every trigger, a segment ``step<N>`` every one but the total (an extension re-runs no
     finished segment), plus its own end. One ``key=value`` a line, sorted."""
-    values = train_trigger_values(config, extent=stretch == "final")
+    values = train_trigger_values(config, extent=stretch == "final", content=content)
     if stretch != "final":
         from hy3rl.smk import triggers
 
@@ -393,7 +457,8 @@ EVAL_GENERATION_KEYS = (
 )
 
 
-def eval_request_params(config: Mapping[str, Any], tag: str) -> str:
+def eval_request_params(config: Mapping[str, Any], tag: str,
+                        content: Mapping[str, str] | None = None) -> str:
     """Rule ``eval_request``'s one param for tag ``tag``: the generation settings
     (:data:`EVAL_GENERATION_KEYS`), and for a checkpoint tag the training triggers (a new
     trajectory re-evaluates it; ``final`` also the total, so an extension re-evaluates the
@@ -405,16 +470,17 @@ def eval_request_params(config: Mapping[str, Any], tag: str) -> str:
     values["tag"] = f"tag={tag}"
     model, _ = split_tag(tag)
     if model != "base":
-        values.update(train_trigger_values(config, extent=model == "final"))
+        values.update(train_trigger_values(config, extent=model == "final", content=content))
     return "\n".join(sorted(values.values()))
 
 
-def eval_request_digest(config: Mapping[str, Any], tag: str) -> str:
+def eval_request_digest(config: Mapping[str, Any], tag: str,
+                        content: Mapping[str, str] | None = None) -> str:
     """The first 16 hex digits of the sha256 of :func:`eval_request_params`: the name of
     the tag's request (``Layout.eval_request``). Pure and cheap, computed while the DAG is
     built: values never seen name a missing request (the tag is evaluated again), values
     restored after a refused change name the request still in place (nothing runs)."""
-    return hashlib.sha256(eval_request_params(config, tag).encode()).hexdigest()[:16]
+    return hashlib.sha256(eval_request_params(config, tag, content).encode()).hexdigest()[:16]
 
 
 # ---- the trajectory of a plan ---------------------------------------------------------
@@ -505,6 +571,8 @@ def override_paths(config: Mapping[str, Any]) -> list[str]:
               if knob_kind(str(k)) == TRAJECTORY]
     out: set[str] = set()
     for text in texts:
+        if "/" not in text:  # no path (and Hydra's parser is slow at every DAG build)
+            continue
         value = typed_value(text)
         if not (isinstance(value, str) and value.startswith("/")):
             continue

@@ -254,6 +254,18 @@ class Layout:
         ``all``, so new keys (a missing record) run the job and restored ones run nothing."""
         return self._p(f"train/keys/{stretch}.{digest}.json")
 
+    def train_keys_legacy(self, stretch: str) -> str:
+        """``train/keys/<stretch>.json``: the keys file the older rule train_keys wrote
+        before each training job (its values, one ``key=value`` a line; read by
+        hy3rl.train.adoption, never written now)."""
+        return self._p(f"train/keys/{stretch}.json")
+
+    def stretch_sentinel(self, stretch: str) -> str:
+        """The sentinel of training job ``stretch``: done.json for ``final``, else the
+        segment's (``step<N>``)."""
+        return self.train_done if stretch == "final" else self.segment_sentinel(
+            stretch.removeprefix("step"))
+
     def segment_sentinel(self, end: int | str) -> str:
         return self._p(f"train/segments/step{end}.json")
 

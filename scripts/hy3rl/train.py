@@ -462,34 +462,182 @@ def write_job_exit(layout: Layout, job: str, attempts: list[int], step: JobStep 
         "exclude": list(step.exclude) if step else []})
 
 
-def keys_digest(config: Mapping[str, Any], final: bool) -> str:
+def keys_digest(config: Mapping[str, Any], final: bool,
+                content: Mapping[str, str] | None = None) -> str:
     """The first 16 hex digits of the sha256 of the training keys
     (:func:`hy3rl.identity.train_keys_params`) of rule train (``final``) or of every segment
     (their common keys: a segment's end is in its record's name, Layout.train_keys). Pure
     and cheap: computed while the DAG is built, it names the record a training job writes
-    when it succeeded, a target of ``all``."""
+    when it succeeded, a target of ``all``. ``content``: the file contents' part of the keys
+    (:func:`hy3rl.identity.content_triggers`), computed here when None."""
     from hy3rl.identity import train_keys_params
 
-    text = train_keys_params(config, "final" if final else "segment")
+    text = train_keys_params(config, "final" if final else "segment", content)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def record_keys(layout: Layout, stretch: str, path: Path, config: Mapping[str, Any]) -> None:
+def keys_record(layout: Layout, stretch: str, config: Mapping[str, Any],
+                content: Mapping[str, str] | None = None) -> Path:
+    """The keys record of job ``stretch`` under the current training keys."""
+    return Path(layout.train_keys(stretch, keys_digest(config, stretch == "final", content)))
+
+
+def record_keys(layout: Layout, stretch: str, path: Path, config: Mapping[str, Any], *,
+                adopted: Mapping[str, Any] | None = None) -> None:
     """Training job ``stretch`` (``final`` or ``step<N>``) succeeded: write its keys record
     ``path`` (``Layout.train_keys(stretch, keys_digest(...))``: the training keys it trained
-    under, one ``key=value`` a line), and remove the records of the stretch's other keys,
-    which no longer describe its sentinel, so returning to those values runs the job again.
-    Only a training job that ran changes these records: a change refused by preflight
-    changes none, and restoring the values it changed finds the record still there and
-    submits nothing (docs/formats/train.md)."""
+    under, one ``key=value`` a line; ``origin: trained``), and remove the records of the
+    stretch's other keys, which no longer describe its sentinel, so returning to those
+    values runs the job again. Only a training job that ran changes these records: a change
+    refused by preflight changes none, and restoring the values it changed finds the record
+    still there and submits nothing (docs/formats/train.md). With ``adopted`` (rule
+    train_adopt, :func:`adopt`: :meth:`Adoption.record`) nothing was trained: the record
+    says ``origin: adopted`` and, under ``adopted``, what vouched for the sentinel."""
     from hy3rl.identity import train_keys_params
 
     path = Path(path)
     for old in remove_siblings(path, Path(layout.train_keys(stretch, "*")).name):
         log.info("training keys record %s removed: job %s trained under other keys",
                  old.name, stretch)
-    write_json_atomic(path, {"stretch": stretch, "written_at": utc_now(),
-                             "values": train_keys_params(config, stretch).splitlines()})
+    doc: dict[str, Any] = {"stretch": stretch, "written_at": utc_now(),
+                           "origin": "adopted" if adopted else "trained",
+                           "values": train_keys_params(config, stretch).splitlines()}
+    if adopted:
+        doc["adopted"] = dict(adopted)
+    write_json_atomic(path, doc)
+
+
+@dataclass(frozen=True)
+class Adoption:
+    """Job ``stretch``'s sentinel was written under the current training keys before a keys
+    record of them existed: ``vouching``, an older record of the stretch (the keys file of
+    the older rule train_keys, written before the job; or a record named by the digest of
+    an older set of training keys, written after it) holds every current training key
+    with its current value, except ``unseen``: file contents (``hy3rl.identity.content_stats``)
+    the older record did not count, none of whose files changed after the sentinel was
+    written."""
+
+    stretch: str
+    sentinel: Path
+    vouching: Path
+    unseen: tuple[str, ...]
+
+    def record(self, decision: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """The keys record's ``adopted`` entry."""
+        return {"sentinel": str(self.sentinel), "vouching_record": str(self.vouching),
+                "unseen_keys": list(self.unseen), "identity_decision": dict(decision or {}),
+                "note": "no training job ran: the sentinel was written under these training "
+                        "keys, by a job that wrote no record of them"}
+
+
+def _older_record(layout: Layout, stretch: str, current: Path,
+                  sentinel: Path) -> tuple[Path, list[str]] | None:
+    """The newest older record of job ``stretch`` that vouches for ``sentinel`` and its
+    values: the older rule train_keys' file only when written before the sentinel (the job
+    ran after it), a digest-named one only when written after it (the job writes it last);
+    None when there is none or it does not parse."""
+    pattern = Path(layout.train_keys(stretch, "*"))
+    legacy = Path(layout.train_keys_legacy(stretch))
+    found = [p for p in pattern.parent.glob(pattern.name) if p != current]
+    found += [legacy] if legacy.is_file() else []
+    if not found:
+        return None
+    newest = max(found, key=lambda p: p.stat().st_mtime_ns)
+    made = sentinel.stat().st_mtime_ns
+    if (newest == legacy) != (newest.stat().st_mtime_ns <= made):
+        return None
+    try:
+        values = json.loads(newest.read_text())["values"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not (isinstance(values, list) and all(isinstance(v, str) for v in values)):
+        return None
+    return newest, values
+
+
+def adoption(layout: Layout, stretch: str, config: Mapping[str, Any],
+             content: Mapping[str, str] | None = None) -> Adoption | None:
+    """Whether job ``stretch`` (``final`` or ``step<N>``) is done under the current training
+    keys although their record is missing (:class:`Adoption`), read from files while the DAG
+    is built, nothing written: its sentinel exists, and the newest older record of the
+    stretch vouches for it (:func:`_older_record`) and holds each current training key
+    (``hy3rl.identity.train_keys_params``) with its current value; a key it does not hold at
+    all is accepted only for a file content (code that did not count contents), when no file
+    of it was modified after the sentinel. A key it holds that is no longer a training key
+    (``train.on_config_change``, an operational knob) is ignored. None: the job runs, as for
+    any missing record. ``content`` as for :func:`keys_digest`."""
+    from hy3rl.identity import content_stats, train_keys_params
+
+    current = keys_record(layout, stretch, config, content)
+    sentinel = Path(layout.stretch_sentinel(stretch))
+    if current.exists() or not sentinel.is_file():
+        return None
+    older = _older_record(layout, stretch, current, sentinel)
+    if older is None:
+        return None
+    vouching, values = older
+    held = {v.partition("=")[0]: v for v in values}
+    unseen = []
+    files: dict[str, tuple[Path, ...]] | None = None
+    for line in train_keys_params(config, stretch, content).splitlines():
+        key = line.partition("=")[0]
+        if held.get(key) == line:
+            continue
+        if key in held:
+            return None
+        if files is None:
+            files = {k: f for k, (_, f) in content_stats(config).items()}
+        if key not in files:
+            return None
+        made = sentinel.stat().st_mtime_ns
+        if any(not f.exists() or f.stat().st_mtime_ns > made for f in files[key]):
+            return None
+        unseen.append(key)
+    return Adoption(stretch, sentinel, vouching, tuple(unseen))
+
+
+def adopt(layout: Layout, stretch: str, path: Path, config: Mapping[str, Any],
+          plan: Path) -> Adoption:
+    """Rule train_adopt: job ``stretch``'s keys record ``path`` for a sentinel written under
+    the current training keys before their record existed (:func:`adoption`, asked again
+    now), written with ``origin: adopted`` in place of running the job. Preflight's run
+    identity decision in ``plan`` (the plan the job would run) must be ``same`` with the
+    newest complete checkpoint at the job's end: the checkpoints were made under this
+    trajectory and nothing is left to train. Raises :class:`TrainError` otherwise, naming
+    why and the older record to remove so that the job runs; nothing is written then."""
+    path = Path(path)
+    found = adoption(layout, stretch, config)
+    if found is None or keys_record(layout, stretch, config) != path:
+        raise TrainError(f"{path}: not adopted: the training keys or the files they count "
+                         "changed since the DAG was built; run again")
+    doc = read_plan(Path(plan))
+    identity = doc.get("identity") or {}
+    decision = identity.get("decision") or {}
+    end = (int(identity.get("total_training_steps") or 0) if stretch == "final"
+           else int(stretch.removeprefix("step")))
+    newest = decision.get("newest_step")
+    if decision.get("action") != "same" or not isinstance(newest, int) or newest < end:
+        raise TrainError(
+            f"{path}: not adopted: preflight's run identity decision in {plan} is "
+            f"{decision.get('action')!r} with the newest complete checkpoint at "
+            f"{newest}, not 'same' at step {end}, so {found.sentinel} does not describe what "
+            f"the job would do; remove {found.vouching} to let the training job run")
+    record_keys(layout, stretch, path, config,
+                adopted=found.record({"action": "same", "newest_step": newest}))
+    log.info("training keys record %s adopted: %s was written under these keys", path.name,
+             found.sentinel)
+    return found
+
+
+def legacy_keys_input(layout: Layout, stretch: str,
+                      recorded: Sequence[str] | None) -> dict[str, str]:
+    """``{"legacy_keys": <train/keys/<stretch>.json>}`` when Snakemake's record of the job's
+    sentinel lists that file, the older rule train_keys' output, among the job's inputs
+    (``recorded``), else nothing. Kept as an (ancient) input while the record lists it, so
+    that the job's input set is the one recorded and Snakemake's ``input`` rerun trigger does
+    not re-run a finished training job after the rule went away."""
+    legacy = layout.train_keys_legacy(stretch)
+    return {"legacy_keys": legacy} if legacy in (recorded or ()) else {}
 
 
 def stage_launch(plan: Path, launch: Path, out_plan: Path, out_launch: Path) -> None:
