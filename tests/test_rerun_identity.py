@@ -49,7 +49,7 @@ IDENTITY = "hy3rl-run-identity.json"
 
 
 def _base(tmp: Path) -> dict:
-    return {
+    cfg = {
         "run": {"name": RUN},
         **double_sources(tmp),
         "cluster": {"gpu": True, "nodes": 1, "gpus_per_node": 1, "cpus_per_node": 1},
@@ -59,10 +59,17 @@ def _base(tmp: Path) -> dict:
             "max_submissions": 1,
             "ray": {"register_timeout_s": 120, "head_timeout_s": 120, **LOCAL_RAY_PORTS},
         },
-        "eval": {"n_samples": 1, "max_tokens": 4, "num_problems": 2, "steps": [1]},
-        # the one-node rehearsal runs for real in tests/test_eval_slurm.py
+        # no held-out set and no selection: what re-runs is decided the same way for both
+        # sets' generations, and the held-out set, the selection and the one-node rehearsal
+        # run for real in tests/test_eval_slurm.py (each generation here is a process that
+        # loads torch and transformers: about 12 CPU-seconds)
+        "eval": {"n_samples": 1, "max_tokens": 4, "num_problems": 2, "steps": [1],
+                 "select": None},
         "preflight": {"waive": ["bridge", "rehearsal"]},
+        "report": {"dpi": 50},
     }
+    cfg["data"]["heldout"] = None
+    return cfg
 
 
 class Runner:
