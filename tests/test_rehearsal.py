@@ -230,6 +230,44 @@ def test_the_planned_kill_restarts_without_a_restart_left() -> None:
                              nodes_needed=1, time_left=None, interval=None).restart
 
 
+def test_the_planned_kill_lands_after_step_two_however_fast_the_trainer(
+        train_setup, monkeypatch) -> None:
+    """The kill is not a race (issue 28): the trainer double's 10 ms steps finish all three
+    steps long before the launcher's first look at them (polls 0.5 s apart), yet attempt 1
+    ends at step 2 with global_step_2 its newest checkpoint and never logs step 3 (verl's
+    own schedule ends it there: trainer.total_training_steps=2), and attempt 2 resumes from
+    it with step 3. Under a kill that waited for a poll to see step 2's save the first
+    attempt trained to step 3 and was never killed."""
+    import torch  # noqa: F401  (the double's saves need it; imported once before the fork)
+    from fixtures.trainer_double import local_launch
+    from hy3rl import launch, runtime_id, train
+
+    setup = train_setup(total=3, save_freq=1, keep=3, step_s=0.01)
+    setup.config["train"]["watchdog"] = {"poll_s": 0.5}
+    monkeypatch.setattr(launch, "launch", local_launch(setup))
+    monkeypatch.setattr(runtime_id, "identify", lambda prefix, python, cache=None: {
+        "id": "test-runtime", "kind": "test"})
+    cfg, layout = setup.cfg(), setup.layout()
+    train.run(cfg.train, cfg.cluster, layout, keep_steps=range(1, 4), kill_after=2,
+              **setup.run_paths())
+    attempts = [train.load_attempt(layout, k) for k in train.attempt_numbers(layout)]
+    assert [(a["outcome"], a["end_step"]) for a in attempts] == [
+        ("planned_kill", 2), ("succeeded", 3)], attempts
+    first, second = attempts
+    assert (first["outcome"], first["end_step"], first["last_logged_step"]) == (
+        "planned_kill", 2, 2), first
+    assert "planned kill" in first["exit_reason"]
+    steps = [ln["step"] for ln in rh._train_lines(rh.read_metrics(
+        Path(layout.attempt_metrics(2))))]
+    assert (second["outcome"], second["start_step"], second["end_step"], steps) == (
+        "succeeded", 2, 3, [3]), second
+    records = rh.Records(plan={}, attempts=[first, second],
+                         attempt_lines={2: rh.read_metrics(Path(layout.attempt_metrics(2)))},
+                         merged=[], done=None, complete={}, driver_logs={}, samples=None,
+                         samples_meta=None, expected_samples=0)
+    assert _status(records)["killed"] == "pass" and _status(records)["resumed"] == "pass"
+
+
 def test_the_train_job_refuses_a_runtime_the_rehearsal_did_not_pass_in(tmp_path) -> None:
     cfg = make_config(cluster={"gpu": True})
     job = Job(cfg.train, cfg.cluster, Layout.from_config(cfg), {}, 3, 3, [], tmp_path,
