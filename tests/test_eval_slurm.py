@@ -49,8 +49,9 @@ def _override(tmp: Path) -> Path:
     override = {
         "run": {"name": RUN},
         **double_sources(tmp),
-        # training takes one node (exclusive); the evaluations run on the other one
-        "cluster": {"nodes": 1},
+        # training takes one node (exclusive); the evaluations run on the other one; the
+        # rehearsal's memory_headroom holds the double's logged peaks (64 GiB) against 96 GB
+        "cluster": {"nodes": 1, "gpu_memory_gb": 96},
         "train": {
             "checkpoint_root": str(tmp / "ckpt"), "total_training_steps": TOTAL,
             "env": {"SAVE_FREQ": SAVE_FREQ, "TEST_FREQ": -1},

@@ -92,7 +92,9 @@ def test_reductions_list_every_value_that_differs() -> None:
 
 # verl@220e903's actor keys as the trainer double logs them (tests/fixtures/trainer_double.py)
 KEYS = {**{k: 0.5 for k in rh.STEP_KEYS}, "response_length/mean": 2001.0,
-        "actor/entropy": 0.45, "actor/pg_loss": -0.01, "actor/grad_norm": 0.3}
+        "actor/entropy": 0.45, "actor/pg_loss": -0.01, "actor/grad_norm": 0.3,
+        "actor/perf/max_memory_allocated_gb": 60.0, "actor/perf/max_memory_reserved_gb": 64.0,
+        "actor/perf/cpu_memory_used_gb": 120.0}
 
 
 def _line(step: int, **data) -> dict:
@@ -145,7 +147,8 @@ def _records(**change) -> rh.Records:
         samples=[_sample(i, "length" if i % 3 else "stop", 4 if i % 3 else 2)
                  for i in range(8)],
         samples_meta={"status": "complete", "backend": "vllm", "seconds": 41.0},
-        expected_samples=8, state=GOOD_STATE, reward_path=GOOD_REWARD)
+        expected_samples=8, state=GOOD_STATE, reward_path=GOOD_REWARD, gpu_memory_gb=96.0,
+        memory_headroom=0.9)
     base.update(change)
     return rh.Records(**base)
 
@@ -228,6 +231,44 @@ def test_the_planned_kill_restarts_without_a_restart_left() -> None:
     crash = {**rec, "outcome": "failed", "exit_reason": "trainer failed"}
     assert not after_attempt(crash, [crash], restarts_left=0, lost=[], allocation=["n1"],
                              nodes_needed=1, time_left=None, interval=None).restart
+
+
+def test_the_planned_kill_lands_after_step_two_however_fast_the_trainer(
+        train_setup, monkeypatch) -> None:
+    """The kill is not a race (issue 28): the trainer double's 10 ms steps finish all three
+    steps long before the launcher's first look at them (polls 0.5 s apart), yet attempt 1
+    ends at step 2 with global_step_2 its newest checkpoint and never logs step 3 (verl's
+    own schedule ends it there: trainer.total_training_steps=2), and attempt 2 resumes from
+    it with step 3. Under a kill that waited for a poll to see step 2's save the first
+    attempt trained to step 3 and was never killed."""
+    import torch  # noqa: F401  (the double's saves need it; imported once before the fork)
+    from fixtures.trainer_double import local_launch
+    from hy3rl import launch, runtime_id, train
+
+    setup = train_setup(total=3, save_freq=1, keep=3, step_s=0.01)
+    setup.config["train"]["watchdog"] = {"poll_s": 0.5}
+    monkeypatch.setattr(launch, "launch", local_launch(setup))
+    monkeypatch.setattr(runtime_id, "identify", lambda prefix, python, cache=None: {
+        "id": "test-runtime", "kind": "test"})
+    cfg, layout = setup.cfg(), setup.layout()
+    train.run(cfg.train, cfg.cluster, layout, keep_steps=range(1, 4), kill_after=2,
+              **setup.run_paths())
+    attempts = [train.load_attempt(layout, k) for k in train.attempt_numbers(layout)]
+    assert [(a["outcome"], a["end_step"]) for a in attempts] == [
+        ("planned_kill", 2), ("succeeded", 3)], attempts
+    first, second = attempts
+    assert (first["outcome"], first["end_step"], first["last_logged_step"]) == (
+        "planned_kill", 2, 2), first
+    assert "planned kill" in first["exit_reason"]
+    steps = [ln["step"] for ln in rh._train_lines(rh.read_metrics(
+        Path(layout.attempt_metrics(2))))]
+    assert (second["outcome"], second["start_step"], second["end_step"], steps) == (
+        "succeeded", 2, 3, [3]), second
+    records = rh.Records(plan={}, attempts=[first, second],
+                         attempt_lines={2: rh.read_metrics(Path(layout.attempt_metrics(2)))},
+                         merged=[], done=None, complete={}, driver_logs={}, samples=None,
+                         samples_meta=None, expected_samples=0)
+    assert _status(records)["killed"] == "pass" and _status(records)["resumed"] == "pass"
 
 
 def test_the_train_job_refuses_a_runtime_the_rehearsal_did_not_pass_in(tmp_path) -> None:
@@ -472,6 +513,76 @@ def test_the_silent_failures_fail_by_name_as_read_back_from_the_record_files(
     assert checks["finish_reasons"].detail.startswith(
         "8 of 8 sample(s) with a finish reason other than stop or length (null: 7, "
         "\"abort\": 1); first: sample 0 (problem 'p0', index 0): None")
+
+
+# --------------------------------------------------------------------------- memory (issue 28)
+
+
+def test_good_records_record_each_phases_memory_peak_beside_the_device() -> None:
+    checks = {c.name: c for c in rh.check_records(_records(merged=_merged_with(
+        3, **{"actor/perf/max_memory_reserved_gb": 70.25})))}
+    assert checks["memory_headroom"].status == "pass"
+    assert checks["memory_headroom"].detail == (
+        "phase update: actor/perf/max_memory_allocated_gb 60.0 GiB (step 1), "
+        "actor/perf/max_memory_reserved_gb 70.2 GiB (step 3), actor/perf/cpu_memory_used_gb "
+        "120.0 GiB (step 1): each GPU peak at most 0.9 of the 96 GB GPU (80.5 GiB)")
+    peaks = rh.memory_peaks({ln["step"]: ln["data"] for ln in _records().merged if ln["step"]})
+    assert peaks["update"]["max_memory_reserved_gb"] == {
+        "key": "actor/perf/max_memory_reserved_gb", "peak": 64.0, "step": 1, "missing": []}
+
+
+def test_a_peak_above_the_headroom_fails_naming_the_phase_step_peak_and_device() -> None:
+    failed = _failed(_records(merged=_merged_with(
+        2, **{"actor/perf/max_memory_reserved_gb": 85.0})))
+    assert failed == {"memory_headroom": (
+        "phase update: actor/perf/max_memory_reserved_gb 85.0 GiB at step 2 is above 0.9 of "
+        "the 96 GB GPU (80.5 GiB) (the largest data-parallel rank's peak, as verl logs it)")}
+    # the same peak under a wider headroom, or on a larger card, passes
+    assert not _failed(_records(merged=_merged_with(
+        2, **{"actor/perf/max_memory_reserved_gb": 85.0}), memory_headroom=0.99))
+    assert not _failed(_records(merged=_merged_with(
+        2, **{"actor/perf/max_memory_reserved_gb": 85.0}), gpu_memory_gb=141.0))
+
+
+@pytest.mark.parametrize("value", ["absent", None, float("nan")])
+def test_a_missing_memory_metric_is_not_run_naming_it_never_a_pass(value) -> None:
+    merged = [m if m["step"] != 3 else {"step": 3, "data": {
+        **{k: v for k, v in m["data"].items() if k != "actor/perf/max_memory_allocated_gb"},
+        **({} if value == "absent" else {"actor/perf/max_memory_allocated_gb": value})}}
+        for m in _records().merged]
+    checks = {c.name: c for c in rh.check_records(_records(merged=merged))}
+    assert (checks["memory_headroom"].status, checks["memory_headroom"].detail) == (
+        "not run", "not run: actor/perf/max_memory_allocated_gb not logged at step(s) 3")
+    assert _failed(_records(merged=merged)).keys() == {"memory_headroom"}
+
+
+def test_the_doubles_memory_fault_fails_memory_headroom_as_read_back(tmp_path, monkeypatch) -> None:
+    """The trainer double's lines (its metrics and the ``memory_over_from`` fault, written as
+    its file logger writes them) read back with verl_log.read_metrics."""
+    from fixtures.trainer_double import double_module
+
+    faults = tmp_path / "faults.json"
+    faults.write_text(json.dumps({"memory_over_from": 3}))
+    monkeypatch.setenv("HY3RL_DOUBLE_FAULTS", str(faults))
+    mod = double_module()
+    lines = [{"step": s, "data": {**mod.metrics(s, 3), **mod.collapse(s), "timing_s/step": 1.0}}
+             for s in (1, 2, 3)]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(ln) + "\n" for ln in lines))
+    rec = _records(merged=rh.read_metrics(path))
+    check = {c.name: c for c in rh.check_records(rec)}["memory_headroom"]
+    assert (check.status, check.detail) == ("fail", (
+        "phase update: actor/perf/max_memory_allocated_gb 100.0 GiB at step 3 is above 0.9 of "
+        "the 96 GB GPU (80.5 GiB); phase update: actor/perf/max_memory_reserved_gb 100.0 GiB "
+        "at step 3 is above 0.9 of the 96 GB GPU (80.5 GiB) (the largest data-parallel "
+        "rank's peak, as verl logs it)"))
+
+
+def test_without_the_gpus_memory_the_headroom_check_is_not_run_naming_the_key() -> None:
+    checks = {c.name: c for c in rh.check_records(_records(gpu_memory_gb=0.0))}
+    assert checks["memory_headroom"].status == "not run"
+    assert "cluster.gpu_memory_gb = 0.0" in checks["memory_headroom"].detail
+    assert make_config().rehearsal.memory_headroom == 0.9  # the schema's default
 
 
 # ------------------------------------------- the update, the resume's state, the reward path

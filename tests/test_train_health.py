@@ -8,83 +8,20 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
-import signal
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from fixtures.trainer_double import TrainSetup, double_module
+from fixtures.trainer_double import TrainSetup, local_launch
 from hy3rl import ckptdir, launch, resubmit, runtime_id, train
 from hy3rl.health import UNHEALTHY, Event
-
-
-def _overrides(launch_script: Path) -> list[str]:
-    """The overrides launch.sh passes to ``python3 -m verl.trainer.main_ppo``."""
-    text = launch_script.read_text().split("-m verl.trainer.main_ppo", 1)[1]
-    return [t for t in shlex.split(text) if t.strip() and t != "$@"]
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _torch() -> None:
     """torch, which the double's saves need, imported once before any fork."""
     import torch  # noqa: F401
-
-
-def _start_double(setup: TrainSetup, args: list[str], env: dict[str, str],
-                  driver_log: Path) -> int:
-    """The trainer double's main in a forked child of this process (torch, which its saves
-    need, is imported here once instead of in every trainer: seconds a test); its output to
-    ``driver_log``. Returns the child's pid."""
-    pid = os.fork()
-    if pid:
-        return pid
-    code = 1
-    try:
-        fd = os.open(driver_log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
-        os.chdir(setup.verl)
-        os.environ.update(env)
-        code = double_module().main(args)
-    except BaseException:
-        import traceback
-
-        traceback.print_exc()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code or 0)
-
-
-def local_launch(setup: TrainSetup):
-    """``launch.launch`` without Ray: the trainer double run with launch.sh's overrides as a
-    local process, the spec's monitor (the guard over the watchdog) polled as the launcher
-    polls it, the trainer killed at a StopRequest (Ray's job stop)."""
-    def fake(spec, on_nodes=None, on_stop=None, on_ray=None):
-        on_nodes(["localhost"])
-        spec.log_dir.mkdir(parents=True, exist_ok=True)
-        pid = _start_double(setup, _overrides(spec.launch_script) + spec.launch_args,
-                            {**setup.env(), **spec.env_vars}, spec.log_dir / "driver.log")
-        spec.monitor.start()
-        request, status = None, None
-        while status is None:
-            done, raw = os.waitpid(pid, os.WNOHANG)
-            if done:
-                status = os.waitstatus_to_exitcode(raw)
-                break
-            request = spec.monitor.poll()
-            if request is not None:
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-                return launch.LaunchResult(1, request.message, ["localhost"], "STOPPED", {},
-                                           request.outcome, [], request.step)
-            time.sleep(spec.poll_s)
-        return launch.LaunchResult(status, "succeeded" if status == 0 else f"exit {status}",
-                                   ["localhost"], "SUCCEEDED" if status == 0 else "FAILED",
-                                   {}, "succeeded" if status == 0 else "failed")
-    return fake
 
 
 @pytest.fixture

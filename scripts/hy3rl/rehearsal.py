@@ -16,10 +16,13 @@ watchdog):
 2. :func:`plan` (rule rehearsal_plan): preflight itself on that config, verl's validators and
    every rule included, into ``rehearsal/preflight/``; the plan lists each reduction against
    the run's own plan (``rehearsal.reductions``);
-3. :func:`run` (rule rehearsal, one node): trains steps 1 and 2 with a save at each, kills
-   the trainer once step 2's checkpoint is complete (the watchdog's planned kill), resumes
-   in a new attempt for step 3, then generates with ``eval.backend`` in the training
-   runtime on step 3's HF weights and probes verl's reward manager there
+3. :func:`run` (rule rehearsal, one node): trains steps 1 and 2 with a save at each (the
+   first attempt's trainer is launched with ``trainer.total_training_steps=2``, so verl's own
+   schedule ends it there: the kill's step is the product's, never a race between a fast
+   trainer and the watchdog's poll), kills it once step 2's line is logged and its
+   checkpoint complete (the watchdog's planned kill; a trainer that exits first ends the
+   same way), resumes in a new attempt for step 3, then generates with ``eval.backend`` in
+   the training runtime on step 3's HF weights and probes verl's reward manager there
    (hy3rl.reward_probe); then :func:`check_records` checks the records and what the
    checkpoints hold (:func:`read_state`: the update, the resumed data position and optimizer
    step count), not the exit codes: ``rehearsal/checks.json`` always,
@@ -54,7 +57,7 @@ log = logging.getLogger("hy3rl.rehearsal")
 
 TOTAL = 3  # steps: two, the kill, one more after the resume
 KILL_AFTER = 2
-POLL_S = 1.0  # the watchdog looks every second: the kill must land before step 3 is saved
+POLL_S = 1.0  # the watchdog looks every second (the kill's step does not depend on it)
 WATCHDOG_MIN = 30.0  # startup / first step limits: a rehearsal fails within minutes
 # The paper's per-step metric keys (the published curves and the reward), verl@220e903's v1
 # trainer names; a validation key of the published form is needed at least once.
@@ -75,7 +78,7 @@ FINISHED = ("stop", "length")
 PASS, FAIL, NOT_RUN = "pass", "fail", "not run"
 CHECKS = ("plan", "trained", "steps_logged", "checkpoints", "killed", "resumed", "reward",
           "evaluation", "generated", "finish_reasons", "finite", "updated", "resumed_data",
-          "resumed_optimizer", "reward_path", "phases")
+          "resumed_optimizer", "reward_path", "memory_headroom", "phases")
 # Tensors the recipe never moves: the MoE expert bias at moe_router_bias_update_rate=0 (the
 # HF checkpoint's inner name ``mlp.expert_bias``, transformers' hy_v3 buffer
 # ``mlp.e_score_correction_bias``).
@@ -83,6 +86,16 @@ FIXED_TENSOR = re.compile(r"\.(mlp\.expert_bias|e_score_correction_bias)$")
 LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 SHOWN = 3  # the largest unchanged tensors named in a failure
 LR_KEY = "actor_rollout_ref.actor.optim.lr"  # the launch script's ACTOR_LR
+# Memory as verl@220e903 logs it, once a step, from the actor's update
+# (workers/engine_workers.py _postprocess_output; the v1 trainer's _update_actor prefixes
+# "actor/"): torch's peaks since the worker process started (its log-prob passes before the
+# update included; verl resets them nowhere on this path), the largest over the data-parallel
+# ranks (reduce_metrics takes the max of a key naming "max"), and the node's used host memory
+# (psutil, averaged over the ranks). Phase -> its keys' prefix; verl logs no other phase's.
+MEMORY_PHASES = {"update": "actor/perf/"}
+GPU_MEMORY = ("max_memory_allocated_gb", "max_memory_reserved_gb")  # judged
+HOST_MEMORY = "cpu_memory_used_gb"  # recorded
+GIB = 2**30  # verl's "_gb" figures are bytes / 1024**3
 
 
 class RehearsalError(StageError):
@@ -264,11 +277,16 @@ class Records:
     # (hy3rl.reward_probe.probe); absent: those checks fail as not read / not run
     state: dict[str, Any] = field(default_factory=dict)
     reward_path: dict[str, Any] | None = None
+    # one GPU's memory (cluster.gpu_memory_gb) and the share of it a peak may reach
+    # (rehearsal.memory_headroom); None: not given, the check memory_headroom is not run
+    gpu_memory_gb: float | None = None
+    memory_headroom: float | None = None
 
     @classmethod
     def read(cls, rl: Layout, expected_samples: int,
              failure: dict[str, Any] | None = None, model: Path | None = None,
-             reward_path: dict[str, Any] | None = None) -> Records:
+             reward_path: dict[str, Any] | None = None, gpu_memory_gb: float | None = None,
+             memory_headroom: float | None = None) -> Records:
         from hy3rl.ckptdir import check_complete
         from hy3rl.train import attempt_numbers, load_attempt
 
@@ -301,7 +319,8 @@ class Records:
                    driver_logs=logs, samples=samples,
                    samples_meta=read_record(rl.eval_samples_meta("final")),
                    expected_samples=expected_samples, failure=failure,
-                   state=read_state(rl, model), reward_path=reward_path)
+                   state=read_state(rl, model), reward_path=reward_path,
+                   gpu_memory_gb=gpu_memory_gb, memory_headroom=memory_headroom)
 
 
 def _train_lines(lines: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
@@ -565,6 +584,64 @@ def _check_continued(state: Mapping[str, Any], name: str, key: str, what: str,
     return Check.of(name, problems, f"{figure} ({per_step} a step)")
 
 
+def memory_peaks(by_step: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]:
+    """The memory record (``checks.json`` ``memory``): per phase of :data:`MEMORY_PHASES`,
+    per metric (:data:`GPU_MEMORY`, :data:`HOST_MEMORY`), its ``peak`` over the logged
+    training steps and the ``step`` it was logged at, or None, and the steps that lack it
+    (``missing``: a missing or non-finite value)."""
+    out: dict[str, Any] = {}
+    for phase, prefix in MEMORY_PHASES.items():
+        figures = {}
+        for name in (*GPU_MEMORY, HOST_MEMORY):
+            key = prefix + name
+            values = {s: finite_number(d.get(key)) for s, d in sorted(by_step.items())}
+            seen = {s: v for s, v in values.items() if v is not None}
+            top = max(seen, key=lambda s: seen[s]) if seen else None
+            figures[name] = {"key": key, "peak": None if top is None else seen[top],
+                             "step": top, "missing": [s for s, v in values.items() if v is None]}
+        out[phase] = figures
+    return out
+
+
+def _check_memory(rec: Records, by_step: Mapping[int, Mapping[str, Any]]) -> Check:
+    """Every peak of GPU memory verl logged (:func:`memory_peaks`, :data:`GPU_MEMORY`) at most
+    ``rec.memory_headroom`` of one GPU (``rec.gpu_memory_gb`` x 1e9 bytes). A peak above it
+    fails, naming the phase, the metric, the step, the peak and the device; a metric missing
+    at a logged step, no logged step, or no device memory configured: ``not run``, naming
+    what is missing (never a pass)."""
+    name = "memory_headroom"
+    device, share = rec.gpu_memory_gb, rec.memory_headroom
+    if not device or device <= 0 or share is None:
+        return Check(name, NOT_RUN, f"not run: no GPU memory to hold the peaks against "
+                     f"(cluster.gpu_memory_gb = {device!r}: set it to one GPU's memory, e.g. "
+                     "96 for an H20)")
+    if not by_step:
+        return Check(name, NOT_RUN, "not run: no training step logged")
+    limit = share * device * 1e9 / GIB
+    of = f"{share:g} of the {device:g} GB GPU ({limit:.1f} GiB)"
+    problems, missing, shown = [], [], []
+    for phase, figures in memory_peaks(by_step).items():
+        parts = []
+        for metric in (*GPU_MEMORY, HOST_MEMORY):
+            f = figures[metric]
+            if f["missing"] and metric in GPU_MEMORY:
+                missing.append(f"{f['key']} not logged at step(s) "
+                               f"{', '.join(map(str, f['missing']))}")
+            if f["peak"] is None:
+                continue
+            if metric in GPU_MEMORY and f["peak"] > limit:
+                problems.append(f"phase {phase}: {f['key']} {f['peak']:.1f} GiB at step "
+                                f"{f['step']} is above {of}")
+            parts.append(f"{f['key']} {f['peak']:.1f} GiB (step {f['step']})")
+        shown.append(f"phase {phase}: {', '.join(parts) or 'no figure'}")
+    if problems:
+        return Check(name, FAIL, "; ".join(problems + missing) + " (the largest data-parallel "
+                     "rank's peak, as verl logs it)")
+    if missing:
+        return Check(name, NOT_RUN, "not run: " + "; ".join(missing))
+    return Check(name, PASS, f"{'; '.join(shown)}: each GPU peak at most {of}")
+
+
 def check_records(rec: Records) -> list[Check]:
     """Every check of the rehearsal on its records (module doc; docs/formats/rehearsal.md)."""
     out: list[Check] = []
@@ -603,13 +680,15 @@ def check_records(rec: Records) -> list[Check]:
     first = rec.attempts[0] if rec.attempts else {}
     problems = []
     if first.get("outcome") != "planned_kill":
-        problems.append(f"attempt 1 was not killed after step {KILL_AFTER}'s save (outcome "
-                        f"{first.get('outcome')!r}: {first.get('exit_reason')})")
+        problems.append(f"attempt 1 did not end at its planned kill after step "
+                        f"{KILL_AFTER}'s save (outcome {first.get('outcome')!r}: "
+                        f"{first.get('exit_reason')})")
     elif first.get("end_step") != KILL_AFTER:
         problems.append(f"attempt 1's newest complete checkpoint at the kill was "
                         f"{first.get('end_step')}, not {KILL_AFTER}")
     out.append(Check.of("killed", problems,
-                        f"attempt 1 killed once global_step_{KILL_AFTER} was complete"))
+                        f"attempt 1 ended at step {KILL_AFTER} with global_step_{KILL_AFTER} "
+                        f"complete: {first.get('exit_reason')}"))
 
     problems = []
     second = rec.attempts[1] if len(rec.attempts) > 1 else None
@@ -668,6 +747,7 @@ def check_records(rec: Records) -> list[Check]:
     rp = rec.reward_path or {"status": NOT_RUN, "detail": "not run: the rehearsal did not "
                              "reach the reward probe"}
     out.append(Check("reward_path", rp["status"], rp["detail"]))
+    out.append(_check_memory(rec, by_step))
 
     times = phase_times(rec)
     missing = [p for p in ("startup", "step", "save", "resume", "evaluation")
@@ -890,7 +970,8 @@ def run(cfg: Config, layout: Layout, *, runtime_env: Path, val: Path, out: Path,
     log.info("rehearsal: reward path %s: %s", reward_path["status"], reward_path["detail"])
     expected = rcfg.eval.num_problems * rcfg.eval.n_samples
     rec = Records.read(rl, expected, failure, model=Path(rcfg.model.path),
-                       reward_path=reward_path)
+                       reward_path=reward_path, gpu_memory_gb=rcfg.cluster.gpu_memory_gb,
+                       memory_headroom=cfg.rehearsal.memory_headroom)
     rec.extra["total_s"] = round(time.monotonic() - t0, 1)
     if rec.samples is not None:
         # the test set may hold fewer problems than asked for
@@ -911,6 +992,9 @@ def run(cfg: Config, layout: Layout, *, runtime_env: Path, val: Path, out: Path,
                     "prefix": runtime.get("prefix"), "python": runtime.get("python")},
         "fingerprint": runtime_fingerprint(cfg.train.runtime),
         "phases_s": phase_times(rec),
+        "memory": {"gpu_memory_gb": rec.gpu_memory_gb, "headroom": rec.memory_headroom,
+                   "phases": memory_peaks({ln["step"]: ln["data"]
+                                           for ln in _train_lines(rec.merged)})},
         "failure": failure_of(rec),
         "checks": [asdict(c) for c in checks],
         "plan": rl.preflight_plan, "checkpoint_dir": str(rl.checkpoint_dir),

@@ -453,6 +453,7 @@ class Rehearsal:
     verl_overrides: dict[str, Any]
     eval: RehearsalEval
     runtime_min: int
+    memory_headroom: float
 
 
 @dataclass(frozen=True)

@@ -682,8 +682,11 @@ def run(train: Train, cluster: Cluster, layout: Layout, *, keep_steps: Protected
     :class:`TrainFailed` when the job ended early (the records say why), and
     :class:`TrainError` for a bad input.
 
-    ``kill_after`` (the rehearsal, hy3rl.rehearsal): the first attempt is killed once step
-    ``kill_after``'s checkpoint is complete, and the next attempt resumes from it.
+    ``kill_after`` (the rehearsal, hy3rl.rehearsal): the first attempt's trainer is launched
+    to end at step ``kill_after`` (``trainer.total_training_steps``, verl saving its last
+    step), killed once that step's line is logged and its checkpoint complete, or recorded
+    the same way (``planned_kill``) when it exits first with that checkpoint its newest;
+    the next attempt resumes from it. The step is the product's, whatever the timing.
     ``rehearsed``: the runtime identity the rehearsal passed in (rehearsal.json); a job
     whose runtime identity differs refuses to start the trainer (TrainError)."""
     # Absolute paths: the Ray job runs in the verl clone, the node steps wherever srun puts
@@ -929,10 +932,13 @@ class Job:
     def save_freq(self) -> int:
         return self.plan_int("trainer.save_freq")
 
-    def schedule(self) -> Schedule:
+    def schedule(self, last: int | None = None) -> Schedule:
+        """verl's schedule of a trainer run ending at ``last`` (default: this job's last
+        step)."""
         from hy3rl.watchdog import Schedule
 
-        return Schedule(self.save_freq, self.plan_int("trainer.test_freq"), self.target)
+        return Schedule(self.save_freq, self.plan_int("trainer.test_freq"),
+                        self.target if last is None else last)
 
     def time_model(self) -> TimeModel:
         """The run's time model (hy3rl.watchdog) from its records so far: the metrics lines
@@ -1007,28 +1013,35 @@ class Job:
         rec = self.rec = dataclasses.asdict(attempt)
         self.attempts.append(k)
         write_json_atomic(record, rec)
+        # The rehearsal's planned kill (first attempt only): the attempt's trainer ends at
+        # step kill_after by verl's own schedule (trainer.total_training_steps, saved at its
+        # last step), so no timing lets it train past the step the kill is planned after.
+        kill_at = self.kill_after if (self.kill_after is not None
+                                      and start < self.kill_after < self.target) else None
+        self.kill_after = None  # planned for the first attempt only
+        last = self.target if kill_at is None else kill_at
         log.info("attempt %d: submission %s, checkpoint dir %s, start step %d, until step "
-                 "%d of %d", k, sub_id, ckpt, start, self.target, self.total)
+                 "%d of %d%s", k, sub_id, ckpt, start, last, self.total,
+                 "" if kill_at is None else " (the planned kill after its save)")
 
         wd = train.watchdog
         monitor = Monitor(
-            metrics=attempt_metrics, schedule=self.schedule(), model=self.time_model(),
+            metrics=attempt_metrics, schedule=self.schedule(last), model=self.time_model(),
             stall=StallPolicy(None if wd.stall_min is None else wd.stall_min * 60,
                               wd.stall_factor, wd.stall_floor_min * 60, wd.stall_cap_min * 60),
             margin_s=train.time_limit_margin_min * 60,
             is_saved=lambda s: check_complete(ckpt / f"global_step_{s}", s)[0],
             deadline=Deadline(lambda: time_left(me.job_id)), ckpt_dir=ckpt, start_step=start,
-            kill_after=self.kill_after)
-        self.kill_after = None  # planned for the first attempt only
+            kill_after=kill_at)
         guard = Guard(self.watcher, monitor,
                       on_event=lambda event: self.on_health(record, event),
-                      next_save=lambda s: self.schedule().next_save(s - 1),
+                      next_save=lambda s: self.schedule(last).next_save(s - 1),
                       is_saved=monitor.is_saved)
         spec = launch.LaunchSpec(
             submission_id=sub_id, launch_script=self.launch_script,
             runtime_env=self.runtime_env, log_dir=log_dir,
-            launch_args=[] if self.target == self.total
-            else [f"trainer.total_training_steps={self.target}"],
+            launch_args=[] if last == self.total
+            else [f"trainer.total_training_steps={last}"],
             env_vars={"VERL_FILE_LOGGER_PATH": str(attempt_metrics)},
             passthrough_env=sorted(set(logger_env_names(self.plan))
                                    | set(train.ray_env_passthrough)),
@@ -1052,13 +1065,22 @@ class Job:
         if result.ray_versions:
             rec["runtime"]["ray"] = result.ray_versions
         # the lines the last poll did not see: a stop rule that fired as the trainer ended
-        sick = guard.finish() and result.outcome != "planned_kill"
+        stopped = guard.finish()
         removed = prune(ckpt, train.checkpoint_keep, self.protected)
         best = newest_complete(scan(ckpt))
         self.end_step = best.step if best else None
         outcome = signal_outcome[0] if result.outcome == "signal" and signal_outcome \
             else result.outcome
-        close_record(rec, layout, self.end_step, result.reason, result.exit_code)
+        reason = result.reason
+        if kill_at is not None and outcome == "succeeded" and self.end_step == kill_at:
+            # the trainer ended at its planned last step before the watchdog's stop landed:
+            # the same planned end, the same checkpoint to resume from
+            outcome = "planned_kill"
+            reason = (f"ended at step {kill_at}, its planned last step, with global_step_"
+                      f"{kill_at} complete, before the watchdog stopped it (the rehearsal's "
+                      "planned kill)")
+        sick = stopped and outcome != "planned_kill"
+        close_record(rec, layout, self.end_step, reason, result.exit_code)
         rec["timing"] = monitor.timing()
         self.describe(rec, outcome, result, log_dir)
         if sick and guard.stop is not None:
@@ -1078,9 +1100,9 @@ class Job:
                  "%d merged metric lines; pruned %s", k, rec["exit_reason"], outcome,
                  result.exit_code, self.end_step, rec["steps_lost"], n,
                  sorted(pruner.removed + removed))
-        if outcome == "succeeded" and (self.end_step is None or self.end_step < self.target):
+        if outcome == "succeeded" and (self.end_step is None or self.end_step < last):
             raise TrainError(f"the trainer exited 0 but the newest complete checkpoint is "
-                             f"{self.end_step}, not step {self.target}")
+                             f"{self.end_step}, not step {last}")
         return rec
 
     def check_rehearsed(self, identity: Mapping[str, Any]) -> None:
