@@ -60,16 +60,19 @@ def in_cluster_scope(nodeid: str) -> bool:
     return cluster_scope(nodeid) is not None
 
 
-def pytest_collection_modifyitems(config, items):
-    stray = [item.nodeid for item in items
-             if (any(item.get_closest_marker(m) for m in CLUSTER_MARKS)
+def _out_of_scope(item) -> bool:
+    """A test that starts a cluster outside its scope: any cluster test outside both, or a
+    test of the SLURM cluster (its mark or fixture) in the Ray scope."""
+    slurm = bool(item.get_closest_marker("slurm")
                  or "slurm_cluster" in getattr(item, "fixturenames", ()))
-             and not in_cluster_scope(item.nodeid)]
-    # the SLURM cluster's tests in the slurm scope (its fixture), Ray's outside SLURM in ray
-    stray += [item.nodeid for item in items
-              if (item.get_closest_marker("slurm")
-                  or "slurm_cluster" in getattr(item, "fixturenames", ()))
-              and cluster_scope(item.nodeid) not in ("slurm", None)]
+    scope = cluster_scope(item.nodeid)
+    if scope is None:
+        return slurm or any(item.get_closest_marker(m) for m in CLUSTER_MARKS)
+    return slurm and scope != "slurm"
+
+
+def pytest_collection_modifyitems(config, items):
+    stray = [item.nodeid for item in items if _out_of_scope(item)]
     if stray:
         raise pytest.UsageError("tests that start clusters but are not in their scope in "
                                 "tests/conftest.py (SLURM_FILES / SLURM_TESTS for the SLURM "

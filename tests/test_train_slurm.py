@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 from fixtures.common import REPO_ROOT, SNAKEMAKE, run_snakemake
-from fixtures.trainer_double import LOCAL_RAY_PORTS, TrainSetup, leftover_ray, plan_json
+from fixtures.trainer_double import TrainSetup, leftover_ray, plan_json
 from hy3rl import ckptdir
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -89,8 +89,6 @@ def slurm_train(slurm_profile_args, train_setup):
                 **train_cfg) -> SlurmTrain:
         setup = train_setup(run=RUN, total=total, save_freq=save_freq, step_s=step_s,
                             test_freq=test_freq)
-        for key in LOCAL_RAY_PORTS:  # Ray in SLURM jobs: train.ray's default port range
-            del setup.config["train"]["ray"][key]
         return SlurmTrain(setup, slurm_profile_args, **train_cfg)
 
     return factory
