@@ -41,11 +41,13 @@ from hy3rl.resubmit import (
 )
 from hy3rl.train import AttemptRecord
 
-# The controller started half an hour ago: the first job's records are dated before now,
-# where decide() dates its decisions; a later job's records after.
+# The controller started half an hour before this module was imported: the first job's
+# records are dated before now, where decide() dates its decisions; a later job's records
+# after. LATER is a week on, not an hour: a test may run long after collection (a full run
+# takes over half an hour, and one that dated LATER an hour on failed in it).
 T0 = datetime.now(UTC).replace(microsecond=0) - timedelta(minutes=30)
 SINCE = T0.isoformat(timespec="seconds")
-LATER = 60  # minutes after T0: after the decisions taken now
+LATER = 7 * 24 * 60  # minutes after T0: after any decision this session takes
 
 
 def at(minutes: float) -> str:
