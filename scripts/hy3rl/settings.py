@@ -256,6 +256,7 @@ class Watchdog:
     storage_mb_s: float
     shutdown_min: float
     poll_s: float
+    silence_min: float
 
 
 @dataclass(frozen=True)

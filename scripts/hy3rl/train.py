@@ -325,7 +325,17 @@ def after_attempt(rec: Mapping[str, Any], records: Sequence[Mapping[str, Any]], 
         return JobStep(False, False, loop, exclude)
     if outcome == "hung" and rec.get("last_logged_step") is None:
         # A start that hangs (NCCL initialisation, a node that never loads) is retried in a
-        # new allocation, on other nodes if SLURM has them, before it can be a crash loop.
+        # new allocation, on other nodes if SLURM has them, before it can be a crash loop;
+        # twice on the same nodes, those nodes are excluded (never a longer wait).
+        from hy3rl.resubmit import startup_hang
+
+        nodes = sorted(rec.get("nodes") or [])
+        before = [r for r in records if r is not rec and r.get("attempt") != rec.get("attempt")
+                  and startup_hang(r) and nodes and sorted(r.get("nodes") or []) == nodes]
+        if before:
+            return JobStep(False, True, f"{reason}; the start hung on {', '.join(nodes)} "
+                           f"before (attempt {before[-1].get('attempt')}): those nodes are "
+                           "excluded from the resubmission", sorted(set(exclude) | set(nodes)))
         return JobStep(False, True, f"{reason}; a start that hangs is retried in a new "
                        "allocation: ends for a resubmission", exclude)
     fits = len([n for n in allocation if n not in set(lost)]) >= nodes_needed
@@ -796,9 +806,7 @@ class Job:
         timings = [r.get("timing") or {} for r in records]
         return TimeModel.learn(
             allowances(self.train.watchdog, self.plan), run_metrics(self.layout),
-            [t["startup_s"] for t in timings if isinstance(t.get("startup_s"), (int, float))],
-            [t["startup_hung_s"] for t in timings
-             if isinstance(t.get("startup_hung_s"), (int, float))])
+            [t["startup_s"] for t in timings if isinstance(t.get("startup_s"), (int, float))])
 
     def restart_need(self) -> float | None:
         """Seconds a restart in this allocation needs before its first save: a startup,
@@ -870,7 +878,8 @@ class Job:
             margin_s=train.time_limit_margin_min * 60,
             is_saved=lambda s: check_complete(ckpt / f"global_step_{s}", s)[0],
             deadline=Deadline(lambda: time_left(me.job_id)), ckpt_dir=ckpt, start_step=start,
-            kill_after=self.kill_after)
+            kill_after=self.kill_after, logs=[log_dir / "driver.log"],
+            silence_s=wd.silence_min * 60 or None)
         self.kill_after = None  # planned for the first attempt only
         guard = Guard(self.watcher, monitor,
                       on_event=lambda event: self.on_health(record, event),

@@ -64,7 +64,14 @@ log = logging.getLogger("hy3rl.watchdog")
 STEP_KEY = "timing_s/step"
 TEST_KEY = "timing_s/testing"
 SAVE_KEY = "timing_s/save_checkpoint"
-STARTUP_FACTOR = 1.5  # a startup's limit over the slowest startup seen (or one that hung)
+QUANTILE = 0.9  # validations and startups: their estimate is this quantile of those seen
+SAVE_QUANTILE = 0.5  # saves: few per run (one slow save must not be the estimate)
+STARTUP_FACTOR = 2.0  # a startup's limit over its estimate (startups vary: 75-200 min)
+UNSEEN_FACTOR = 1.5  # a phase never seen: its limit over its allowance
+SLOW_SAVE_FACTOR = 3.0  # a save reserved for when the next save is the job's last
+SAVE_MARKER = "local_global_step_folder:"  # verl's _save_checkpoint prints it as a save starts
+VALIDATION_MARKER = "test_gen_batch meta info"  # verl's _validate prints it per batch
+LOG_READ_MAX = 1 << 20  # bytes of a log read per poll (the rest counts as activity unread)
 BYTES_EVERY_S = 60.0  # a checkpoint being written is walked at most this often
 
 
@@ -108,10 +115,15 @@ class Schedule:
 # --------------------------------------------------------------------------- the time model
 
 
+def quantile(values: Sequence[float], q: float) -> float:
+    """The ``q`` quantile (nearest rank) of a non-empty list."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+
 def p95(values: Sequence[float]) -> float:
     """The 95th percentile (nearest rank) of a non-empty list."""
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(0.95 * len(ordered)) - 1)]
+    return quantile(values, 0.95)
 
 
 @dataclass(frozen=True)
@@ -136,13 +148,12 @@ class TimeModel:
     validations: list[float] = field(default_factory=list)
     saves: list[float] = field(default_factory=list)
     startups: list[float] = field(default_factory=list)
-    startup_hung: list[float] = field(default_factory=list)
 
     @classmethod
     def learn(cls, allow: Allowances, lines: Iterable[Mapping[str, Any]],
-              startups: Iterable[float] = (), startup_hung: Iterable[float] = ()) -> TimeModel:
-        model = cls(allow, startups=[float(s) for s in startups],
-                    startup_hung=[float(s) for s in startup_hung])
+              startups: Iterable[float] = ()) -> TimeModel:
+        """``startups``: those that succeeded (their first line came), never a hung wait."""
+        model = cls(allow, startups=[float(s) for s in startups])
         model.add_lines(lines)
         return model
 
@@ -166,44 +177,66 @@ class TimeModel:
 
     def validation(self) -> tuple[float, bool]:
         if self.validations:
-            return max(self.validations), True
+            return quantile(self.validations, QUANTILE), True
         return (self.allow.validation_s if self.allow.validation_s is not None
                 else self.step()[0]), False
 
     def save(self) -> tuple[float, bool]:
+        """A save's estimate: the :data:`SAVE_QUANTILE` of the saves seen (one slow save among
+        several does not move it; see :meth:`next_save` for the save right after it)."""
         if self.saves:
-            return max(self.saves), True
+            return quantile(self.saves, SAVE_QUANTILE), True
         return (self.allow.save_s if self.allow.save_s is not None else self.step()[0]), False
 
+    def next_save(self) -> float:
+        """The estimate of the next save: the usual one, or the newest save when it was
+        slower (a single slow save raises the next save's limit only)."""
+        usual = self.save()[0]
+        return max(usual, self.saves[-1]) if self.saves else usual
+
+    def slow_save(self) -> float:
+        """A slow save reserved for when the next save is the job's last:
+        :data:`SLOW_SAVE_FACTOR` x the usual save, or the slowest save seen when slower."""
+        return max([SLOW_SAVE_FACTOR * self.save()[0]] + self.saves)
+
     def startup(self) -> tuple[float, bool]:
+        """From successful startups only (the time to an attempt's first line); a startup
+        declared hung says nothing about how long a startup takes."""
         if self.startups:
-            return max(self.startups), True
+            return quantile(self.startups, QUANTILE), True
         return self.allow.startup_s, False
 
     def startup_limit(self) -> float:
-        """A startup's limit: never below the allowance; 1.5 x the slowest startup seen and
-        1.5 x a startup that was declared hung (the next try gets longer)."""
-        return max([self.allow.startup_s] +
-                   [STARTUP_FACTOR * s for s in self.startups + self.startup_hung])
+        """A startup's limit from the submission: :data:`UNSEEN_FACTOR` x the allowance,
+        or :data:`STARTUP_FACTOR` x the :data:`QUANTILE` of the successful startups when
+        more (a few fast startups do not make a slow resume a hang). A hung startup never
+        raises it (a startup that hangs twice on the same nodes excludes them:
+        hy3rl.train.after_attempt); a hang that goes quiet is caught earlier by the
+        silence limit."""
+        floor = UNSEEN_FACTOR * self.allow.startup_s
+        return max(floor, STARTUP_FACTOR * self.startup()[0]) if self.startups else floor
 
-    def work(self, step: int, schedule: Schedule) -> float:
-        """Seconds from the line of ``step - 1`` to the line of ``step``."""
+    def work(self, step: int, schedule: Schedule, save: float | None = None) -> float:
+        """Seconds from the line of ``step - 1`` to the line of ``step`` (``save``: the
+        save's estimate, default the usual one)."""
         total = self.step()[0]
         if schedule.saves(step):
-            total += self.save()[0]
+            total += self.save()[0] if save is None else save
         if schedule.validates(step):
             total += self.validation()[0]
         return total
 
-    def until_save(self, after: int, schedule: Schedule) -> float | None:
+    def until_save(self, after: int, schedule: Schedule,
+                   save: float | None = None) -> float | None:
         """Seconds from the line of step ``after`` to the complete save of the next save
         step, following the schedule (the validation of that step comes after its save and
-        is not needed); None when the run does not save."""
+        is not needed; ``save``: that save's estimate, default the usual one); None when
+        the run does not save."""
         nxt = schedule.next_save(after)
         if nxt is None:
             return None
         total = sum(self.work(s, schedule) for s in range(after + 1, nxt))
-        return total + self.step()[0] + self.save()[0]
+        return total + self.step()[0] + (self.save()[0] if save is None else save)
 
     def snapshot(self) -> dict[str, Any]:
         """The estimates (seconds) and whether each was learned, for the attempt record."""
@@ -227,12 +260,15 @@ class StallPolicy:
     floor_s: float
     cap_s: float
 
-    def limit(self, expected: float) -> float | None:
+    def limit(self, expected: float, learned: bool = True) -> float | None:
+        """A phase's limit from its estimate; a phase never seen (``learned`` false, its
+        estimate an allowance) gets :data:`UNSEEN_FACTOR` x its allowance instead."""
         if self.fixed_s == 0:
             return None
         if self.fixed_s is not None:
             return self.fixed_s
-        return min(self.cap_s, max(self.floor_s, self.factor * expected))
+        factor = self.factor if learned else UNSEEN_FACTOR
+        return min(self.cap_s, max(self.floor_s, factor * expected))
 
 
 # --------------------------------------------------------------------------- the job's end
@@ -386,6 +422,9 @@ class Monitor:
     verl's schedule of this trainer run (``last``: the attempt's last step).
     ``is_saved(step)``: whether ``global_step_<step>`` is a complete checkpoint.
     ``ckpt_dir``: where ``global_step_<step>`` is written (bytes arriving are progress).
+    ``logs``: the trainer's output (``driver.log``: Ray forwards every worker's output to
+    it); growing is activity, verl's save and validation lines start those phases.
+    ``silence_s``: no activity at all for this long is a hang (None: off).
     ``deadline``: the job's end. ``clock``: monotonic seconds (tests pass their own)."""
 
     metrics: Path
@@ -398,15 +437,21 @@ class Monitor:
     ckpt_dir: Path | None = None
     start_step: int = 0
     clock: Callable[[], float] = time.monotonic
+    logs: Sequence[Path] = ()
+    silence_s: float | None = None
     started: float | None = None
     first_line_at: float | None = None
     last_progress: float | None = None
+    last_activity: float | None = None
+    phase_started: float | None = None
+    save_bytes_at: float | None = None
     seen: int = 0
     last_step: int | None = None
     lines: list[dict[str, Any]] = field(default_factory=list)
     decided_saves: set[int] = field(default_factory=set)
     bytes_seen: dict[int, int] = field(default_factory=dict)
     complete_seen: set[int] = field(default_factory=set)
+    log_sizes: dict[Path, int] = field(default_factory=dict)
     bytes_walked_at: float | None = None
     phase: str = "startup"
     startup_hung_s: float | None = None
@@ -416,8 +461,17 @@ class Monitor:
     def start(self) -> None:
         """The Ray job was submitted: the startup clock runs from now; the deadline is
         read."""
-        self.started = self.clock()
+        self.started = self.last_activity = self.clock()
+        self.phase, self.phase_started = "startup", self.started
+        for path in self.logs:
+            self.log_sizes[path] = _size(path)
         self.deadline.refresh()
+
+    def blind(self) -> None:
+        """The launcher cannot see the trainer's output now (Ray's dashboard does not
+        answer, so the log stream is down): silence is not counted against the trainer
+        (its metrics lines, checkpoint bytes and phase limits are still watched)."""
+        self.last_activity = self.clock()
 
     @property
     def startup_s(self) -> float | None:
@@ -426,9 +480,14 @@ class Monitor:
             return None
         return self.first_line_at - self.started
 
+    def enter(self, phase: str, now: float) -> None:
+        if phase != self.phase:
+            log.info("watchdog: step %d: %s", self.next_step(), phase)
+            self.phase, self.phase_started = phase, now
+
     def poll(self) -> StopRequest | None:
-        """Look at the metrics log and the checkpoint once; a StopRequest when the attempt
-        must end."""
+        """Look at the metrics log, the trainer's output and the checkpoint once; a
+        StopRequest when the attempt must end."""
         now = self.clock()
         if self.started is None:
             self.start()
@@ -441,9 +500,13 @@ class Monitor:
             self.model.add_lines(lines[self.seen:])
             self.lines, self.seen = lines, len(lines)
             self.last_step = lines[-1]["step"]
-            self.last_progress = now
+            self.last_progress = self.last_activity = now
+            self.save_bytes_at = None
             if self.first_line_at is None:
                 self.first_line_at = now
+            self.phase = ""
+            self.enter("shutdown" if self.last_step >= self.schedule.last else "step", now)
+        self.watch_logs(now)
         self.watch_save(now)
         killed = self.planned_kill()
         if killed is not None:
@@ -456,9 +519,35 @@ class Monitor:
     def next_step(self) -> int:
         return (self.last_step if self.last_step is not None else self.start_step) + 1
 
+    def watch_logs(self, now: float) -> None:
+        """The trainer's output growing is activity; verl's save line starts the save of a
+        save step, its validation line the validation of a test step."""
+        for path in self.logs:
+            size, seen = _size(path), self.log_sizes.get(path, 0)
+            if size < seen:
+                seen = 0  # rewritten
+            if size == seen:
+                continue
+            self.log_sizes[path] = size
+            self.last_activity = now
+            if self.last_progress is None or self.phase == "shutdown":
+                continue
+            try:
+                with open(path, "rb") as fh:
+                    fh.seek(max(seen, size - LOG_READ_MAX))
+                    text = fh.read(size - fh.tell()).decode(errors="replace")
+            except OSError:
+                continue
+            nxt = self.next_step()
+            if SAVE_MARKER in text and self.schedule.saves(nxt) and self.phase == "step":
+                self.enter("save", now)
+            if VALIDATION_MARKER in text and self.schedule.validates(nxt) \
+                    and self.phase in ("step", "save", "saved"):
+                self.enter("validation", now)
+
     def watch_save(self, now: float) -> None:
         """Bytes arriving in the next step's checkpoint (walked at most every
-        :data:`BYTES_EVERY_S`), or it becoming complete, are progress."""
+        :data:`BYTES_EVERY_S`) start and carry its save; its completion ends the save."""
         if self.ckpt_dir is None or self.last_step is None:
             return
         step = self.next_step()
@@ -466,7 +555,10 @@ class Monitor:
             return
         if step not in self.complete_seen and self.is_saved(step):
             self.complete_seen.add(step)
-            self.last_progress = now
+            self.last_progress = self.last_activity = now
+            self.enter("validation" if self.schedule.validates(step) else "saved", now)
+            return
+        if step in self.complete_seen:
             return
         path = self.ckpt_dir / f"global_step_{step}"
         if not path.is_dir():
@@ -477,35 +569,73 @@ class Monitor:
         size = tree_bytes(path)
         if size > self.bytes_seen.get(step, 0):
             self.bytes_seen[step] = size
-            self.last_progress = now
+            self.last_progress = self.last_activity = self.save_bytes_at = now
+            if self.phase == "step":
+                self.enter("save", now)
+
+    def phase_limit(self) -> tuple[float | None, float]:
+        """The limit of the phase the trainer is in (counted from its start) and the
+        phase's estimate (seconds)."""
+        nxt, m = self.next_step(), self.model
+        if self.phase == "save":
+            expected, learned = m.next_save(), m.save()[1]
+        elif self.phase == "validation":
+            expected, learned = m.validation()
+        elif self.phase == "saved":
+            expected, learned = 0.0, True  # the save is complete; the line is due
+        else:  # the step: its rollout and update; a validation is in it until its line shows
+            expected, learned = m.step()
+            if self.schedule.validates(nxt) and not self.schedule.saves(nxt):
+                expected += m.validation()[0]
+                learned = learned and m.validation()[1]
+            if self.schedule.saves(nxt) and self.ckpt_dir is None:
+                expected, learned = m.work(nxt, self.schedule, m.next_save()), False
+        return self.stall.limit(expected, learned), expected
 
     def hang(self, now: float) -> StopRequest | None:
+        quiet = (None if not self.silence_s or self.last_activity is None
+                 else now - self.last_activity)
         if self.last_progress is None:
             self.phase = "startup"
             limit, waited = self.model.startup_limit(), now - self.started
-            if self.model.allow.startup_s <= 0 or waited < limit:
+            if self.model.allow.startup_s <= 0:
+                return None
+            if quiet is not None and quiet >= self.silence_s:
+                why = (f"no output for {_minutes(quiet)}, silence limit "
+                       f"{_minutes(self.silence_s)}; {_minutes(waited)} after the submission")
+            elif waited >= limit:
+                why = (f"no metrics line {_minutes(waited)} after the submission; startup "
+                       f"limit {_minutes(limit)}")
+            else:
                 return None
             self.startup_hung_s = waited
-            return StopRequest("hung", f"hung before its first step (no metrics line "
-                               f"{_minutes(waited)} after the submission; startup limit "
-                               f"{_minutes(limit)})", None, True)
-        waited = now - self.last_progress
+            return StopRequest("hung", f"hung before its first step ({why})", None, True)
         step = self.last_step
         if step is not None and step >= self.schedule.last:
-            return self.shutdown(step, waited)
+            return self.shutdown(step, now - self.last_progress)
         nxt = self.next_step()
-        self.phase = "+".join(["step"] + (["save"] if self.schedule.saves(nxt) else []) +
-                              (["validation"] if self.schedule.validates(nxt) else []))
-        limit = self.stall.limit(self.model.work(nxt, self.schedule))
-        if limit is None or waited < limit:
+        limit, _ = self.phase_limit()
+        elapsed = now - self.phase_started
+        why = None
+        if quiet is not None and quiet >= self.silence_s:
+            why = (f"no output, line or checkpoint bytes for {_minutes(quiet)}; silence "
+                   f"limit {_minutes(self.silence_s)}")
+        elif (self.phase == "save" and self.silence_s and self.save_bytes_at is not None
+              and now - self.save_bytes_at >= self.silence_s):
+            why = (f"no checkpoint bytes for {_minutes(now - self.save_bytes_at)}; silence "
+                   f"limit {_minutes(self.silence_s)}")
+        elif limit is not None and elapsed >= limit:
+            if self.phase == "save" and self.save_bytes_at is not None \
+                    and now - self.save_bytes_at < min(limit, self.silence_s or limit):
+                return None  # a slow save still writing is making progress
+            why = f"{self.phase} for {_minutes(elapsed)}; its limit {_minutes(limit)}"
+        if why is None:
             return None
-        return StopRequest("hung", f"hung at step {nxt} ({self.phase}; no progress for "
-                           f"{_minutes(waited)}; last logged step {step}; stall limit "
-                           f"{_minutes(limit)})", step, True)
+        return StopRequest("hung", f"hung at step {nxt} ({why}; last logged step {step})",
+                           step, True)
 
     def shutdown(self, step: int, waited: float) -> StopRequest | None:
         """After the line of the last step: the trainer only has to exit."""
-        self.phase = "shutdown"
         allow = self.model.allow.shutdown_s
         if allow <= 0 or waited < allow:
             return None
@@ -551,14 +681,23 @@ class Monitor:
         if need is None or math.isinf(left):
             return None
         need += self.margin_s
-        log.info("watchdog: step %d saved; %.0fs left before the time limit, until the next "
-                 "save %.0fs", step, left, need)
+        why = "the next save needs"
+        nxt = self.schedule.next_save(step)
+        after = None if nxt is None or nxt >= self.schedule.last \
+            else self.model.until_save(nxt, self.schedule)
+        if left >= need and (after is None or left - need + self.margin_s < after + self.margin_s):
+            # The next save is this job's last: it must fit even when slow.
+            need = self.model.until_save(step, self.schedule, self.model.slow_save()) \
+                + self.margin_s
+            why = "the next save (the job's last), reserving for a slow save, needs"
+        log.info("watchdog: step %d saved; %.0fs left before the time limit, %s %.0fs",
+                 step, left, why, need)
         if left >= need:
             return None
         return StopRequest(
             "stopped_for_time_limit",
             f"stopped after the save of step {step} before the time limit: 0 steps lost "
-            f"({left:.0f}s left, the next save needs {need:.0f}s)", step)
+            f"({left:.0f}s left, {why} {need:.0f}s)", step)
 
     def timing(self) -> dict[str, Any]:
         """For the attempt record: the startup measured, the model's estimates, the phase
@@ -568,6 +707,13 @@ class Monitor:
                 "startup_hung_s": (None if self.startup_hung_s is None
                                    else round(self.startup_hung_s, 1)),
                 "phase": self.phase, "model": self.model.snapshot()}
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
 
 
 def _minutes(seconds: float) -> str:
