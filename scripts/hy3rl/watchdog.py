@@ -14,26 +14,36 @@ the validation before training); after the line of the attempt's last step, the 
 Each phase is learned from this run's records across attempts (the metrics lines of every
 attempt of the lineage, the startups measured in the attempt records): a step is
 ``timing_s/step - timing_s/save_checkpoint`` (p95), a validation ``timing_s/testing``
-(max), a save ``timing_s/save_checkpoint`` (max), a startup the time from the submission to
-the attempt's first line (max). A phase never seen yet has an allowance instead
-(:class:`Allowances`): a first save is the checkpoint's size (preflight's disk estimate)
-over ``train.watchdog.storage_mb_s``; a first validation one step; the first step, the
-first startup and the shutdown their configured minutes.
+(0.9 quantile), a save ``timing_s/save_checkpoint`` (median; the save right after a slower
+one is given that save's time: a slow save raises the next save's limit only), a startup
+the time from the submission to the attempt's first line, successful startups only (0.9
+quantile). A phase never seen yet has an allowance instead (:class:`Allowances`): a first
+save is the checkpoint's size (preflight's disk estimate) over
+``train.watchdog.storage_mb_s``; a first validation one step; the first step, the first
+startup and the shutdown their configured minutes.
 
-**hung**: the work expected before the next line, from the schedule (the next step, plus
-its save and its validation where the schedule has them), times ``stall_factor``, clamped
-to [``stall_floor_min``, ``stall_cap_min``], passes without progress. Progress is a new
-line, a save completing, or bytes arriving in the checkpoint being written. Before the first
-line the limit is the startup's: ``max(startup_min, 1.5 x the slowest startup seen, 1.5 x
-a startup that hung before)``. ``stall_min`` set fixes the limit of a step (0: never).
-**After the last step**: the shutdown allowance; when it passes and the last step's
-checkpoint is complete the attempt is stopped as ``succeeded`` (the records say it was
-stopped after the final step), else ``hung``.
+**hung**: each phase has its own limit counted from its own start (issue 29), told from
+signals finer than the metrics line: ``step`` from the previous line; ``save`` from verl's
+``local_global_step_folder:`` line in the trainer's output or the first bytes of
+``global_step_<N>/``; ``validation`` from the save's completion or verl's ``test_gen_batch
+meta info`` line. The limit is ``stall_factor`` x the phase's estimate (1.5 x the allowance
+for a phase never seen), clamped to [``stall_floor_min``, ``stall_cap_min``]; a save still
+writing bytes is never over its limit; ``stall_min`` set fixes it (0: never). Before the
+first line the startup limit: ``max(1.5 x startup_min, 2 x the startup estimate)``; a hung
+startup never raises it (twice on the same nodes, they are excluded:
+``hy3rl.train.after_attempt``). In every phase, ``silence_min`` without any sign of the
+trainer (its output growing, a line, checkpoint bytes) is a hang, and in a save that long
+without checkpoint bytes; silence is not counted while the launcher cannot see the output
+(:meth:`Monitor.blind`). **After the last step**: the shutdown allowance; when it passes
+and the last step's checkpoint is complete the attempt is stopped as ``succeeded`` (the
+records say it was stopped after the final step), else ``hung``.
 
 **stopped_for_time_limit**: at a complete save of step N whose line is written, when the
 time left before the job's end is less than the work until the next save (each step, the
 validations where they happen, the save) plus ``train.time_limit_margin_min``, the
-trainer is stopped right there: 0 steps lost. The time left comes from the job's deadline
+trainer is stopped right there: 0 steps lost. When the next save would be the job's last
+(no save interval fits after it) or the run's, it must fit even when slow
+(:meth:`TimeModel.slow_save`). The time left comes from the job's deadline
 (:class:`Deadline`), read when the job starts and refreshed at each decision; a failed
 query keeps the last deadline, and a save whose decision could not be made is looked at
 again at the next poll. squeue's ``%L`` says ``INVALID`` both for a negative time left and
