@@ -327,13 +327,15 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=1000, help="noisy runs")
     ap.add_argument("--seed", type=int, default=0, help="the first noisy run's seed")
     ap.add_argument("--limit-h", type=float, default=24.0, help="the SLURM jobs' time limit")
-    ap.add_argument("--poll-min", type=float, default=1.0)
+    ap.add_argument("--poll-min", type=float, default=1.0, help="polls of the hang cases")
+    ap.add_argument("--noisy-poll-min", type=float, default=5.0,
+                    help="polls of the noisy runs (their phases are far from their limits)")
     ap.add_argument("--jobs", type=int, default=2, help="processes")
     a = ap.parse_args()
     limit, poll = a.limit_h * 3600, a.poll_min * MIN
     with ProcessPoolExecutor(a.jobs) as pool:
         paper = pool.submit(_run, ("paper", 0, limit, poll, None))
-        noisy = list(pool.map(_run, [("noisy", a.seed + i, limit, poll, None)
+        noisy = list(pool.map(_run, [("noisy", a.seed + i, limit, a.noisy_poll_min * MIN, None)
                                      for i in range(a.runs)], chunksize=8))
         cases = {}
         for name, hangs in {**HANG_CASES, **SLOW_CASES}.items():
@@ -347,7 +349,8 @@ def main() -> int:
                 cases[name, noisy_hang] = [j.result() for j in jobs]
         paper = paper.result()
     print(f"paper profile ({TOTAL} steps, save_freq {SAVE_FREQ}, test_freq {TEST_FREQ}), "
-          f"jobs of {a.limit_h:g} h, polls every {a.poll_min:g} min, silence limit "
+          f"jobs of {a.limit_h:g} h, polls every {a.poll_min:g} min (noisy runs: "
+          f"{a.noisy_poll_min:g}), silence limit "
           f"{SILENCE / MIN:g} min, stall factor {STALL.factor:g}")
     print(f"  paper profile: false hangs {paper.false_hangs}, SLURM kills {paper.kills}, "
           f"time-limit stops {len(paper.unused_s)} + {len(paper.reserve_s)} reserving for a "

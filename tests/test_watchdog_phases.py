@@ -161,3 +161,12 @@ def test_a_startup_that_hangs_twice_on_the_same_nodes_excludes_them() -> None:
     # on other nodes: retried without excluding anything
     other = [rec(1, ["n3", "n4"]), rec(2, ["n1", "n2"])]
     assert after_attempt(other[-1], other, **kw).exclude == []
+
+
+def test_the_double_prints_the_phase_lines_the_watchdog_reads() -> None:
+    """The trainer double (tests/fixtures/trainer_double.py) prints verl's save and
+    validation lines as the watchdog reads them, so the slurm tests exercise the phases."""
+    from fixtures.trainer_double import MAIN_PPO_DOUBLE
+
+    assert f'print(f"{wd.SAVE_MARKER} {{folder}}"' in MAIN_PPO_DOUBLE
+    assert f'print("{wd.VALIDATION_MARKER}: ' in MAIN_PPO_DOUBLE

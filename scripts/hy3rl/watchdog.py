@@ -462,6 +462,7 @@ class Monitor:
     bytes_seen: dict[int, int] = field(default_factory=dict)
     complete_seen: set[int] = field(default_factory=set)
     log_sizes: dict[Path, int] = field(default_factory=dict)
+    metrics_size: int | None = None
     bytes_walked_at: float | None = None
     phase: str = "startup"
     startup_hung_s: float | None = None
@@ -501,11 +502,16 @@ class Monitor:
         now = self.clock()
         if self.started is None:
             self.start()
-        try:
-            lines = read_metrics(self.metrics)
-        except Exception as exc:  # a bad line must not stop the watch; verl_log names it
-            log.warning("watchdog: %s", exc)
-            lines = self.lines
+        size = _size(self.metrics)
+        if size == self.metrics_size:
+            lines = self.lines  # unchanged: not parsed again
+        else:
+            try:
+                lines = read_metrics(self.metrics)
+                self.metrics_size = size
+            except Exception as exc:  # a bad line must not stop the watch; verl_log names it
+                log.warning("watchdog: %s", exc)
+                lines = self.lines
         if len(lines) > self.seen:
             self.model.add_lines(lines[self.seen:])
             self.lines, self.seen = lines, len(lines)
