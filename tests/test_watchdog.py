@@ -478,3 +478,14 @@ def test_planned_kill_waits_for_the_complete_save_of_its_step(tmp_path: Path) ->
     write(quiet.metrics, paper_line(1, sched), paper_line(2, sched))
     clock2.now += STEP
     assert quiet.poll() is None
+
+
+def test_the_need_until_the_next_save_sums_steps_as_a_distribution() -> None:
+    """Issue 29: 20 x the p95 of one step left an hour unused per interval on a +-20 %
+    profile; the sum of 20 steps is estimated as a sum (mean x n + 1.645 sd sqrt(n))."""
+    steps = [STEP * (0.8 + 0.4 * k / 99) for k in range(100)]  # +-20 %, evenly spread
+    m = wd.TimeModel.learn(allow(), [line(s + 1, t) for s, t in enumerate(steps)])
+    sched = wd.Schedule(20, -1, 200)
+    need = m.until_save(100, sched) - m.save()[0]
+    assert 20 * STEP < need < 20 * STEP + 20 * MIN < 20 * wd.p95(steps)
+    assert m.steps_sum(1) > STEP  # one step: above its mean
