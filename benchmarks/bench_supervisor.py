@@ -238,7 +238,7 @@ def run(p: Profile, tmp: Path, limit_s: float, poll_s: float, hang: Hang | None 
                 t = clock.now + poll_s
                 if t >= job_end:  # SLURM's time limit
                     res.kills += 1
-                    res.steps_lost += (mon.last_step or saved) - saved
+                    res.steps_lost += max(0, (mon.last_step or saved) - saved)
                     clock.now = job_end
                     outcome = "killed"
                     break

@@ -402,7 +402,7 @@ def test_time_limit_stop_follows_the_schedule(tmp_path: Path) -> None:
     at 60 comes after the save). Issue 29: when the next save is the job's last, it must fit
     even when slow (3 x the usual save): a 2.5 h save was cut by SLURM."""
     need = 20 * STEP + VAL + SAVE + 10 * MIN
-    slow = need + 2 * SAVE
+    slow = need + 2 * SAVE + VAL  # 3 x the save, and the validation after it
     # another interval fits after the next save: go on with just the need left after it
     assert decide_at_40(tmp_path, 2 * need - 10 * MIN + 60) is None
     # the next save would be the job's last: reserved for a slow one

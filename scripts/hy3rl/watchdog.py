@@ -207,8 +207,13 @@ class TimeModel:
 
     def slow_save(self) -> float:
         """A slow save reserved for when the next save is the job's last:
-        :data:`SLOW_SAVE_FACTOR` x the usual save, or the slowest save seen when slower."""
-        return max([SLOW_SAVE_FACTOR * self.save()[0]] + self.saves)
+        :data:`SLOW_SAVE_FACTOR` x the usual save, or the slowest save seen when slower.
+        While fewer than three saves are known, the usual save is at most the allowance (a
+        first save that was slow is not three times the usual)."""
+        usual = self.save()[0]
+        if len(self.saves) < 3 and self.allow.save_s is not None:
+            usual = min(usual, self.allow.save_s)
+        return max([SLOW_SAVE_FACTOR * usual] + self.saves)
 
     def startup(self) -> tuple[float, bool]:
         """From successful startups only (the time to an attempt's first line); a startup
@@ -715,8 +720,10 @@ class Monitor:
             else self.model.until_save(nxt, self.schedule)
         if left >= need and (after is None or left - need + self.margin_s < after + self.margin_s):
             # The next save is this job's last: it must fit even when slow.
+            # ... and its validation, after which its line lets the next decision be made
             need = self.model.until_save(step, self.schedule, self.model.slow_save()) \
-                + self.margin_s
+                + self.margin_s + (self.model.validation()[0]
+                                   if nxt is not None and self.schedule.validates(nxt) else 0.0)
             why = "the next save (the job's last), reserving for a slow save, needs"
         log.info("watchdog: step %d saved; %.0fs left before the time limit, %s %.0fs",
                  step, left, why, need)
