@@ -5,8 +5,8 @@ A simulated clock drives the real :class:`hy3rl.watchdog.Monitor` (its :class:`T
 (upstream-facts.md: 200 steps of about 16 min, validation about 8 min every 10 steps, a
 save of about 50 min every 20, a startup of 75-120 min, 16 x 8 GPUs) inside SLURM jobs of
 ``--limit-h`` hours. The trainer is simulated on disk as the launcher sees it: its output
-(``driver.log``: a line every 0.5-15 min in every phase, verl's save line as a save starts
-and its validation line as a validation starts), its metrics lines (verl's file logger,
+(``driver.log``: a line every 0.5-15 min in every phase, verl's save line as a save
+starts; verl prints none as a validation starts), its metrics lines (verl's file logger,
 with ``timing_s/step``, ``timing_s/save_checkpoint``, ``timing_s/testing``) and the
 checkpoint being written (``global_step_<N>/`` growing every minute of a save, complete at
 its end). The monitor is polled every ``--poll-min`` simulated minutes.
@@ -57,9 +57,14 @@ PAPER = wd.Schedule(SAVE_FREQ, TEST_FREQ, TOTAL)
 MARGIN = 10 * MIN
 SILENCE = 45 * MIN  # train.watchdog.silence_min's default
 ALLOW = wd.Allowances(startup_s=180 * MIN, step_s=60 * MIN, validation_s=None,
-                      save_s=4.1e12 / 1e9, shutdown_s=15 * MIN)  # 4.1 TB at 1 GB/s
+                      save_s=4.1e12 / 1e9, shutdown_s=15 * MIN,  # 4.1 TB at 1 GB/s
+                      startup_floor_s=200 * MIN, startup_cap_s=360 * MIN)  # the defaults
 STALL = wd.StallPolicy(None, 2.0, 30 * MIN, 360 * MIN)  # train.watchdog's defaults
 LOG_GAP = (0.5 * MIN, 15 * MIN)
+# verl@220e903's v1 trainer as a save starts (trainer_base.py:720, verl's logging format,
+# Ray's prefix); it prints nothing as a validation starts (hy3rl.watchdog.SAVE_LINE)
+SAVE_LINE = ("(TaskRunnerV1 pid=4242) INFO:2026-12-05 10:00:00,000:Saving checkpoint to "
+             "/ckpt/global_step_{}")
 
 
 @dataclass
@@ -183,14 +188,13 @@ def events(p: Profile, start_step: int, t0: float, startup: float, hang: Hang | 
             return
         t += p.step[s]
         if PAPER.saves(s):
-            marker = f"{wd.SAVE_MARKER} /ckpt/global_step_{s}"
+            marker = SAVE_LINE.format(s)
             if (yield from cut(phase(t, p.save[s], "save", s, marker), t, p.save[s], "save", s)):
                 return
             t += p.save[s]
             yield t, "saved", s
         if PAPER.validates(s):
-            marker = f"{wd.VALIDATION_MARKER}: {{...}}"
-            if (yield from cut(phase(t, p.val[s], "validation", s, marker), t, p.val[s],
+            if (yield from cut(phase(t, p.val[s], "validation", s, None), t, p.val[s],
                                "validation", s)):
                 return
             t += p.val[s]

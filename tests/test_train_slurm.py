@@ -375,8 +375,9 @@ def test_slow_first_save_and_validation_no_false_hang_real_hangs_caught(slurm_tr
 
 def test_hang_inside_a_save_step_is_caught_within_the_save_limit(slurm_train) -> None:
     """Issue 29: a hang in the middle of a save (its first shard written, then nothing) is
-    caught by the save's own limit counted from the save's start (verl's
-    ``local_global_step_folder:`` line, the checkpoint's bytes), not by one limit for step +
+    caught by the save's own limit counted from the save's start (verl's v1 line ``Saving
+    checkpoint to <dir>/global_step_8``, which the double logs as verl does, or the
+    checkpoint's directory appearing), not by one limit for step +
     save + validation from the last line; the attempt restarts in the job from the save
     before and finishes. Silence is off: the phase limit alone catches it."""
     st = slurm_train(total=8, save_freq=4, step_s=0.3, max_submissions=1, restarts_per_job=1,

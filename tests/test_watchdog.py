@@ -42,7 +42,8 @@ def paper_line(step: int, schedule: wd.Schedule = PAPER, step_s: float = STEP,
 
 def allow(**kw) -> wd.Allowances:
     args = {"startup_s": 180 * MIN, "step_s": 60 * MIN, "validation_s": None,
-            "save_s": 4.1e12 / 1e9, "shutdown_s": 15 * MIN}  # 4.1 TB at 1000 MB/s
+            "save_s": 4.1e12 / 1e9, "shutdown_s": 15 * MIN,  # 4.1 TB at 1000 MB/s
+            "startup_floor_s": 200 * MIN, "startup_cap_s": 360 * MIN}
     args.update(kw)
     return wd.Allowances(**args)
 
@@ -89,14 +90,18 @@ def test_a_phase_never_seen_has_its_allowance() -> None:
 
 
 def test_startup_limit_learns_from_successful_startups_only() -> None:
-    a = allow(startup_s=120 * MIN)
+    a = allow(startup_s=120 * MIN, startup_floor_s=150 * MIN)
     assert wd.TimeModel.learn(a, []).startup_limit() == 180 * MIN  # 1.5 x the allowance
     # a fast first start does not shorten the limit of a slower resume (optimizer state)
-    assert wd.TimeModel.learn(a, [], startups=[60 * MIN]).startup_limit() == 180 * MIN
+    # below the floor, the slowest healthy startup expected
+    assert wd.TimeModel.learn(a, [], startups=[60 * MIN]).startup_limit() == 150 * MIN
     assert wd.TimeModel.learn(a, [], startups=[110 * MIN]).startup_limit() == 220 * MIN
     # the 0.9 quantile, not the slowest: one 300-min startup among ten does not set it
     ten = [100 * MIN] * 9 + [300 * MIN]
     assert wd.TimeModel.learn(a, [], startups=ten).startup_limit() == 200 * MIN
+    # nor do slow startups raise it past the cap (stall_cap_min), learned or allowed
+    assert wd.TimeModel.learn(a, [], startups=[250 * MIN]).startup_limit() == 360 * MIN
+    assert wd.TimeModel.learn(allow(startup_s=300 * MIN), []).startup_limit() == 360 * MIN
     # a hung wait is no startup: the model takes none (issue 29: limits compounded 1.5x)
     with pytest.raises(TypeError):
         wd.TimeModel.learn(a, [], [], [120 * MIN])  # type: ignore[call-arg]
@@ -344,6 +349,60 @@ def test_bytes_arriving_in_the_checkpoint_are_progress(tmp_path: Path) -> None:
     assert req and req.outcome == "hung" and "(save for" in req.message
 
 
+# verl@220e903's v1 save line as it reaches driver.log: verl's logging format
+# (verl/utils/logging_utils.py:25) behind Ray's prefix for the TaskRunnerV1 actor
+V1_SAVE = ("(TaskRunnerV1 pid=4242) INFO:2026-12-05 10:00:00,123:Saving checkpoint to "
+           "/shared/ckpt/hy3/global_step_{}\n")
+
+
+@pytest.mark.parametrize(("text", "starts"), [
+    (V1_SAVE.format(60), True),
+    (V1_SAVE.format(600), False),  # another step's save
+    (V1_SAVE.format(40), False),
+    ("local_global_step_folder: /shared/ckpt/hy3/global_step_60\n", False),  # legacy trainer
+    ("(TaskRunnerV1 pid=1) Saving checkpoint to: /x/global_step_60\n", False),  # SFT handler
+])
+def test_verls_save_line_of_the_next_step_starts_its_save(tmp_path: Path, text: str,
+                                                         starts: bool) -> None:
+    """The v1 trainer logs ``Saving checkpoint to <dir>/global_step_<N>`` as a save starts
+    (trainer_base.py:720); that line of the next step, and no other, starts the save phase;
+    then the save's limit holds (2 x 50 min), not the step's (3 x 16 min)."""
+    clock, saved = Clock(), set()
+    driver = tmp_path / "driver.log"
+    driver.write_text("")
+    m = monitor(tmp_path, clock, saved=saved, lines=[paper_line(s) for s in range(1, 60)],
+                start_step=59, logs=[driver], ckpt_dir=tmp_path / "ckpt",
+                stall=wd.StallPolicy(None, 2, 30 * MIN, 360 * MIN))
+    m.start()
+    write(m.metrics, paper_line(59))
+    assert m.poll() is None and m.phase == "step"
+    clock.now += STEP
+    with open(driver, "a") as fh:
+        fh.write(text)
+    assert m.poll() is None
+    assert m.phase == ("save" if starts else "step")
+    clock.now += 2 * STEP + MIN  # past the step's own limit (2 x 16 min) from the step's start
+    req = m.poll()
+    assert (req is None) == starts, req
+
+
+def test_the_checkpoint_directory_appearing_starts_the_save(tmp_path: Path) -> None:
+    """With verl's INFO lines silenced ($VERL_LOGGING_LEVEL=WARNING) the save is told by
+    ``global_step_<N>/``, which the Megatron checkpoint manager creates before any byte
+    (megatron_checkpoint_manager.py:1198)."""
+    clock, ckpt = Clock(), tmp_path / "ckpt"
+    m = monitor(tmp_path, clock, lines=[paper_line(s) for s in range(1, 60)], start_step=59,
+                ckpt_dir=ckpt, stall=wd.StallPolicy(None, 2, 30 * MIN, 360 * MIN))
+    m.start()
+    write(m.metrics, paper_line(59))
+    assert m.poll() is None and m.phase == "step"
+    clock.now += STEP
+    (ckpt / "global_step_60" / "actor").mkdir(parents=True)  # empty: no bytes yet
+    assert m.poll() is None and m.phase == "save"
+    clock.now += 2 * SAVE - MIN  # within the save's limit from the step's start
+    assert m.poll() is None
+
+
 def test_startup_limit_and_a_learned_startup(tmp_path: Path) -> None:
     clock = Clock()
     m = monitor(tmp_path, clock, startups=[110 * MIN], allow=allow(startup_s=120 * MIN))
@@ -353,6 +412,7 @@ def test_startup_limit_and_a_learned_startup(tmp_path: Path) -> None:
     clock.now += 6 * MIN
     req = m.poll()
     assert req and req.outcome == "hung" and "before its first step" in req.message
+    assert "startup limit 220 min" in req.message
     assert m.timing()["startup_hung_s"] == 221 * MIN
     m2 = monitor(tmp_path / "x", clock, allow=allow(startup_s=0))
     m2.start()

@@ -250,6 +250,7 @@ class Watchdog:
     stall_floor_min: float
     stall_cap_min: float
     startup_min: float
+    startup_floor_min: float
     first_step_min: float
     validation_min: float | None
     save_min: float | None

@@ -434,7 +434,9 @@ def allowances(wd: Any, plan: Mapping[str, Any]) -> Allowances:
         save_s = None
     return Allowances(startup_s=wd.startup_min * 60, step_s=wd.first_step_min * 60,
                       validation_s=None if wd.validation_min is None else wd.validation_min * 60,
-                      save_s=save_s, shutdown_s=wd.shutdown_min * 60)
+                      save_s=save_s, shutdown_s=wd.shutdown_min * 60,
+                      startup_floor_s=wd.startup_floor_min * 60,
+                      startup_cap_s=wd.stall_cap_min * 60)
 
 
 def time_left(job_id: str | None) -> float | None:

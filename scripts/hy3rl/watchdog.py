@@ -24,12 +24,16 @@ startup and the shutdown their configured minutes.
 
 **hung**: each phase has its own limit counted from its own start (issue 29), told from
 signals finer than the metrics line: ``step`` from the previous line; ``save`` from verl's
-``local_global_step_folder:`` line in the trainer's output or the first bytes of
-``global_step_<N>/``; ``validation`` from the save's completion or verl's ``test_gen_batch
-meta info`` line. The limit is ``stall_factor`` x the phase's estimate (1.5 x the allowance
-for a phase never seen), clamped to [``stall_floor_min``, ``stall_cap_min``]; a save still
-writing bytes is never over its limit; ``stall_min`` set fixes it (0: never). Before the
-first line the startup limit: ``max(1.5 x startup_min, 2 x the startup estimate)``; a hung
+``Saving checkpoint to <dir>/global_step_<N>`` line in the trainer's output or
+``global_step_<N>/`` appearing; ``validation`` from the save's completion (verl prints
+nothing as a validation starts: on a test step that does not save, the step's limit
+counts its validation; :data:`SAVE_LINE` says what verl prints where). The limit is
+``stall_factor`` x the phase's estimate (1.5 x the allowance for a phase never seen),
+clamped to [``stall_floor_min``, ``stall_cap_min``]; a save still writing bytes is never
+over its limit; ``stall_min`` set fixes it (0: never). Before the
+first line the startup limit, from the submission, which output does not reset: ``1.5 x
+startup_min`` until a startup succeeded, then ``2 x the startup estimate`` between
+``startup_floor_min`` and ``stall_cap_min`` (:meth:`TimeModel.startup_limit`); a hung
 startup never raises it (twice on the same nodes, they are excluded:
 ``hy3rl.train.after_attempt``). In every phase, ``silence_min`` without any sign of the
 trainer (its output growing, a line, checkpoint bytes) is a hang, and in a save that long
@@ -80,8 +84,32 @@ SAVE_QUANTILE = 0.5  # saves: few per run (one slow save must not be the estimat
 STARTUP_FACTOR = 2.0  # a startup's limit over its estimate (startups vary: 75-200 min)
 UNSEEN_FACTOR = 1.5  # a phase never seen: its limit over its allowance
 SLOW_SAVE_FACTOR = 3.0  # a save reserved for when the next save is the job's last
-SAVE_MARKER = "local_global_step_folder:"  # verl's _save_checkpoint prints it as a save starts
-VALIDATION_MARKER = "test_gen_batch meta info"  # verl's _validate prints it per batch
+# What verl@220e903 prints at the phase boundaries (read from its source; main_ppo runs the
+# v1 trainer, trainer.use_v1: true in verl/trainer/config/ppo_trainer.yaml):
+# - a save starts: verl/trainer/ppo/v1/trainer_base.py:720, in _save_checkpoint:
+#   logger.info(f"Saving checkpoint to {local_global_step_folder}"), the folder being
+#   <trainer.default_local_dir>/global_step_<N>. The module logger is at INFO
+#   (trainer_base.py:101, $VERL_LOGGING_LEVEL, default INFO) and `import verl` gives the root
+#   logger a stderr handler formatted "%(levelname)s:%(asctime)s:%(message)s"
+#   (verl/__init__.py:32 -> verl/utils/logging_utils.py:25), so the line reads
+#   "INFO:<time>:Saving checkpoint to <dir>/global_step_<N>", and in driver.log Ray puts
+#   "(TaskRunnerV1 pid=<pid>) " before it. VERL_LOGGING_LEVEL=WARNING silences it: the save
+#   is then told by global_step_<N>/ appearing (the Megatron checkpoint manager creates it
+#   first thing, verl/utils/checkpoint/megatron_checkpoint_manager.py:1198
+#   `local_path = local_mkdir_safe(local_path)`) and by its bytes.
+# - a save ends: no line before the step's metrics line; the checkpoint is complete when
+#   actor/ckpt_contents.json (written last by rank 0) and the tracker are there (is_saved).
+# - a validation starts or ends: the v1 trainer prints nothing (_validate,
+#   trainer_base.py:777, has no print or log; PPOTrainerSync has no on_validate_begin). On a
+#   save step it starts when the save is complete; on a test step that does not save it is
+#   one span with the step until the step's metrics line (its limit counts both).
+#   (The legacy trainer, trainer.use_v1=false, prints "local_global_step_folder: <dir>"
+#   (ray_trainer.py:979) and "test_gen_batch meta info: {...}" (ray_trainer.py:635); the v1
+#   trainer never does, and neither is read.)
+# - a step ends: its metrics line in the file logger's jsonl (read here), and with the
+#   console logger "step:<N> - <key>:<value> - ..." on stdout
+#   (verl/utils/logger/aggregate_logger.py:27 and :51).
+SAVE_LINE = re.compile(r"Saving checkpoint to \S*?global_step_(\d+)\b")
 LOG_READ_MAX = 1 << 20  # bytes of a log read per poll (the rest counts as activity unread)
 BYTES_EVERY_S = 60.0  # a checkpoint being written is walked at most this often
 
@@ -140,13 +168,17 @@ def p95(values: Sequence[float]) -> float:
 @dataclass(frozen=True)
 class Allowances:
     """Seconds allowed to a phase never seen yet in this run (module doc). ``validation_s``
-    None: one step's estimate; ``save_s`` None: one step's estimate (no size known)."""
+    None: one step's estimate; ``save_s`` None: one step's estimate (no size known).
+    ``startup_floor_s``, ``startup_cap_s``: the bounds of a startup's limit once startups
+    were measured (:meth:`TimeModel.startup_limit`)."""
 
     startup_s: float
     step_s: float
     validation_s: float | None
     save_s: float | None
     shutdown_s: float
+    startup_floor_s: float
+    startup_cap_s: float
 
 
 @dataclass
@@ -223,14 +255,20 @@ class TimeModel:
         return self.allow.startup_s, False
 
     def startup_limit(self) -> float:
-        """A startup's limit from the submission: :data:`UNSEEN_FACTOR` x the allowance,
-        or :data:`STARTUP_FACTOR` x the :data:`QUANTILE` of the successful startups when
-        more (a few fast startups do not make a slow resume a hang). A hung startup never
-        raises it (a startup that hangs twice on the same nodes excludes them:
+        """A startup's limit, counted from the submission; output does not reset it (a
+        startup hung in a collective while Ray and vLLM go on printing is caught by it).
+        While no startup of this run succeeded: :data:`UNSEEN_FACTOR` x the allowance.
+        Then :data:`STARTUP_FACTOR` x the :data:`QUANTILE` of the successful startups,
+        never below ``startup_floor_s`` (the slowest healthy startup expected: a resume
+        loading optimizer state after a fast first start is no hang) nor above
+        ``startup_cap_s``. Learned from successful startups only: a hung startup never
+        raises it (one that hangs twice on the same nodes excludes them:
         hy3rl.train.after_attempt); a hang that goes quiet is caught earlier by the
         silence limit."""
-        floor = UNSEEN_FACTOR * self.allow.startup_s
-        return max(floor, STARTUP_FACTOR * self.startup()[0]) if self.startups else floor
+        a = self.allow
+        if not self.startups:
+            return min(a.startup_cap_s, UNSEEN_FACTOR * a.startup_s)
+        return min(a.startup_cap_s, max(a.startup_floor_s, STARTUP_FACTOR * self.startup()[0]))
 
     def work(self, step: int, schedule: Schedule, save: float | None = None) -> float:
         """Seconds from the line of ``step - 1`` to the line of ``step`` (``save``: the
@@ -553,8 +591,8 @@ class Monitor:
         return (self.last_step if self.last_step is not None else self.start_step) + 1
 
     def watch_logs(self, now: float) -> None:
-        """The trainer's output growing is activity; verl's save line starts the save of a
-        save step, its validation line the validation of a test step."""
+        """The trainer's output growing is activity; verl's save line (:data:`SAVE_LINE`)
+        of the next step starts its save."""
         for path in self.logs:
             size, seen = _size(path), self.log_sizes.get(path, 0)
             if size < seen:
@@ -572,15 +610,14 @@ class Monitor:
             except OSError:
                 continue
             nxt = self.next_step()
-            if SAVE_MARKER in text and self.schedule.saves(nxt) and self.phase == "step":
+            if self.phase == "step" and self.schedule.saves(nxt) and any(
+                    int(m.group(1)) == nxt for m in SAVE_LINE.finditer(text)):
                 self.enter("save", now)
-            if VALIDATION_MARKER in text and self.schedule.validates(nxt) \
-                    and self.phase in ("step", "save", "saved"):
-                self.enter("validation", now)
 
     def watch_save(self, now: float) -> None:
-        """Bytes arriving in the next step's checkpoint (walked at most every
-        :data:`BYTES_EVERY_S`) start and carry its save; its completion ends the save."""
+        """The next step's ``global_step_<N>/`` appearing starts its save, bytes arriving in
+        it (walked at most every :data:`BYTES_EVERY_S`) carry it; its completion ends the
+        save (the launcher moved incomplete newer saves aside before the attempt)."""
         if self.ckpt_dir is None or self.last_step is None:
             return
         step = self.next_step()
@@ -596,6 +633,8 @@ class Monitor:
         path = self.ckpt_dir / f"global_step_{step}"
         if not path.is_dir():
             return
+        if self.phase == "step":  # the checkpoint manager's first act (see SAVE_LINE)
+            self.enter("save", now)
         if self.bytes_walked_at is not None and now - self.bytes_walked_at < BYTES_EVERY_S:
             return  # a multi-TB checkpoint of many files: walked once a minute at most
         self.bytes_walked_at = now
@@ -603,8 +642,6 @@ class Monitor:
         if size > self.bytes_seen.get(step, 0):
             self.bytes_seen[step] = size
             self.last_progress = self.last_activity = self.save_bytes_at = now
-            if self.phase == "step":
-                self.enter("save", now)
 
     def phase_limit(self) -> tuple[float | None, float]:
         """The limit of the phase the trainer is in (counted from its start) and the
@@ -616,7 +653,7 @@ class Monitor:
             expected, learned = m.validation()
         elif self.phase == "saved":
             expected, learned = 0.0, True  # the save is complete; the line is due
-        else:  # the step: its rollout and update; a validation is in it until its line shows
+        else:  # the step: its rollout and update, and a validation that no line tells apart
             expected, learned = m.step()
             if self.schedule.validates(nxt) and not self.schedule.saves(nxt):
                 expected += m.validation()[0]
