@@ -145,6 +145,7 @@ def derive(cfg: Config, layout: Layout) -> Config:
     wd = tr["watchdog"]
     wd["poll_s"] = min(float(wd["poll_s"]), POLL_S)
     wd["startup_min"] = min(float(wd["startup_min"]), WATCHDOG_MIN)
+    wd["startup_floor_min"] = min(float(wd["startup_floor_min"]), WATCHDOG_MIN)
     wd["first_step_min"] = min(float(wd["first_step_min"]), WATCHDOG_MIN)
     ev = raw["eval"]
     ev.update(num_problems=reh.eval.num_problems, n_samples=reh.eval.n_samples,

@@ -250,12 +250,14 @@ class Watchdog:
     stall_floor_min: float
     stall_cap_min: float
     startup_min: float
+    startup_floor_min: float
     first_step_min: float
     validation_min: float | None
     save_min: float | None
     storage_mb_s: float
     shutdown_min: float
     poll_s: float
+    silence_min: float
 
 
 @dataclass(frozen=True)
