@@ -98,12 +98,15 @@ def test_nan_grad_norm_stops_at_once_and_is_not_resubmitted(guarded) -> None:
 
 
 def test_drift_stops_right_after_the_next_save_and_retention_keeps_the_last_healthy(
-        guarded) -> None:
+        guarded, monkeypatch, tmp_path: Path) -> None:
     """Drift above 0.02 from step 4 for 2 logged steps fires at step 5; the trainer goes on
     to the next save (step 6) and is stopped right after it. The last healthy checkpoint is
-    step 3 (saved before step 4); checkpoint_keep 1 would prune it, the guard keeps it."""
-    setup, run = guarded({"drift_from": 4}, health={"drift": {"steps": 2}}, total=12,
-                         save_freq=3, keep=1)
+    step 3 (saved before step 4); checkpoint_keep 1 would prune it, the guard keeps it. The
+    double waits before step 7 until it is stopped (pause_at, never released): however slow
+    the poll on a loaded machine, no save after step 6 can come before the stop."""
+    monkeypatch.setenv("HY3RL_DOUBLE_RELEASE", str(tmp_path / "never-released"))
+    setup, run = guarded({"drift_from": 4, "pause_at": 7}, health={"drift": {"steps": 2}},
+                         total=12, save_freq=3, keep=1)
     rec = _stopped(setup, run, r"health rule drift .* fired at step 5 \(from step 4; values "
                    r"0.05@4, 0.05@5\).*right after the complete save of step 6.*last "
                    r"healthy checkpoint: step 3")
