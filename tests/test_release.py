@@ -86,19 +86,18 @@ def run_copy(run_template, tmp_path, tiny_hy3_dir):
     cfg = _cfg(root, tiny_hy3_dir)
     layout = Layout.from_config(cfg)
 
-    def records(eval_tag: str) -> release.Records:
+    def records() -> release.Records:
         return release.Records(
-            samples_meta=Path(layout.eval_samples_meta(eval_tag)), val=Path(layout.data_val),
-            summary=Path(layout.eval_summary), plan=Path(layout.train_plan),
-            selected=Path(layout.eval_selected), train_done=Path(layout.train_done))
+            val=Path(layout.data_val), summary=Path(layout.eval_summary),
+            plan=Path(layout.train_plan), selected=Path(layout.eval_selected),
+            train_done=Path(layout.train_done))
 
     return cfg, layout, records
 
 
 def _build(run_copy, tag: str = "final") -> dict:
     cfg, layout, records = run_copy
-    return release.build(cfg, layout, tag, records("step2" if tag == "selected" else "final"),
-                         threads=2)
+    return release.build(cfg, layout, tag, records(), threads=2)
 
 
 def _refused(run_copy, tag: str = "final") -> dict[str, dict]:
@@ -158,11 +157,17 @@ def test_good_release_passes_every_check_and_its_card_parses(run_copy, tiny_hy3_
 
 
 def test_release_replaces_an_earlier_one_whole(run_copy):
+    """Through the rule's entry point (release.run, the rule's named inputs)."""
     cfg, layout, _ = run_copy
     dest = layout.release_model("final")
     dest.mkdir(parents=True)
     (dest / "stale.bin").write_text("old")
-    _build(run_copy, "final")
+    inputs = {"val": layout.data_val, "summary": layout.eval_summary,
+              "plan": layout.train_plan, "train_done": layout.train_done}
+    rec = release.run(cfg, "final", inputs=inputs, out=Path(layout.release_record("final")),
+                      threads=2)
+    assert json.loads(Path(layout.release_record("final")).read_text()) == rec
+    assert rec["samples_meta"] == layout.eval_samples_meta("final")
     assert not (dest / "stale.bin").exists() and (dest / "README.md").is_file()
     assert not list(dest.parent.glob(".final*"))
 
@@ -303,3 +308,17 @@ def test_nothing_selected_is_refused_with_the_reason(run_copy):
     path.write_text(json.dumps(doc))
     with pytest.raises(release.ReleaseError, match="no candidate has a held-out result"):
         _build(run_copy, "selected")
+
+
+@pytest.mark.parametrize(("sections", "key"), [
+    ({"eval": {"steps": [2], "select": None}}, "'selected' needs eval.select"),
+    ({"eval": {"steps": [2], "final": False}, "release": {"tags": ["final"]}},
+     "'final' needs eval.final"),
+])
+def test_a_release_tag_without_its_evaluation_is_refused_by_key(sections, key):
+    cfg = make_config(cluster={"gpu": True}, **sections)
+    with pytest.raises(release.ReleaseError, match=key):
+        release.release_tags(cfg)
+    assert release.release_tags(make_config()) == []  # no training, no release
+    assert release.release_tags(make_config(cluster={"gpu": True}, eval={"steps": [2]})) == \
+        ["selected", "final"]

@@ -70,9 +70,10 @@ class ReleaseFailed(StageError):
 class Records:
     """The run's records a release reads (None: not part of this run)."""
 
-    samples_meta: Path  # eval/<evaluated tag>/samples.meta.json
     val: Path  # data/val.parquet (the problems the release answers)
     summary: Path  # eval/summary.json
+    samples_meta: Path | None = None  # eval/<evaluated tag>/samples.meta.json (default: the
+    # layout's, of the tag the release is of)
     plan: Path | None = None  # train/launch/plan.json (the recipe, the bias update rate)
     selected: Path | None = None  # eval/selected.json
     train_done: Path | None = None  # train/done.json (attempts)
@@ -87,6 +88,26 @@ def _read_json(path: Path, what: str) -> Any:
         return json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise ReleaseError(f"{path}: cannot read {what}: {exc}") from None
+
+
+def release_tags(cfg: Any) -> list[str]:
+    """``release.tags`` of a GPU run (none without training), each checked against the DAG:
+    ``selected`` needs rule eval_select (eval.select, data.heldout, checkpoint tags),
+    ``final`` needs eval.final. Raises :class:`ReleaseError` naming the key."""
+    from hy3rl.selection import candidate_tags
+
+    if not cfg.cluster.gpu:
+        return []
+    for tag in cfg.release.tags:
+        if tag == "selected" and not (cfg.eval.select and cfg.data.heldout
+                                      and candidate_tags(cfg)):
+            raise ReleaseError("release.tags: 'selected' needs eval.select and data.heldout "
+                               "set (rule eval_select picks the checkpoint); remove it or "
+                               "set them")
+        if tag == "final" and not cfg.eval.final:
+            raise ReleaseError("release.tags: 'final' needs eval.final true (a release must "
+                               "be the evaluated model); remove it or set eval.final")
+    return list(cfg.release.tags)
 
 
 def evaluated_tag(tag: str, selected: Path | None) -> str:
@@ -607,6 +628,7 @@ def build(cfg: Any, layout: Any, tag: str, rec: Records, *, threads: int) -> dic
 
     t0 = time.monotonic()
     eval_tag = evaluated_tag(tag, rec.selected)
+    samples_meta = rec.samples_meta or Path(layout.eval_samples_meta(eval_tag))
     source = Path(model_for_tag(cfg, eval_tag, rec.train_done)).resolve()
     step = checkpoint_step(str(source))
     base = Path(cfg.model.path).resolve()
@@ -634,7 +656,7 @@ def build(cfg: Any, layout: Any, tag: str, rec: Records, *, threads: int) -> dic
         results.append(ck.CheckResult("manifest", "pass", f"{len(manifest)} files hashed "
                                       f"(sha256), {sum(f['size'] for f in manifest.values())} "
                                       "bytes"))
-        results.append(check_evaluated(manifest, rec.samples_meta))
+        results.append(check_evaluated(manifest, samples_meta))
         extra = {"tag": tag, "evaluated_tag": eval_tag, "step": step, "source": str(source),
                  "base": str(base), "dir": str(dest)}
         doc = ck.write_report(checks_path, results, extra)
@@ -651,9 +673,30 @@ def build(cfg: Any, layout: Any, tag: str, rec: Records, *, threads: int) -> dic
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     record = {"schema_version": 1, "created": utc_now(), **extra,
-              "samples_meta": str(rec.samples_meta), "origin": origin, "files": manifest,
+              "samples_meta": str(samples_meta), "origin": origin, "files": manifest,
               "generated": answers, "checks": str(checks_path), "counts": doc["counts"],
               "seconds": round(time.monotonic() - t0, 2)}
     write_json_atomic(Path(layout.release_record(tag)), record)
     print(f"release {tag}: {eval_tag} (step {step}) -> {dest}", flush=True)
     return record
+
+
+def run(cfg: Any, tag: str, *, inputs: Any, out: Path, threads: int) -> dict[str, Any]:
+    """Rule release_model (scripts/adapters/release.py): :func:`build` of ``tag`` from the
+    rule's named ``inputs`` (a mapping: val, summary, and what the run has of selected,
+    plan, train_done, lock, data_summary, rehearsal); ``out`` is the layout's release.json."""
+    from hy3rl.layout import Layout
+
+    layout = Layout.from_config(cfg)
+    if Path(out) != Path(layout.release_record(tag)):
+        raise ReleaseError(f"{out}: not the layout's release record of {tag} "
+                           f"({layout.release_record(tag)})")
+
+    def opt(key: str) -> Path | None:
+        return Path(inputs[key]) if key in inputs else None
+
+    rec = Records(val=Path(inputs["val"]), summary=Path(inputs["summary"]),
+                  plan=opt("plan"), selected=opt("selected"), train_done=opt("train_done"),
+                  lock=opt("lock"), data_summary=opt("data_summary"),
+                  rehearsal=opt("rehearsal"), report=Path(layout.report_html))
+    return build(cfg, layout, tag, rec, threads=threads)
