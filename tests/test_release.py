@@ -53,10 +53,10 @@ def run_template(tmp_path_factory, tiny_hy3_dir) -> Path:
         _train(layout.checkpoint_hf_model(step), tiny_hy3_dir, TRAINED, delta)
     rows = []
     for tag, step in (("base", None), ("step2", 2), ("final", 3)):
-        model = tiny_hy3_dir if step is None else layout.checkpoint_hf_model(step)
-        evaluate.run(cfg.eval, tag=tag, model=model, val=val,
-                     samples=Path(layout.eval_samples(tag)),
-                     meta=Path(layout.eval_samples_meta(tag)))
+        if step is not None:  # the released tags' generations (base's: its summary row)
+            evaluate.run(cfg.eval, tag=tag, model=layout.checkpoint_hf_model(step), val=val,
+                         samples=Path(layout.eval_samples(tag)),
+                         meta=Path(layout.eval_samples_meta(tag)))
         rows.append({"tag": tag, "num_problems": 1, "n": 1, "math_dapo_avg": 0.25 * (step or 1),
                      "math_dapo_ci": [0.0, 0.5 + 0.1 * (step or 0)]})
     test_rows = [{**r, "role": role, "step": s} for r, role, s in
@@ -134,6 +134,11 @@ def test_good_release_passes_every_check_and_its_card_parses(run_copy, tiny_hy3_
         n: "pass" for n in ("tokenizer", "index", "headers", "index_vs_shards", "inventory",
                             "fixed_tensors", "generates", "card", "manifest", "evaluated")}
     assert rec["evaluated_tag"] == "step2" and rec["step"] == 2
+    # evaluate.run recorded the sha256 of each weight file it loaded; they are the release's
+    meta = json.loads(Path(layout.eval_samples_meta("step2")).read_text())
+    assert meta["weights"] == {k: v["sha256"] for k, v in rec["files"].items()
+                               if k.endswith(".safetensors")}
+    assert len(meta["weights"]) == 3
     assert rec["source"].endswith("global_step_2/actor/model/huggingface")
     # the weights and config of the checkpoint, the tokenizer files of the base
     assert rec["origin"]["tokenizer.json"] == str(tiny_hy3_dir.resolve() / "tokenizer.json")
@@ -319,6 +324,9 @@ def test_a_release_tag_without_its_evaluation_is_refused_by_key(sections, key):
     cfg = make_config(cluster={"gpu": True}, **sections)
     with pytest.raises(release.ReleaseError, match=key):
         release.release_tags(cfg)
+
+
+def test_release_tags_of_the_default_and_of_a_gpu_run():
     assert release.release_tags(make_config()) == []  # no training, no release
     assert release.release_tags(make_config(cluster={"gpu": True}, eval={"steps": [2]})) == \
         ["selected", "final"]
