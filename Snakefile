@@ -1,5 +1,5 @@
 # Hy3 GRPO reproduction: deps -> data -> model -> check_checkpoint -> preflight -> train
-# -> evaluate -> release -> report. Run: snakemake --profile profiles/slurm   (README.md)
+# -> evaluate -> report (+ release). Run: snakemake --profile profiles/slurm   (README.md)
 # The stage code is the installed package `hy3rl` (./install.sh); nothing here edits
 # sys.path, PATH or PYTHONPATH, and nothing queries the cluster while the DAG is built.
 from snakemake.exceptions import WorkflowError

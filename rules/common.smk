@@ -596,8 +596,10 @@ def report_targets():
 
 
 def report_inputs(wildcards):
-    """Every other target of `all`: the report comes last and sees all of them."""
-    own = f"{LAYOUT.report_dir}/"
+    """Every other target of `all` but the releases: the report comes last and sees all of
+    them; a release hangs off the evaluation beside it, so that a refused release never
+    withholds the report."""
+    own = (f"{LAYOUT.report_dir}/", f"{LAYOUT.results}/release/")
     return [t for t in all_inputs() if not t.startswith(own)]
 
 
