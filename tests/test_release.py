@@ -132,7 +132,8 @@ def test_good_release_passes_every_check_and_its_card_parses(run_copy, tiny_hy3_
     doc = json.loads(Path(layout.release_checks("selected")).read_text())
     assert {c["name"]: c["status"] for c in doc["checks"]} == {
         n: "pass" for n in ("tokenizer", "index", "headers", "index_vs_shards", "inventory",
-                            "fixed_tensors", "generates", "card", "manifest", "evaluated")}
+                            "fixed_tensors", "generates", "card", "evaluated")}
+    assert doc["size"]["files"] == len(rec["files"]) == 10
     assert rec["evaluated_tag"] == "step2" and rec["step"] == 2
     # evaluate.run recorded the sha256 of each weight file it loaded; they are the release's
     meta = json.loads(Path(layout.eval_samples_meta("step2")).read_text())

@@ -18,9 +18,9 @@ license files, into a temporary directory beside the destination, and checks it:
   it answers ``release.problems`` problems greedily (recorded);
 - ``card``: the model card (README.md with Hugging Face metadata) written from the records
   parses with ``huggingface_hub.ModelCard`` and its metadata round-trips;
-- ``manifest``: the sha256 of every file;
-- ``evaluated``: the weight files' sha256 equal those the tag's evaluation loaded
-  (samples.meta.json ``weights``), file for file.
+- ``evaluated``: the weight files' sha256 (every file of the directory is hashed: the
+  manifest in release.json) equal those the tag's evaluation loaded (samples.meta.json
+  ``weights``), file for file.
 
 Every check goes to ``release/<tag>/checks.json`` (hy3rl.checkpoint's report shape). Only
 when none failed is the temporary directory renamed to ``<release.dir>/<run>/<tag>`` and
@@ -636,6 +636,7 @@ def build(cfg: Any, layout: Any, tag: str, rec: Records, *, threads: int) -> dic
     checks_path = Path(layout.release_checks(tag))
     dest.parent.mkdir(parents=True, exist_ok=True)
     _clear_leftovers(dest)
+    checks_path.unlink(missing_ok=True)  # an earlier job's checks never stand for this one
     staging = dest.parent / f".{dest.name}.partial-{os.getpid()}"
     try:
         origin = stage(source, base, staging)
@@ -652,13 +653,12 @@ def build(cfg: Any, layout: Any, tag: str, rec: Records, *, threads: int) -> dic
         gen, answers = check_generates(staging, rec.val, cfg)
         results.append(gen)
         results.append(write_card(staging, cfg, tag, eval_tag, step, rec, base))
-        manifest = file_manifest(staging, threads)
-        results.append(ck.CheckResult("manifest", "pass", f"{len(manifest)} files hashed "
-                                      f"(sha256), {sum(f['size'] for f in manifest.values())} "
-                                      "bytes"))
+        manifest = file_manifest(staging, threads)  # every file's sha256, for release.json
         results.append(check_evaluated(manifest, samples_meta))
         extra = {"tag": tag, "evaluated_tag": eval_tag, "step": step, "source": str(source),
-                 "base": str(base), "dir": str(dest)}
+                 "base": str(base), "dir": str(dest),
+                 "size": {"files": len(manifest),
+                          "bytes": sum(f["size"] for f in manifest.values())}}
         doc = ck.write_report(checks_path, results, extra)
         print("\n".join(ck.summary_lines(results)), flush=True)
         if not doc["ok"]:
