@@ -23,12 +23,12 @@ TRAINED = "model.layers.1.mlp.experts.0.up_proj.weight"
 BIAS = "model.layers.1.mlp.expert_bias"
 
 
-def _cfg(root: Path, base: Path, **release_cfg):
+def _cfg(root: Path, base: Path, model: dict | None = None, **release_cfg):
     return make_config(
         run={"name": RUN, "results_root": str(root / "results")},
         train={"checkpoint_root": str(root / "ckpt")},
         cluster={"gpu": True},
-        model={"source": str(base)},
+        model=model or {"source": str(base)},
         eval={"num_problems": 1, "n_samples": 1, "max_tokens": 2, "steps": [2]},
         release={"dir": str(root / "released"), "max_tokens": 4, "threads": 2, **release_cfg},
     )
@@ -331,3 +331,26 @@ def test_release_tags_of_the_default_and_of_a_gpu_run():
     assert release.release_tags(make_config()) == []  # no training, no release
     assert release.release_tags(make_config(cluster={"gpu": True}, eval={"steps": [2]})) == \
         ["selected", "final"]
+
+
+def test_the_card_names_a_hub_base_at_its_revision_with_the_base_license(run_copy, tmp_path,
+                                                                           tiny_hy3_dir):
+    """A hub base (model.source a repo id, downloaded to model.dir) whose own card states a
+    license: the release's card names the repo and revision and carries the license."""
+    from huggingface_hub import ModelCard
+
+    _, layout, records = run_copy
+    base = tmp_path / "hub-base"
+    shutil.copytree(tiny_hy3_dir, base)
+    (base / "README.md").write_text("---\nlicense: other\nlicense_name: hy3-license\n"
+                                    "license_link: LICENSE\n---\n# base\n")
+    (base / "LICENSE").write_text("the base's license text\n")
+    cfg = _cfg(tmp_path / "run", base,
+               model={"source": "tencent/Hy3", "revision": "a" * 40, "dir": str(base)})
+    rec = release.build(cfg, layout, "final", records(), threads=2)
+    dest = Path(rec["dir"])
+    data = ModelCard.load(dest / "README.md").data
+    assert (data.base_model, data.base_model_revision) == ("tencent/Hy3", "a" * 40)
+    assert (data.license, data.license_name, data.license_link) == \
+        ("other", "hy3-license", "LICENSE")
+    assert (dest / "LICENSE").read_text() == "the base's license text\n"
