@@ -469,6 +469,16 @@ class Report:
 
 
 @dataclass(frozen=True)
+class Release:
+    dir: str
+    tags: list[str]
+    problems: int
+    max_tokens: int
+    threads: int
+    runtime_min: int
+
+
+@dataclass(frozen=True)
 class Config:
     """The whole validated configuration, one typed section an attribute. ``raw`` is the
     validated dict itself (defaults filled in), for hashing, the report's resolved YAML and
@@ -485,6 +495,7 @@ class Config:
     rehearsal: Rehearsal
     eval: Eval
     report: Report
+    release: Release
     raw: dict[str, Any] = dataclasses.field(repr=False, compare=False, hash=False)
 
     @classmethod
