@@ -23,7 +23,7 @@ rule can be edited there). Each change is ONE invocation:
    change recorded in the identity and shown in the report at step 4;
 7. the total lowered below the newest checkpoint: refused;
 8. another learning rate with `on_config_change: fresh`: the old checkpoints moved aside
-   (nothing deleted), training from step 0; the curves hold only the new lineage.; the final
+   (nothing deleted), training from step 0; the curves hold only the new lineage; the final
    model released (issue 31): its checks pass, its weights are the ones evaluated.
 """
 
