@@ -147,10 +147,14 @@ def test_no_false_hang_on_noisy_runs(tmp_path: Path, seeds: range) -> None:
         assert res.false_hangs == 0 and res.kills == 0 and res.saved == sim.TOTAL, (seed, res)
 
 
-def test_the_silence_limit_is_not_counted_while_the_log_stream_is_down(tmp_path: Path) -> None:
+@pytest.mark.parametrize("guarded", [False, True], ids=["monitor", "guard"])
+def test_the_silence_limit_is_not_counted_while_the_log_stream_is_down(tmp_path: Path,
+                                                                     guarded: bool) -> None:
     """A dashboard outage stops the stream into driver.log: Monitor.blind (called by the
     launcher while the dashboard does not answer) keeps silence from counting; the phase's
-    own limit still holds."""
+    own limit still holds. The launcher calls it on what train.Job gives it: the health
+    guard (hy3rl.health.Guard) around the monitor, which must pass it on (it once had no
+    ``blind``, and every real launch failed at its first unanswered status)."""
     clock = sim.Clock()
     driver = tmp_path / "driver.log"
     driver.write_text("")
@@ -161,6 +165,12 @@ def test_the_silence_limit_is_not_counted_while_the_log_stream_is_down(tmp_path:
                    stall=sim.STALL, margin_s=600, is_saved=lambda s: False,
                    deadline=wd.Deadline(lambda: None, clock), clock=clock, logs=[driver],
                    silence_s=10 * MIN, start_step=10)
+    if guarded:
+        from fixtures.common import make_config
+        from hy3rl.health import Guard, Watcher
+
+        m = Guard(Watcher(make_config().train.health), m, on_event=lambda e: None,
+                  next_save=lambda s: None, is_saved=lambda s: False)
     m.start()
     assert m.poll() is None
     for _ in range(20):  # 20 min without output, the dashboard silent
