@@ -1,5 +1,5 @@
 # Hy3 GRPO reproduction: deps -> data -> model -> check_checkpoint -> preflight -> train
-# -> evaluate -> report. Run: snakemake --profile profiles/slurm   (README.md)
+# -> evaluate -> report (+ release). Run: snakemake --profile profiles/slurm   (README.md)
 # The stage code is the installed package `hy3rl` (./install.sh); nothing here edits
 # sys.path, PATH or PYTHONPATH, and nothing queries the cluster while the DAG is built.
 from snakemake.exceptions import WorkflowError
@@ -36,6 +36,7 @@ include: "rules/preflight.smk"
 include: "rules/rehearsal.smk"
 include: "rules/train.smk"
 include: "rules/eval.smk"
+include: "rules/release.smk"
 include: "rules/report.smk"
 
 

@@ -1,40 +1,48 @@
-"""Benchmark of the supervisor's time model (issue 19): prints figures, no pass/fail.
+"""Benchmark of the supervisor's time model (issues 19, 29): prints figures, no pass/fail.
 
-A simulated clock replays the paper run (upstream-facts.md: 16 x 8 GPUs, 200 steps of about
-16 min, validation about 8 min every 10 steps, saves about 50 min every 20, a startup of
-75-120 min), with random noise on every phase (seeded), one slow save (2.5 h, at step 100)
-and real hangs (the trainer stops making progress at steps 57 and 143), inside SLURM jobs
-of ``--limit-h`` hours. Each job: a startup, then steps; the supervisor is polled every
-``--poll-min`` simulated minutes and decides, as in a real attempt:
+A simulated clock drives the real :class:`hy3rl.watchdog.Monitor` (its :class:`TimeModel`,
+:class:`Deadline`, phase and silence limits) through the paper run's profile
+(upstream-facts.md: 200 steps of about 16 min, validation about 8 min every 10 steps, a
+save of about 50 min every 20, a startup of 75-120 min, 16 x 8 GPUs) inside SLURM jobs of
+``--limit-h`` hours. The trainer is simulated on disk as the launcher sees it: its output
+(``driver.log``: a line every 0.5-15 min in every phase, verl's save line as a save
+starts; verl prints none as a validation starts), its metrics lines (verl's file logger,
+with ``timing_s/step``, ``timing_s/save_checkpoint``, ``timing_s/testing``) and the
+checkpoint being written (``global_step_<N>/`` growing every minute of a save, complete at
+its end). The monitor is polled every ``--poll-min`` simulated minutes.
 
-- a hang (real or false): the attempt is stopped and restarted in the job from the newest
-  checkpoint (a new startup); steps since that checkpoint are redone;
-- a time-limit stop after a save: the job ends there, the next job starts from that save;
-- no stop before the job's end: SLURM kills it; steps since the last save are lost;
-- two hangs in a row at the same step are a crash loop (hy3rl.resubmit): the run stops.
+An attempt ends as the monitor says: hung (restarted in the job from the newest checkpoint,
+with a new startup), stopped for the time limit after a save (the next job starts from it),
+or killed by SLURM at the job's end (steps since the last save lost). Startups measured are
+fed to the next attempt's model, hung startups never are.
 
-Two supervisors see the same timeline: ``new`` is hy3rl.watchdog's real :class:`Monitor`
-(its time model, reading a real metrics log on the simulated clock), ``old`` the formulas
-of the code before issue 19, reproduced here: stall limit ``max(30 min, 3 x (slowest
-timing_s/step + testing + slowest save))`` over all history, a fixed 120-min startup limit,
-and a time-limit need of ``save_freq x p95(step + testing) + slowest save + margin``.
+Reported:
 
-Figures per supervisor: false hangs, GPU-minutes idle per real hang (from the last progress
-to the stop, x 128 GPUs), steps lost per time limit (SLURM's kills), time left unused per
-planned stop (minutes between the stop and the job's end), jobs and wall time to finish.
+- **paper profile** (no noise): false hangs, time-limit stops and their unused hours.
+- **noisy runs** (``--runs``, default 1,000): each phase +-20 %, startups 75-200 min, one
+  run in ten with one save of 2.5 h: false hangs, SLURM kills, unused hours at each
+  time-limit stop (median, max).
+- **hangs**, each case of issue 29's table on the paper profile: the trainer stops in a
+  phase (at 5 %, 50 % and 95 % of it) and the time to detection is measured (max): a hang
+  that goes quiet (no output: a collective blocked on every rank), and one that keeps
+  printing (only the phase limits and the checkpoint bytes can tell).
+- **five startup hangs** on the same nodes: idle GPU-hours until each is declared hung,
+  and the attempt after which ``hy3rl.train.after_attempt`` excludes the nodes.
 
-    .venv/bin/python benchmarks/bench_supervisor.py [--seed N] [--seeds K] [--limit-h H]
-                                                    [--poll-min M]
+    .venv/bin/python benchmarks/bench_supervisor.py [--runs N] [--seed S] [--limit-h H]
+                                                    [--poll-min M] [--jobs J]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
+import statistics
 import sys
 import tempfile
+from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,34 +53,73 @@ from hy3rl import watchdog as wd  # noqa: E402
 MIN = 60.0
 GPUS = 128
 TOTAL, SAVE_FREQ, TEST_FREQ = 200, 20, 10
+PAPER = wd.Schedule(SAVE_FREQ, TEST_FREQ, TOTAL)
 MARGIN = 10 * MIN
-HANGS = (57, 143)
-SLOW_SAVE_AT = 100
+SILENCE = 45 * MIN  # train.watchdog.silence_min's default
+ALLOW = wd.Allowances(startup_s=180 * MIN, step_s=60 * MIN, validation_s=None,
+                      save_s=4.1e12 / 1e9, shutdown_s=15 * MIN,  # 4.1 TB at 1 GB/s
+                      startup_floor_s=200 * MIN, startup_cap_s=360 * MIN)  # the defaults
+STALL = wd.StallPolicy(None, 2.0, 30 * MIN, 360 * MIN)  # train.watchdog's defaults
+LOG_GAP = (0.5 * MIN, 15 * MIN)
+# verl@220e903's v1 trainer as a save starts (trainer_base.py:720, verl's logging format,
+# Ray's prefix); it prints nothing as a validation starts (hy3rl.watchdog.SAVE_LINE)
+SAVE_LINE = ("(TaskRunnerV1 pid=4242) INFO:2026-12-05 10:00:00,000:Saving checkpoint to "
+             "/ckpt/global_step_{}")
 
 
 @dataclass
-class Timeline:
-    """The run's true durations (seconds), drawn once: the same for both supervisors."""
+class Profile:
+    """The run's true durations (seconds): per step, per save, per validation; startups
+    in the order the attempts meet them."""
 
-    seed: int
-    step: dict[int, float] = field(default_factory=dict)
-    val: dict[int, float] = field(default_factory=dict)
-    save: dict[int, float] = field(default_factory=dict)
-    startups: list[float] = field(default_factory=list)
+    step: dict[int, float]
+    val: dict[int, float]
+    save: dict[int, float]
+    startups: list[float]
+    seed: int = 0
 
-    def __post_init__(self) -> None:
-        rng = random.Random(self.seed)
-        for s in range(1, TOTAL + 1):
-            self.step[s] = 16 * MIN * rng.uniform(0.85, 1.2)
-            self.val[s] = 8 * MIN * rng.uniform(0.85, 1.2)
-            self.save[s] = (150 * MIN if s == SLOW_SAVE_AT
-                            else 50 * MIN * rng.uniform(0.8, 1.3))
-        self.startups = [rng.uniform(75, 120) * MIN for _ in range(100)]
+    @classmethod
+    def paper(cls) -> Profile:
+        return cls({s: 16 * MIN for s in range(1, TOTAL + 1)},
+                   {s: 8 * MIN for s in range(1, TOTAL + 1)},
+                   {s: 50 * MIN for s in range(1, TOTAL + 1)}, [100 * MIN] * 50)
 
-    def work(self, s: int) -> tuple[float, float, float]:
-        sched = wd.Schedule(SAVE_FREQ, TEST_FREQ, TOTAL)
-        return (self.step[s], self.save[s] if sched.saves(s) else 0.0,
-                self.val[s] if sched.validates(s) else 0.0)
+    @classmethod
+    def noisy(cls, seed: int) -> Profile:
+        rng = random.Random(seed)
+        p = cls({s: 16 * MIN * rng.uniform(0.8, 1.2) for s in range(1, TOTAL + 1)},
+                {s: 8 * MIN * rng.uniform(0.8, 1.2) for s in range(1, TOTAL + 1)},
+                {s: 50 * MIN * rng.uniform(0.8, 1.2) for s in range(1, TOTAL + 1)},
+                [rng.uniform(75, 200) * MIN for _ in range(50)], seed)
+        if seed % 10 == 0:  # one run in ten: one save of 2.5 h
+            p.save[rng.choice(range(SAVE_FREQ, TOTAL, SAVE_FREQ))] = 150 * MIN
+        return p
+
+
+@dataclass(frozen=True)
+class Hang:
+    """The trainer stops in ``phase`` (startup, step, save, validation) of ``step`` (a
+    startup: of ``attempt``) at ``frac`` of it; ``noisy``: its output goes on."""
+
+    phase: str
+    step: int = 0
+    frac: float = 0.5
+    noisy: bool = False
+    attempts: tuple[int, ...] = ()
+
+
+@dataclass
+class Result:
+    false_hangs: int = 0
+    detections: list[tuple[str, float]] = field(default_factory=list)  # (phase, s)
+    unused_s: list[float] = field(default_factory=list)  # per time-limit stop
+    reserve_s: list[float] = field(default_factory=list)  # those reserving for a slow save
+    kills: int = 0
+    steps_lost: int = 0
+    jobs: int = 0
+    attempts: int = 0
+    saved: int = 0
+    startup_hang_waits: list[float] = field(default_factory=list)
 
 
 class Clock:
@@ -82,220 +129,273 @@ class Clock:
         return self.now
 
 
-@dataclass
-class Old:
-    """The supervisor before issue 19 (module doc), over the same records."""
-
-    lines: list[dict]
-    started: float
-    last_progress: float | None = None
-
-    def stall(self) -> float:
-        steps = [ln["data"]["timing_s/step"] + ln["data"].get("timing_s/testing", 0.0)
-                 for ln in self.lines]
-        saves = [ln["data"]["timing_s/save_checkpoint"] for ln in self.lines
-                 if "timing_s/save_checkpoint" in ln["data"]]
-        return max(30 * MIN, 3 * ((max(steps) if steps else 0) + (max(saves) if saves else 0)))
-
-    def hung(self, now: float) -> bool:
-        if self.last_progress is None:
-            return now - self.started >= 120 * MIN
-        return now - self.last_progress >= self.stall()
-
-    def need(self) -> float | None:
-        steps = [ln["data"]["timing_s/step"] + ln["data"].get("timing_s/testing", 0.0)
-                 for ln in self.lines]
-        saves = [ln["data"]["timing_s/save_checkpoint"] for ln in self.lines
-                 if "timing_s/save_checkpoint" in ln["data"]]
-        return SAVE_FREQ * wd.p95(steps) + (max(saves) if saves else 0) + MARGIN if steps \
-            else None
+def line(p: Profile, s: int) -> dict:
+    """verl's metrics line of step ``s`` under the profile (the save inside timing_s/step)."""
+    data = {"timing_s/step": p.step[s] + (p.save[s] if PAPER.saves(s) else 0.0)}
+    if PAPER.saves(s):
+        data["timing_s/save_checkpoint"] = p.save[s]
+    if PAPER.validates(s):
+        data["timing_s/testing"] = p.val[s]
+    return {"step": s, "data": data}
 
 
-@dataclass
-class Figures:
-    false_hangs: int = 0
-    real_hang_idle_gpu_min: list[float] = field(default_factory=list)
-    steps_lost_per_kill: list[int] = field(default_factory=list)
-    unused_min_per_stop: list[float] = field(default_factory=list)
-    jobs: int = 0
-    wall_h: float = 0.0
-    finished: bool = False
-    crash_loop: bool = False
+def events(p: Profile, start_step: int, t0: float, startup: float, hang: Hang | None,
+           attempt: int, rng: random.Random) -> Iterator[tuple[float, str, object]]:
+    """The attempt's trainer as the launcher sees it, in time order: ("log", text),
+    ("bytes", (step, fraction)), ("saved", step), ("line", record); after a hang, only
+    output (a noisy hang) or nothing."""
+    def phase(t: float, length: float, name: str, step: int, marker: str | None):
+        """Output through a phase; bytes in a save. Yields events; returns nothing."""
+        if marker:
+            yield t, "log", marker
+        if name == "save":
+            for k in range(1, int(length // MIN) + 1):
+                yield t + k * MIN, "bytes", (step, k * MIN / length)
+        g = t + rng.uniform(*LOG_GAP)
+        while g < t + length:
+            yield g, "log", f"({name}) progress"
+            g += rng.uniform(*LOG_GAP)
 
+    def hung_at(t: float, onset: float, noisy: bool):
+        yield onset, "hang", None
+        if noisy:
+            g = onset
+            while True:
+                g += rng.uniform(*LOG_GAP)
+                yield g, "log", "(noisy) warning"
 
-def run(kind: str, tl: Timeline, limit_s: float, poll_s: float, tmp: Path) -> Figures:
-    fig = Figures()
-    clock = Clock()
-    history: list[dict] = []  # every attempt's lines
-    startups: list[float] = []
-    hung_startups: list[float] = []
-    saved = 0
-    hangs_left = set(HANGS)
-    startup_i = 0
-    attempt = 0
-    last_hang: int | None = None  # the step of the previous attempt's hang
-    sched = wd.Schedule(SAVE_FREQ, TEST_FREQ, TOTAL)
-    allow = wd.Allowances(startup_s=180 * MIN, step_s=60 * MIN, validation_s=None,
-                          save_s=4.1e12 / 1e9, shutdown_s=15 * MIN)
-    while saved < TOTAL and fig.jobs < 60 and not fig.crash_loop:
-        fig.jobs += 1
-        job_end = clock.now + limit_s
-        in_job = True
-        while in_job and saved < TOTAL:
-            attempt += 1
-            metrics = tmp / f"{kind}-attempt-{attempt}.jsonl"
-            metrics.write_text("")
-            saves_done = {s for s in range(1, saved + 1) if sched.saves(s)}
-            if kind == "new":
-                mon = wd.Monitor(
-                    metrics=metrics, schedule=sched,
-                    model=wd.TimeModel.learn(allow, history, startups, hung_startups),
-                    stall=wd.StallPolicy(None, 3.0, 30 * MIN, 360 * MIN), margin_s=MARGIN,
-                    is_saved=lambda s, done=saves_done: s in done,
-                    deadline=wd.Deadline(lambda end=job_end: end - clock.now, clock),
-                    clock=clock, start_step=saved)
-                mon.start()
-            else:
-                old = Old(list(history), clock.now)
-            startup = tl.startups[startup_i % len(tl.startups)]
-            startup_i += 1
-            # (start of phase, end of phase, what ends it)
-            plan: list[tuple[float, int | None]] = [(clock.now + startup, None)]
-            t = plan[0][0]
-            for s in range(saved + 1, TOTAL + 1):
-                step, save, val = tl.work(s)
-                t += step + save + val
-                plan.append((t, s))
-            outcome = None
-            progress = clock.now
-            for end, s in plan:
-                real_hang = s is not None and s in hangs_left
-                stop_at = math.inf if real_hang else end
-                while clock.now + poll_s < min(stop_at, job_end):
-                    clock.now += poll_s
-                    if kind == "new":
-                        req = mon.poll()
-                        hung = req is not None and req.outcome == "hung"
-                    else:
-                        hung = old.hung(clock.now)
-                    if hung:
-                        if real_hang:
-                            fig.real_hang_idle_gpu_min.append((clock.now - progress) / MIN * GPUS)
-                            hangs_left.discard(s)
-                        else:
-                            fig.false_hangs += 1
-                            if s is None:
-                                hung_startups.append(clock.now - (progress))
-                        outcome = "hung"
-                        here = s if s is not None else -saved - 1
-                        # hy3rl.resubmit.crash_loop: two hangs in a row at one step stop
-                        fig.crash_loop = here == last_hang
-                        last_hang = here
-                        break
-                if outcome:
+    def cut(gen, t: float, length: float, name: str, step: int):
+        if hang and hang.phase == name and (hang.step == step if name != "startup"
+                                              else attempt in hang.attempts):
+            onset = t + hang.frac * length
+            for ev in gen:
+                if ev[0] >= onset:
                     break
-                if end > job_end:  # SLURM's time limit
+                yield ev
+            yield from hung_at(t, onset, hang.noisy)
+            return True
+        yield from gen
+        return False
+
+    t = t0
+    if (yield from cut(phase(t, startup, "startup", start_step, None), t, startup,
+                       "startup", start_step)):
+        return
+    t += startup
+    yield t, "line", {"step": start_step, "data": {"val-core/x": 0.8}}
+    for s in range(start_step + 1, TOTAL + 1):
+        if (yield from cut(phase(t, p.step[s], "step", s, None), t, p.step[s], "step", s)):
+            return
+        t += p.step[s]
+        if PAPER.saves(s):
+            marker = SAVE_LINE.format(s)
+            if (yield from cut(phase(t, p.save[s], "save", s, marker), t, p.save[s], "save", s)):
+                return
+            t += p.save[s]
+            yield t, "saved", s
+        if PAPER.validates(s):
+            if (yield from cut(phase(t, p.val[s], "validation", s, None), t, p.val[s],
+                               "validation", s)):
+                return
+            t += p.val[s]
+        yield t, "line", line(p, s)
+
+
+def run(p: Profile, tmp: Path, limit_s: float, poll_s: float, hang: Hang | None = None,
+        start: int = 0, until: int = TOTAL, stop_on_hang: bool = False) -> Result:
+    """The run (jobs, attempts) on the simulated clock from the save of step ``start``
+    (steps 1..``start`` and one startup learned as the profile has them) until the save of
+    step ``until`` (or the first hang detected, ``stop_on_hang``); see the module doc."""
+    res = Result()
+    clock = Clock()
+    rng = random.Random(p.seed * 7919 + 1)
+    history: list[dict] = [line(p, s) for s in range(1, start + 1)]
+    startups: list[float] = [p.startups[-1]] if start else []
+    saved = start
+    hang_left = hang
+    while saved < until and res.jobs < 40 and not (stop_on_hang and res.detections):
+        res.jobs += 1
+        job_end = clock.now + limit_s
+        while saved < until and clock.now < job_end and not (stop_on_hang and res.detections):
+            res.attempts += 1
+            d = tmp / f"attempt-{res.attempts}"
+            ckpt = d / "ckpt"
+            ckpt.mkdir(parents=True)
+            metrics, driver = d / "metrics.jsonl", d / "driver.log"
+            metrics.write_text("")
+            driver.write_text("")
+            done = {s for s in range(1, saved + 1) if PAPER.saves(s)}
+            mon = wd.Monitor(
+                metrics=metrics, schedule=PAPER, model=wd.TimeModel.learn(ALLOW, history,
+                                                                         startups),
+                stall=STALL, margin_s=MARGIN, is_saved=lambda s, done=done: s in done,
+                deadline=wd.Deadline(lambda end=job_end: end - clock.now, clock),
+                ckpt_dir=ckpt, start_step=saved, clock=clock, logs=[driver],
+                silence_s=SILENCE)
+            mon.start()
+            startup = p.startups[(res.attempts - 1) % len(p.startups)]
+            evs = events(p, saved, clock.now, startup, hang_left, res.attempts, rng)
+            nxt = next(evs, None)
+            onset = None
+            outcome = None
+            while outcome is None:
+                t = clock.now + poll_s
+                if t >= job_end:  # SLURM's time limit
+                    res.kills += 1
+                    res.steps_lost += max(0, (mon.last_step or saved) - saved)
                     clock.now = job_end
-                    last = max([x for x in range(saved, (s or saved) + 1)
-                                if x == saved or sched.saves(x)])
-                    fig.steps_lost_per_kill.append((s or saved) - 1 - last if s else 0)
                     outcome = "killed"
                     break
-                clock.now = end
-                progress = end
-                if s is None:
-                    startups.append(startup)
-                    line = {"step": saved, "data": {"val-core/x": 0.8}}
-                else:
-                    step, save, val = tl.work(s)
-                    data = {"timing_s/step": step + save}
-                    if save:
-                        data["timing_s/save_checkpoint"] = save
-                        saved = s
-                        saves_done.add(s)
-                    if val:
-                        data["timing_s/testing"] = val
-                    line = {"step": s, "data": data}
-                    history.append(line)
-                with open(metrics, "a") as fh:
-                    fh.write(json.dumps(line) + "\n")
-                if kind == "new":
-                    req = mon.poll()
-                    if req is not None and req.outcome == "stopped_for_time_limit":
-                        outcome = "stopped"
-                else:
-                    old.lines.append(line) if s is not None else None
-                    old.last_progress = clock.now
-                    need = old.need()
-                    if s is not None and sched.saves(s) and s < TOTAL and need \
-                            and job_end - clock.now < need:
-                        outcome = "stopped"
-                if outcome == "stopped":
-                    fig.unused_min_per_stop.append((job_end - clock.now) / MIN)
-                    break
-            if outcome != "hung":
-                last_hang = None
-            if fig.crash_loop:
+                while nxt is not None and nxt[0] <= t:
+                    at, kind, what = nxt
+                    if kind == "hang":
+                        onset = at
+                    elif kind == "log":
+                        with open(driver, "a") as fh:
+                            fh.write(f"{what}\n")
+                    elif kind == "bytes":
+                        step, frac = what
+                        f = ckpt / f"global_step_{step}" / "shard"
+                        f.parent.mkdir(exist_ok=True)
+                        with open(f, "a") as fh:
+                            fh.truncate(int(frac * 4e12 / 1e6))  # sparse: its size grows
+                    elif kind == "saved":
+                        done.add(what)
+                        saved = what
+                    elif kind == "line":
+                        if what["step"] > 0 and what["data"].get("timing_s/step"):
+                            history.append(what)
+                        with open(metrics, "a") as fh:
+                            fh.write(json.dumps(what) + "\n")
+                    nxt = next(evs, None)
+                clock.now = t
+                req = mon.poll()
+                if req is None:
+                    if (nxt is None and onset is None and mon.last_step == TOTAL) \
+                            or saved >= until:
+                        outcome = "finished"
+                    continue
+                if req.outcome == "hung":
+                    if onset is None:
+                        res.false_hangs += 1
+                    else:
+                        res.detections.append((mon.phase or "startup", t - onset))
+                        if req.step is None:
+                            res.startup_hang_waits.append(t - mon.started)
+                        if hang_left.phase != "startup":
+                            hang_left = None
+                    outcome = "hung"
+                elif req.outcome == "stopped_for_time_limit":
+                    (res.reserve_s if "slow save" in req.message
+                     else res.unused_s).append(job_end - t)
+                    outcome = "stopped"
+                    clock.now = job_end  # the next job starts when this one would end
+                elif req.outcome == "succeeded":
+                    outcome = "finished"
+            if mon.startup_s is not None:  # a successful startup; a hung one never counts
+                startups.append(mon.startup_s)
+            if outcome in ("stopped", "killed"):
                 break
-            if outcome in ("stopped", "killed") or outcome is None:
-                in_job = False
-            elif outcome == "hung" and clock.now >= job_end:
-                in_job = False
-        clock.now = max(clock.now, 0.0)
-    fig.finished = saved >= TOTAL
-    fig.wall_h = clock.now / 3600
-    return fig
+    res.saved = saved
+    return res
 
 
-def mean(xs: list[float]) -> str:
-    return f"{sum(xs) / len(xs):.0f}" if xs else "-"
+def _run(args: tuple) -> Result:
+    kind, seed, limit_s, poll_s, hang = args
+    p = Profile.paper() if kind == "paper" else Profile.noisy(seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        return run(p, Path(tmp), limit_s, poll_s, hang)
+
+
+HANG_CASES = {
+    "plain step (step 57)": [Hang("step", 57)],
+    "step with validation (step 50: rollout, validation)": [Hang("step", 50),
+                                                            Hang("validation", 50)],
+    "save step (step 60: rollout, save, validation)": [Hang("step", 60), Hang("save", 60),
+                                                       Hang("validation", 60)],
+    "first save, first validation (steps 20, 10)": [Hang("save", 20), Hang("validation", 10)],
+    "startup, not the first (attempts 2-6)": [Hang("startup", attempts=(2, 3, 4, 5, 6))],
+    "first startup": [Hang("startup", attempts=(1,))],
+}
+SLOW_CASES = {"save step after one 2.5 h save (step 120)": [Hang("step", 120),
+                                                              Hang("save", 120),
+                                                              Hang("validation", 120)]}
+
+
+def hour_fmt(xs: list[float]) -> str:
+    return (f"{statistics.median(xs) / 3600:.1f} / {max(xs) / 3600:.1f}" if xs else "-")
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--seed", type=int, default=19, help="the first seed")
-    ap.add_argument("--seeds", type=int, default=10, help="timelines replayed (summed)")
-    ap.add_argument("--limit-h", type=float, default=24.0)
-    ap.add_argument("--poll-min", type=float, default=1.0)
-    args = ap.parse_args()
-    rows = {k: Figures() for k in ("old", "new")}
-    unfinished = {k: 0 for k in rows}
-    loops = {k: 0 for k in rows}
-    with tempfile.TemporaryDirectory() as tmp:
-        for seed in range(args.seed, args.seed + args.seeds):
-            tl = Timeline(seed)
-            for k, total in rows.items():
-                f = run(k, tl, args.limit_h * 3600, args.poll_min * MIN, Path(tmp))
-                total.false_hangs += f.false_hangs
-                total.real_hang_idle_gpu_min += f.real_hang_idle_gpu_min
-                total.steps_lost_per_kill += f.steps_lost_per_kill
-                total.unused_min_per_stop += f.unused_min_per_stop
-                total.jobs += f.jobs
-                total.wall_h += f.wall_h
-                unfinished[k] += not f.finished
-                loops[k] += f.crash_loop
-    print(f"paper profile, {TOTAL} steps, save_freq {SAVE_FREQ}, test_freq {TEST_FREQ}, "
-          f"jobs of {args.limit_h:g} h, {args.seeds} timelines (seeds {args.seed}-"
-          f"{args.seed + args.seeds - 1}), real hangs at steps {HANGS} in each, a 2.5 h save "
-          f"at step {SLOW_SAVE_AT}")
-    print(f"{'':>36} {'old':>10} {'new':>10}")
-    n = args.seeds
-    for name, get in [
-        ("false hangs (total)", lambda f: str(f.false_hangs)),
-        (f"real hangs caught (of {len(HANGS) * n})",
-         lambda f: str(len(f.real_hang_idle_gpu_min))),
-        ("GPU-min idle per real hang caught", lambda f: mean(f.real_hang_idle_gpu_min)),
-        ("SLURM time-limit kills (total)", lambda f: str(len(f.steps_lost_per_kill))),
-        ("steps lost per kill (mean)", lambda f: mean(f.steps_lost_per_kill)),
-        ("planned stops (total)", lambda f: str(len(f.unused_min_per_stop))),
-        ("min left unused per stop (mean)", lambda f: mean(f.unused_min_per_stop)),
-        ("jobs per run (mean)", lambda f: f"{f.jobs / n:.1f}"),
-        ("wall time per run (h, mean)", lambda f: f"{f.wall_h / n:.1f}"),
-    ]:
-        print(f"{name:>36} {get(rows['old']):>10} {get(rows['new']):>10}")
-    print(f"{'runs stopped by a crash loop':>36} {loops['old']:>10} {loops['new']:>10}")
-    print(f"{'runs not finished':>36} {unfinished['old']:>10} {unfinished['new']:>10}")
+    ap.add_argument("--runs", type=int, default=1000, help="noisy runs")
+    ap.add_argument("--seed", type=int, default=0, help="the first noisy run's seed")
+    ap.add_argument("--limit-h", type=float, default=24.0, help="the SLURM jobs' time limit")
+    ap.add_argument("--poll-min", type=float, default=1.0, help="polls of the hang cases")
+    ap.add_argument("--noisy-poll-min", type=float, default=5.0,
+                    help="polls of the noisy runs (their phases are far from their limits)")
+    ap.add_argument("--jobs", type=int, default=2, help="processes")
+    a = ap.parse_args()
+    limit, poll = a.limit_h * 3600, a.poll_min * MIN
+    with ProcessPoolExecutor(a.jobs) as pool:
+        paper = pool.submit(_run, ("paper", 0, limit, poll, None))
+        noisy = list(pool.map(_run, [("noisy", a.seed + i, limit, a.noisy_poll_min * MIN, None)
+                                     for i in range(a.runs)], chunksize=8))
+        cases = {}
+        for name, hangs in {**HANG_CASES, **SLOW_CASES}.items():
+            for noisy_hang in (False, True):
+                jobs = []
+                for h in hangs:
+                    for frac in (0.05, 0.5, 0.95):
+                        hh = Hang(h.phase, h.step, frac, noisy_hang, h.attempts)
+                        jobs.append(pool.submit(_slow if name in SLOW_CASES else _run,
+                                                ("paper", 0, limit, poll, hh)))
+                cases[name, noisy_hang] = [j.result() for j in jobs]
+        paper = paper.result()
+    print(f"paper profile ({TOTAL} steps, save_freq {SAVE_FREQ}, test_freq {TEST_FREQ}), "
+          f"jobs of {a.limit_h:g} h, polls every {a.poll_min:g} min (noisy runs: "
+          f"{a.noisy_poll_min:g}), silence limit "
+          f"{SILENCE / MIN:g} min, stall factor {STALL.factor:g}")
+    print(f"  paper profile: false hangs {paper.false_hangs}, SLURM kills {paper.kills}, "
+          f"time-limit stops {len(paper.unused_s)} + {len(paper.reserve_s)} reserving for a "
+          f"slow save, unused h per stop (median / max) "
+          f"{hour_fmt(paper.unused_s + paper.reserve_s)}, jobs {paper.jobs}")
+    unused = [u for r in noisy for u in r.unused_s]
+    reserve = [u for r in noisy for u in r.reserve_s]
+    print(f"  {a.runs} noisy runs (phases +-20 %, startups 75-200 min, one 2.5 h save in "
+          f"ten runs): false hangs {sum(r.false_hangs for r in noisy)}, SLURM kills "
+          f"{sum(r.kills for r in noisy)} ({sum(r.steps_lost for r in noisy)} steps lost), "
+          f"runs not finished {sum(r.saved < TOTAL for r in noisy)}")
+    print(f"    time-limit stops: {len(unused)} where the next save did not fit, unused h "
+          f"(median / max) {hour_fmt(unused)}; {len(reserve)} reserving for a slow save as "
+          f"the job's last, unused h {hour_fmt(reserve)}")
+    print("  detection, minutes from the hang to the stop (max over the hang at 5/50/95 % of "
+          "its phase):")
+    print(f"    {'where the trainer hangs':<55} {'quiet':>7} {'printing':>9}")
+    for name in {**HANG_CASES, **SLOW_CASES}:
+        row = []
+        for noisy_hang in (False, True):
+            ds = [d for r in cases[name, noisy_hang] for _, d in r.detections]
+            missed = sum(not r.detections for r in cases[name, noisy_hang])
+            row.append(f"{max(ds) / MIN:.0f}" + (f" ({missed} missed)" if missed else "")
+                       if ds else "missed")
+        print(f"    {name:<55} {row[0]:>7} {row[1]:>9}")
+    for noisy_hang in (False, True):
+        waits = cases["startup, not the first (attempts 2-6)", noisy_hang][1].startup_hang_waits
+        print(f"  five startup hangs ({'printing' if noisy_hang else 'quiet'}, attempts 2-6, "
+              f"at half the startup): {sum(waits) / 3600 * GPUS:.0f} idle GPU-hours "
+              f"(submission to stop: {', '.join(f'{w / MIN:.0f}' for w in waits)} min x "
+              f"{GPUS} GPUs); hy3rl.train.after_attempt excludes the nodes after the second")
     return 0
+
+
+def _slow(args: tuple) -> Result:
+    """A hang after one 2.5 h save (step 100)."""
+    kind, seed, limit_s, poll_s, hang = args
+    p = Profile.paper()
+    p.save[100] = 150 * MIN
+    with tempfile.TemporaryDirectory() as tmp:
+        return run(p, Path(tmp), limit_s, poll_s, hang)
 
 
 if __name__ == "__main__":

@@ -639,6 +639,48 @@ def eval_select_inputs(wildcards):
     }
 
 
+# ---- release ----
+def release_targets():
+    """release.json of every release tag (hy3rl.release.release_tags: refused, by key, when
+    a tag's evaluation is not in the DAG); none without training."""
+    from hy3rl.release import ReleaseError, release_tags
+
+    try:
+        tags = release_tags(CFG)
+    except ReleaseError as exc:
+        raise WorkflowError(str(exc))
+    return [LAYOUT.release_record(tag) for tag in tags]
+
+
+def release_inputs(wildcards):
+    """The records a release reads: the evaluation summary (after every generation, so the
+    tag's samples.meta.json with its weights' hashes is there), the selection for
+    `selected`, the problems it answers, and, ancient (a rewrite that changes nothing
+    releases nothing again), the plan (the recipe, the bias update rate), train/done.json
+    (the final step), the deps lock, the data summary and the rehearsal record for the card.
+    """
+    inputs = {
+        "val": LAYOUT.data_val,
+        "summary": LAYOUT.eval_summary,
+        "plan": ancient(LAYOUT.train_plan),
+        "train_done": ancient(LAYOUT.train_done),
+        "lock": ancient(LAYOUT.deps_lock),
+        "data_summary": ancient(LAYOUT.data_summary),
+        "model_manifest": ancient(model_manifest()),
+    }
+    if selection_enabled():
+        inputs["selected"] = LAYOUT.eval_selected
+    if rehearsal_enabled():
+        inputs["rehearsal"] = ancient(LAYOUT.rehearsal_record)
+    return inputs
+
+
+def release_job_resources():
+    """A job of one node's share: copying, comparing and hashing the weights
+    (release.runtime_min), and the transformers load of the generates check."""
+    return {"mem_mb": 16000, "runtime": CFG.release.runtime_min}
+
+
 # ---- report ----
 def report_targets():
     """The page of rule report, the stage's `all` target."""
@@ -646,8 +688,10 @@ def report_targets():
 
 
 def report_inputs(wildcards):
-    """Every other target of `all`: the report comes last and sees all of them."""
-    own = f"{LAYOUT.report_dir}/"
+    """Every other target of `all` but the releases: the report comes last and sees all of
+    them; a release hangs off the evaluation beside it, so that a refused release never
+    withholds the report."""
+    own = (f"{LAYOUT.report_dir}/", f"{LAYOUT.results}/release/")
     return [t for t in all_inputs() if not t.startswith(own)]
 
 

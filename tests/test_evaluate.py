@@ -254,6 +254,9 @@ def test_transformers_end_to_end_on_tiny_hy3(tmp_path, tiny_hy3_dir, reference):
     assert meta["status"] == "complete" and meta["num_samples"] == 6
     assert meta["sampling"]["max_tokens"] == 8 and meta["backend_settings"]["device"] == "cpu"
     assert meta["versions"]["transformers"] == "5.6.0"
+    # the weight files it loaded, by content (rule release compares its release with them)
+    assert meta["weights"] == evaluate.weight_hashes(tiny_hy3_dir)
+    assert sorted(meta["weights"]) == sorted(p.name for p in tiny_hy3_dir.glob("*.safetensors"))
     # same seeds -> the same samples; another base seed -> other samples
     again, _ = _gen(tmp_path, tiny_hy3_dir, val, "again")
     assert again.read_bytes() == out.read_bytes()

@@ -129,7 +129,7 @@ def silent_launch(tmp_path: Path, address: str, monkeypatch, outage_s: float, st
     monkeypatch.setattr(launch, "RAY", str(cli))
     monitor = wd.Monitor(
         metrics=metrics, schedule=wd.Schedule(0, 0, steps),
-        model=wd.TimeModel(wd.Allowances(60, 60, None, None, shutdown_s)),
+        model=wd.TimeModel(wd.Allowances(60, 60, None, None, shutdown_s, 60, 600)),
         stall=wd.StallPolicy(None, 3, 60, 600), margin_s=0, is_saved=lambda s: False,
         deadline=wd.Deadline(lambda: None))
     spec = launch.LaunchSpec(

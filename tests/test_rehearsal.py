@@ -58,6 +58,7 @@ def test_derive_scales_the_run_to_one_node_and_lists_nothing_it_hides(tmp_path: 
     assert r.model.path == os.path.abspath(layout.rehearsal_model)
     assert r.train.on_config_change == "fresh" and r.train.restarts_per_job == 0
     assert r.train.watchdog.poll_s == 1.0 and r.train.watchdog.startup_min == 30.0
+    assert r.train.watchdog.startup_floor_min == 30.0
     assert r.preflight.waive == ["disk"]
     assert (r.eval.num_problems, r.eval.n_samples, r.eval.steps) == (4, 2, [])
     assert r.eval.vllm.tensor_parallel_size == 1 and r.data.heldout is None

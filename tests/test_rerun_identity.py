@@ -23,7 +23,8 @@ rule can be edited there). Each change is ONE invocation:
    change recorded in the identity and shown in the report at step 4;
 7. the total lowered below the newest checkpoint: refused;
 8. another learning rate with `on_config_change: fresh`: the old checkpoints moved aside
-   (nothing deleted), training from step 0; the curves hold only the new lineage.
+   (nothing deleted), training from step 0; the curves hold only the new lineage; the final
+   model released (issue 31): its checks pass, its weights are the ones evaluated.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ def _base(tmp: Path) -> dict:
                  "select": None},
         "preflight": {"waive": ["bridge", "rehearsal"]},
         "report": {"dpi": 50},
+        "release": {"tags": []},  # released in the last invocation only (8)
     }
     cfg["data"]["heldout"] = None
     return cfg
@@ -263,6 +265,7 @@ def test_each_change_is_one_invocation_that_does_the_right_thing(tmp_path: Path,
         run.res / "logs" / "preflight.log").read_text()
     assert not [p for p in run.ckpt.iterdir() if p.name.startswith("superseded-")]
     run.cfg["eval"]["steps"] = [1]
+    run.cfg["release"]["tags"] = ["final"]  # issue 31: the release, through the workflow
     code, out = run()
     assert code == 0, out[-6000:]
     a5 = attempt(run.res, 5)
@@ -275,3 +278,22 @@ def test_each_change_is_one_invocation_that_does_the_right_thing(tmp_path: Path,
              (run.res / "train" / "metrics.jsonl").read_text().splitlines()]
     assert max(steps) == 2, steps
     assert run.eval_step("final") == 2
+    # ... and the final model released from the new lineage: every check passes, its weight
+    # files are the ones the final evaluation loaded (their sha256), the card parses
+    from huggingface_hub import ModelCard
+
+    assert _ran(out, "release_model"), out[-3000:]
+    rel = json.loads((run.res / "release" / "final" / "release.json").read_text())
+    checks = json.loads((run.res / "release" / "final" / "checks.json").read_text())
+    assert checks["ok"], checks
+    assert {c["name"]: c["status"] for c in checks["checks"]} == {n: "pass" for n in (
+        "tokenizer", "index", "headers", "index_vs_shards", "inventory", "fixed_tensors",
+        "generates", "card", "evaluated")}, checks["checks"]
+    meta = json.loads((run.res / "eval" / rel["evaluated_tag"] / "samples.meta.json")
+                      .read_text())
+    assert meta["weights"] == {k: v["sha256"] for k, v in rel["files"].items()
+                               if k.endswith(".safetensors")}, (meta["weights"], rel["files"])
+    assert rel["step"] == 2 and "superseded-" not in rel["source"], rel
+    assert ModelCard.load(Path(rel["dir"]) / "README.md").data.eval_results
+    code, out = run("-n")
+    assert code == 0 and "Nothing to be done" in out, out[-3000:]

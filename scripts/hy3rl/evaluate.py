@@ -518,6 +518,19 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def weight_hashes(model_dir: str | Path, threads: int = 1) -> dict[str, str]:
+    """sha256 of every weight file (``*.safetensors``) of an HF model directory, by file
+    name, ``threads`` files at a time (hy3rl.hub.hash_files): what samples.meta.json's
+    ``weights`` records of the files a generation loaded, and what rule release compares
+    its release's manifest with."""
+    from hy3rl.hub import hash_files
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    got = hash_files([(f, "sha256") for f in files], threads, progress=False,
+                     desc="hashing weights")
+    return {f.name: got[f] for f in files}
+
+
 def _versions() -> dict[str, str | None]:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -737,6 +750,8 @@ def run(ev: Eval, *, tag: str, model: str | Path, val: Path, samples: Path, meta
         def generate(batch: list[Request]) -> list[SampleRecord]:
             return be.generate(batch, sampling)
 
+    # the files this generation loads, by content (rule release compares them with its own)
+    meta_doc["weights"] = weight_hashes(model_path, cpus_per_node)
     records, reused = run_generation(requests, generate, samples, fp, batch_size, progress)
     meta_doc.update(status="complete", num_samples=len(records), resumed_samples=reused,
                     truncated=sum(r.finish_reason == "length" for r in records),

@@ -421,6 +421,12 @@ class Guard:
     def start(self) -> None:
         self.monitor.start()
 
+    def blind(self) -> None:
+        """The launcher cannot see the trainer's output (the dashboard is silent): the
+        monitor's :meth:`hy3rl.watchdog.Monitor.blind`. The guard judges only the lines the
+        monitor read, so it has nothing of its own to suspend."""
+        self.monitor.blind()
+
     def poll(self) -> Any:
         """The monitor's poll, then the guard's: a ``StopRequest`` (hy3rl.watchdog) with
         outcome ``unhealthy`` wins over the monitor's own."""

@@ -76,6 +76,8 @@ CONFIG_KINDS: dict[str, tuple[str, str]] = {
     "rehearsal": (OPERATIONAL, "the rehearsal's own run on its own checkpoint directory"),
     "eval": (OPERATIONAL, "evaluation (rule eval_request re-runs it), never training"),
     "report": (OPERATIONAL, "the report"),
+    "release": (OPERATIONAL, "the release of evaluated checkpoints (rule release_model), "
+                "never training"),
     "train.reward_mode": (TRAJECTORY, "which reward keys are live"),
     "train.total_training_steps": (EXTENT, "how far the run goes"),
     "train.segment_steps": (EXTENT, "where the run stops between jobs"),

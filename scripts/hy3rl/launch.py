@@ -782,6 +782,8 @@ class Launcher:
                 if status in TERMINAL:
                     break
                 if status is None:
+                    if monitor is not None:
+                        monitor.blind()  # the log stream is down with the dashboard
                     failed = job.submit_failed()
                     if failed:
                         raise LaunchError(failed, "ray job submit failed")

@@ -73,14 +73,17 @@ class Layout:
     run: str
     checkpoint_root: str = ""
     checkpoint_name: str = ""  # the checkpoint directory's name, when not ``run``
+    release_root: str = ""  # release.dir: where the released model directories live
 
     @classmethod
     def from_config(cls, cfg: Any) -> Layout:
         """From a :class:`hy3rl.settings.Config` or the validated config mapping."""
         if isinstance(cfg, dict):
             return cls(cfg["run"]["results_root"], cfg["run"]["name"],
-                       cfg["train"]["checkpoint_root"])
-        return cls(cfg.run.results_root, cfg.run.name, cfg.train.checkpoint_root)
+                       cfg["train"]["checkpoint_root"],
+                       release_root=cfg.get("release", {}).get("dir", ""))
+        return cls(cfg.run.results_root, cfg.run.name, cfg.train.checkpoint_root,
+                   release_root=cfg.release.dir)
 
     @classmethod
     def of_results(cls, results: str | Path, checkpoint_root: str = "") -> Layout:
@@ -379,6 +382,27 @@ class Layout:
     def eval_selected(self) -> str:
         """``eval/selected.json``: the checkpoint eval.select picks (rule eval_select)."""
         return self._p("eval/selected.json")
+
+    # ---- release
+    def release_checks(self, tag: str) -> str:
+        """``release/<tag>/checks.json``: every check of the last release of ``tag``
+        (``selected`` or ``final``), passed or not (not a rule output: a refusal keeps it)."""
+        return self._p(f"release/{tag}/checks.json")
+
+    def release_record(self, tag: str) -> str:
+        """``release/<tag>/release.json``: rule release_model's output, written last and only
+        when every check passed: the release's directory, files and their sha256."""
+        return self._p(f"release/{tag}/release.json")
+
+    def release_model(self, tag: str) -> Path:
+        """The released HF model directory of ``tag``: ``<release.dir>/<run>/<tag>``,
+        absolute; an empty ``release.dir`` means ``<results_root>/<run>/release/<tag>/model``
+        under the current directory. Never a rule output (a rerun must not delete it); it is
+        written under a temporary name beside it and renamed last."""
+        root = self.release_root
+        path = (Path(root) / self.run / tag if root
+                else Path(self.results) / "release" / tag / "model")
+        return Path(os.path.abspath(path))
 
     # ---- report
     @property

@@ -145,6 +145,7 @@ def derive(cfg: Config, layout: Layout) -> Config:
     wd = tr["watchdog"]
     wd["poll_s"] = min(float(wd["poll_s"]), POLL_S)
     wd["startup_min"] = min(float(wd["startup_min"]), WATCHDOG_MIN)
+    wd["startup_floor_min"] = min(float(wd["startup_floor_min"]), WATCHDOG_MIN)
     wd["first_step_min"] = min(float(wd["first_step_min"]), WATCHDOG_MIN)
     ev = raw["eval"]
     ev.update(num_problems=reh.eval.num_problems, n_samples=reh.eval.n_samples,
@@ -373,7 +374,7 @@ def _tensor_files(folder: Path) -> dict[str, Path]:
     return out
 
 
-def _bits(t: Any) -> Any:
+def tensor_bits(t: Any) -> Any:
     """The tensor's elements as integers of its width (bit-exact comparison, NaN included)."""
     import torch
 
@@ -438,8 +439,8 @@ def weight_changes(model: Path, before: Path, after: Path) -> dict[str, Any]:
             kind = ("fixed" if FIXED_TENSOR.search(name) else
                     "mtp" if is_mtp(name) else "trained")
             tensors[name] = {"kind": kind, "numel": ref.numel(), "ndim": ref.dim(),
-                             "vs_before": int((_bits(a) != _bits(b)).sum()),
-                             "vs_input": int((_bits(a) != _bits(ref)).sum())}
+                             "vs_before": int((tensor_bits(a) != tensor_bits(b)).sum()),
+                             "vs_input": int((tensor_bits(a) != tensor_bits(ref)).sum())}
     return {"model": str(model), "before": str(before), "after": str(after),
             "problems": problems, "tensors": tensors, "mtp_absent": mtp_absent}
 

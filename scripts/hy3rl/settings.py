@@ -250,12 +250,14 @@ class Watchdog:
     stall_floor_min: float
     stall_cap_min: float
     startup_min: float
+    startup_floor_min: float
     first_step_min: float
     validation_min: float | None
     save_min: float | None
     storage_mb_s: float
     shutdown_min: float
     poll_s: float
+    silence_min: float
 
 
 @dataclass(frozen=True)
@@ -467,6 +469,16 @@ class Report:
 
 
 @dataclass(frozen=True)
+class Release:
+    dir: str
+    tags: list[str]
+    problems: int
+    max_tokens: int
+    threads: int
+    runtime_min: int
+
+
+@dataclass(frozen=True)
 class Config:
     """The whole validated configuration, one typed section an attribute. ``raw`` is the
     validated dict itself (defaults filled in), for hashing, the report's resolved YAML and
@@ -483,6 +495,7 @@ class Config:
     rehearsal: Rehearsal
     eval: Eval
     report: Report
+    release: Release
     raw: dict[str, Any] = dataclasses.field(repr=False, compare=False, hash=False)
 
     @classmethod

@@ -325,7 +325,17 @@ def after_attempt(rec: Mapping[str, Any], records: Sequence[Mapping[str, Any]], 
         return JobStep(False, False, loop, exclude)
     if outcome == "hung" and rec.get("last_logged_step") is None:
         # A start that hangs (NCCL initialisation, a node that never loads) is retried in a
-        # new allocation, on other nodes if SLURM has them, before it can be a crash loop.
+        # new allocation, on other nodes if SLURM has them, before it can be a crash loop;
+        # twice on the same nodes, those nodes are excluded (never a longer wait).
+        from hy3rl.resubmit import startup_hang
+
+        nodes = sorted(rec.get("nodes") or [])
+        before = [r for r in records if r is not rec and r.get("attempt") != rec.get("attempt")
+                  and startup_hang(r) and nodes and sorted(r.get("nodes") or []) == nodes]
+        if before:
+            return JobStep(False, True, f"{reason}; the start hung on {', '.join(nodes)} "
+                           f"before (attempt {before[-1].get('attempt')}): those nodes are "
+                           "excluded from the resubmission", sorted(set(exclude) | set(nodes)))
         return JobStep(False, True, f"{reason}; a start that hangs is retried in a new "
                        "allocation: ends for a resubmission", exclude)
     fits = len([n for n in allocation if n not in set(lost)]) >= nodes_needed
@@ -424,7 +434,9 @@ def allowances(wd: Any, plan: Mapping[str, Any]) -> Allowances:
         save_s = None
     return Allowances(startup_s=wd.startup_min * 60, step_s=wd.first_step_min * 60,
                       validation_s=None if wd.validation_min is None else wd.validation_min * 60,
-                      save_s=save_s, shutdown_s=wd.shutdown_min * 60)
+                      save_s=save_s, shutdown_s=wd.shutdown_min * 60,
+                      startup_floor_s=wd.startup_floor_min * 60,
+                      startup_cap_s=wd.stall_cap_min * 60)
 
 
 def time_left(job_id: str | None) -> float | None:
@@ -950,9 +962,7 @@ class Job:
         timings = [r.get("timing") or {} for r in records]
         return TimeModel.learn(
             allowances(self.train.watchdog, self.plan), run_metrics(self.layout),
-            [t["startup_s"] for t in timings if isinstance(t.get("startup_s"), (int, float))],
-            [t["startup_hung_s"] for t in timings
-             if isinstance(t.get("startup_hung_s"), (int, float))])
+            [t["startup_s"] for t in timings if isinstance(t.get("startup_s"), (int, float))])
 
     def restart_need(self) -> float | None:
         """Seconds a restart in this allocation needs before its first save: a startup,
@@ -1032,7 +1042,8 @@ class Job:
             margin_s=train.time_limit_margin_min * 60,
             is_saved=lambda s: check_complete(ckpt / f"global_step_{s}", s)[0],
             deadline=Deadline(lambda: time_left(me.job_id)), ckpt_dir=ckpt, start_step=start,
-            kill_after=kill_at)
+            kill_after=kill_at, logs=[log_dir / "driver.log"],
+            silence_s=wd.silence_min * 60 or None)
         guard = Guard(self.watcher, monitor,
                       on_event=lambda event: self.on_health(record, event),
                       next_save=lambda s: self.schedule(last).next_save(s - 1),

@@ -14,26 +14,40 @@ the validation before training); after the line of the attempt's last step, the 
 Each phase is learned from this run's records across attempts (the metrics lines of every
 attempt of the lineage, the startups measured in the attempt records): a step is
 ``timing_s/step - timing_s/save_checkpoint`` (p95), a validation ``timing_s/testing``
-(max), a save ``timing_s/save_checkpoint`` (max), a startup the time from the submission to
-the attempt's first line (max). A phase never seen yet has an allowance instead
-(:class:`Allowances`): a first save is the checkpoint's size (preflight's disk estimate)
-over ``train.watchdog.storage_mb_s``; a first validation one step; the first step, the
-first startup and the shutdown their configured minutes.
+(0.9 quantile), a save ``timing_s/save_checkpoint`` (median; the save right after a slower
+one is given that save's time: a slow save raises the next save's limit only), a startup
+the time from the submission to the attempt's first line, successful startups only (0.9
+quantile). A phase never seen yet has an allowance instead (:class:`Allowances`): a first
+save is the checkpoint's size (preflight's disk estimate) over
+``train.watchdog.storage_mb_s``; a first validation one step; the first step, the first
+startup and the shutdown their configured minutes.
 
-**hung**: the work expected before the next line, from the schedule (the next step, plus
-its save and its validation where the schedule has them), times ``stall_factor``, clamped
-to [``stall_floor_min``, ``stall_cap_min``], passes without progress. Progress is a new
-line, a save completing, or bytes arriving in the checkpoint being written. Before the first
-line the limit is the startup's: ``max(startup_min, 1.5 x the slowest startup seen, 1.5 x
-a startup that hung before)``. ``stall_min`` set fixes the limit of a step (0: never).
-**After the last step**: the shutdown allowance; when it passes and the last step's
-checkpoint is complete the attempt is stopped as ``succeeded`` (the records say it was
-stopped after the final step), else ``hung``.
+**hung**: each phase has its own limit counted from its own start (issue 29), told from
+signals finer than the metrics line: ``step`` from the previous line; ``save`` from verl's
+``Saving checkpoint to <dir>/global_step_<N>`` line in the trainer's output or
+``global_step_<N>/`` appearing; ``validation`` from the save's completion (verl prints
+nothing as a validation starts: on a test step that does not save, the step's limit
+counts its validation; :data:`SAVE_LINE` says what verl prints where). The limit is
+``stall_factor`` x the phase's estimate (1.5 x the allowance for a phase never seen),
+clamped to [``stall_floor_min``, ``stall_cap_min``]; a save still writing bytes is never
+over its limit; ``stall_min`` set fixes it (0: never). Before the
+first line the startup limit, from the submission, which output does not reset: ``1.5 x
+startup_min`` until a startup succeeded, then ``2 x the startup estimate`` between
+``startup_floor_min`` and ``stall_cap_min`` (:meth:`TimeModel.startup_limit`); a hung
+startup never raises it (twice on the same nodes, they are excluded:
+``hy3rl.train.after_attempt``). In every phase, ``silence_min`` without any sign of the
+trainer (its output growing, a line, checkpoint bytes) is a hang, and in a save that long
+without checkpoint bytes; silence is not counted while the launcher cannot see the output
+(:meth:`Monitor.blind`). **After the last step**: the shutdown allowance; when it passes
+and the last step's checkpoint is complete the attempt is stopped as ``succeeded`` (the
+records say it was stopped after the final step), else ``hung``.
 
 **stopped_for_time_limit**: at a complete save of step N whose line is written, when the
 time left before the job's end is less than the work until the next save (each step, the
 validations where they happen, the save) plus ``train.time_limit_margin_min``, the
-trainer is stopped right there: 0 steps lost. The time left comes from the job's deadline
+trainer is stopped right there: 0 steps lost. When the next save would be the job's last
+(no save interval fits after it) or the run's, it must fit even when slow
+(:meth:`TimeModel.slow_save`). The time left comes from the job's deadline
 (:class:`Deadline`), read when the job starts and refreshed at each decision; a failed
 query keeps the last deadline, and a save whose decision could not be made is looked at
 again at the next poll. squeue's ``%L`` says ``INVALID`` both for a negative time left and
@@ -49,6 +63,7 @@ import logging
 import math
 import os
 import re
+import statistics
 import subprocess
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -64,7 +79,38 @@ log = logging.getLogger("hy3rl.watchdog")
 STEP_KEY = "timing_s/step"
 TEST_KEY = "timing_s/testing"
 SAVE_KEY = "timing_s/save_checkpoint"
-STARTUP_FACTOR = 1.5  # a startup's limit over the slowest startup seen (or one that hung)
+QUANTILE = 0.9  # validations and startups: their estimate is this quantile of those seen
+SAVE_QUANTILE = 0.5  # saves: few per run (one slow save must not be the estimate)
+STARTUP_FACTOR = 2.0  # a startup's limit over its estimate (startups vary: 75-200 min)
+UNSEEN_FACTOR = 1.5  # a phase never seen: its limit over its allowance
+SLOW_SAVE_FACTOR = 3.0  # a save reserved for when the next save is the job's last
+# What verl@220e903 prints at the phase boundaries (read from its source; main_ppo runs the
+# v1 trainer, trainer.use_v1: true in verl/trainer/config/ppo_trainer.yaml):
+# - a save starts: verl/trainer/ppo/v1/trainer_base.py:720, in _save_checkpoint:
+#   logger.info(f"Saving checkpoint to {local_global_step_folder}"), the folder being
+#   <trainer.default_local_dir>/global_step_<N>. The module logger is at INFO
+#   (trainer_base.py:101, $VERL_LOGGING_LEVEL, default INFO) and `import verl` gives the root
+#   logger a stderr handler formatted "%(levelname)s:%(asctime)s:%(message)s"
+#   (verl/__init__.py:32 -> verl/utils/logging_utils.py:25), so the line reads
+#   "INFO:<time>:Saving checkpoint to <dir>/global_step_<N>", and in driver.log Ray puts
+#   "(TaskRunnerV1 pid=<pid>) " before it. VERL_LOGGING_LEVEL=WARNING silences it: the save
+#   is then told by global_step_<N>/ appearing (the Megatron checkpoint manager creates it
+#   first thing, verl/utils/checkpoint/megatron_checkpoint_manager.py:1198
+#   `local_path = local_mkdir_safe(local_path)`) and by its bytes.
+# - a save ends: no line before the step's metrics line; the checkpoint is complete when
+#   actor/ckpt_contents.json (written last by rank 0) and the tracker are there (is_saved).
+# - a validation starts or ends: the v1 trainer prints nothing (_validate,
+#   trainer_base.py:777, has no print or log; PPOTrainerSync has no on_validate_begin). On a
+#   save step it starts when the save is complete; on a test step that does not save it is
+#   one span with the step until the step's metrics line (its limit counts both).
+#   (The legacy trainer, trainer.use_v1=false, prints "local_global_step_folder: <dir>"
+#   (ray_trainer.py:979) and "test_gen_batch meta info: {...}" (ray_trainer.py:635); the v1
+#   trainer never does, and neither is read.)
+# - a step ends: its metrics line in the file logger's jsonl (read here), and with the
+#   console logger "step:<N> - <key>:<value> - ..." on stdout
+#   (verl/utils/logger/aggregate_logger.py:27 and :51).
+SAVE_LINE = re.compile(r"Saving checkpoint to \S*?global_step_(\d+)\b")
+LOG_READ_MAX = 1 << 20  # bytes of a log read per poll (the rest counts as activity unread)
 BYTES_EVERY_S = 60.0  # a checkpoint being written is walked at most this often
 
 
@@ -108,22 +154,31 @@ class Schedule:
 # --------------------------------------------------------------------------- the time model
 
 
+def quantile(values: Sequence[float], q: float) -> float:
+    """The ``q`` quantile (nearest rank) of a non-empty list."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+
 def p95(values: Sequence[float]) -> float:
     """The 95th percentile (nearest rank) of a non-empty list."""
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(0.95 * len(ordered)) - 1)]
+    return quantile(values, 0.95)
 
 
 @dataclass(frozen=True)
 class Allowances:
     """Seconds allowed to a phase never seen yet in this run (module doc). ``validation_s``
-    None: one step's estimate; ``save_s`` None: one step's estimate (no size known)."""
+    None: one step's estimate; ``save_s`` None: one step's estimate (no size known).
+    ``startup_floor_s``, ``startup_cap_s``: the bounds of a startup's limit once startups
+    were measured (:meth:`TimeModel.startup_limit`)."""
 
     startup_s: float
     step_s: float
     validation_s: float | None
     save_s: float | None
     shutdown_s: float
+    startup_floor_s: float
+    startup_cap_s: float
 
 
 @dataclass
@@ -136,13 +191,12 @@ class TimeModel:
     validations: list[float] = field(default_factory=list)
     saves: list[float] = field(default_factory=list)
     startups: list[float] = field(default_factory=list)
-    startup_hung: list[float] = field(default_factory=list)
 
     @classmethod
     def learn(cls, allow: Allowances, lines: Iterable[Mapping[str, Any]],
-              startups: Iterable[float] = (), startup_hung: Iterable[float] = ()) -> TimeModel:
-        model = cls(allow, startups=[float(s) for s in startups],
-                    startup_hung=[float(s) for s in startup_hung])
+              startups: Iterable[float] = ()) -> TimeModel:
+        """``startups``: those that succeeded (their first line came), never a hung wait."""
+        model = cls(allow, startups=[float(s) for s in startups])
         model.add_lines(lines)
         return model
 
@@ -166,44 +220,88 @@ class TimeModel:
 
     def validation(self) -> tuple[float, bool]:
         if self.validations:
-            return max(self.validations), True
+            return quantile(self.validations, QUANTILE), True
         return (self.allow.validation_s if self.allow.validation_s is not None
                 else self.step()[0]), False
 
     def save(self) -> tuple[float, bool]:
+        """A save's estimate: the :data:`SAVE_QUANTILE` of the saves seen (one slow save among
+        several does not move it; see :meth:`next_save` for the save right after it)."""
         if self.saves:
-            return max(self.saves), True
+            return quantile(self.saves, SAVE_QUANTILE), True
         return (self.allow.save_s if self.allow.save_s is not None else self.step()[0]), False
 
+    def next_save(self) -> float:
+        """The estimate of the next save: the usual one, or the newest save when it was
+        slower (a single slow save raises the next save's limit only)."""
+        usual = self.save()[0]
+        return max(usual, self.saves[-1]) if self.saves else usual
+
+    def slow_save(self) -> float:
+        """A slow save reserved for when the next save is the job's last:
+        :data:`SLOW_SAVE_FACTOR` x the usual save, or the slowest save seen when slower.
+        While fewer than three saves are known, the usual save is at most the allowance (a
+        first save that was slow is not three times the usual)."""
+        usual = self.save()[0]
+        if len(self.saves) < 3 and self.allow.save_s is not None:
+            usual = min(usual, self.allow.save_s)
+        return max([SLOW_SAVE_FACTOR * usual] + self.saves)
+
     def startup(self) -> tuple[float, bool]:
+        """From successful startups only (the time to an attempt's first line); a startup
+        declared hung says nothing about how long a startup takes."""
         if self.startups:
-            return max(self.startups), True
+            return quantile(self.startups, QUANTILE), True
         return self.allow.startup_s, False
 
     def startup_limit(self) -> float:
-        """A startup's limit: never below the allowance; 1.5 x the slowest startup seen and
-        1.5 x a startup that was declared hung (the next try gets longer)."""
-        return max([self.allow.startup_s] +
-                   [STARTUP_FACTOR * s for s in self.startups + self.startup_hung])
+        """A startup's limit, counted from the submission; output does not reset it (a
+        startup hung in a collective while Ray and vLLM go on printing is caught by it).
+        While no startup of this run succeeded: :data:`UNSEEN_FACTOR` x the allowance.
+        Then :data:`STARTUP_FACTOR` x the :data:`QUANTILE` of the successful startups,
+        never below ``startup_floor_s`` (the slowest healthy startup expected: a resume
+        loading optimizer state after a fast first start is no hang) nor above
+        ``startup_cap_s``. Learned from successful startups only: a hung startup never
+        raises it (one that hangs twice on the same nodes excludes them:
+        hy3rl.train.after_attempt); a hang that goes quiet is caught earlier by the
+        silence limit."""
+        a = self.allow
+        if not self.startups:
+            return min(a.startup_cap_s, UNSEEN_FACTOR * a.startup_s)
+        return min(a.startup_cap_s, max(a.startup_floor_s, STARTUP_FACTOR * self.startup()[0]))
 
-    def work(self, step: int, schedule: Schedule) -> float:
-        """Seconds from the line of ``step - 1`` to the line of ``step``."""
+    def work(self, step: int, schedule: Schedule, save: float | None = None) -> float:
+        """Seconds from the line of ``step - 1`` to the line of ``step`` (``save``: the
+        save's estimate, default the usual one)."""
         total = self.step()[0]
         if schedule.saves(step):
-            total += self.save()[0]
+            total += self.save()[0] if save is None else save
         if schedule.validates(step):
             total += self.validation()[0]
         return total
 
-    def until_save(self, after: int, schedule: Schedule) -> float | None:
+    def until_save(self, after: int, schedule: Schedule,
+                   save: float | None = None) -> float | None:
         """Seconds from the line of step ``after`` to the complete save of the next save
         step, following the schedule (the validation of that step comes after its save and
-        is not needed); None when the run does not save."""
+        is not needed; ``save``: that save's estimate, default the usual one); None when
+        the run does not save."""
         nxt = schedule.next_save(after)
         if nxt is None:
             return None
-        total = sum(self.work(s, schedule) for s in range(after + 1, nxt))
-        return total + self.step()[0] + self.save()[0]
+        total = sum(self.work(s, schedule) - self.step()[0] for s in range(after + 1, nxt))
+        return total + self.steps_sum(nxt - after) + (self.save()[0] if save is None else save)
+
+    def steps_sum(self, n: int) -> float:
+        """Seconds ``n`` steps take together: a sum varies less than its parts, so
+        ``n x mean + 1.645 x sd x sqrt(n)`` (the sum's 95th percentile, by the central limit
+        theorem) rather than ``n x`` the p95 of one step (which left an hour unused per
+        interval on a +-20 % profile); ``n x`` the step's estimate while fewer than two steps
+        are known."""
+        if len(self.steps) < 2:
+            return n * self.step()[0]
+        return n * statistics.fmean(self.steps) + 1.645 * statistics.stdev(self.steps) * \
+            math.sqrt(n)
 
     def snapshot(self) -> dict[str, Any]:
         """The estimates (seconds) and whether each was learned, for the attempt record."""
@@ -227,12 +325,15 @@ class StallPolicy:
     floor_s: float
     cap_s: float
 
-    def limit(self, expected: float) -> float | None:
+    def limit(self, expected: float, learned: bool = True) -> float | None:
+        """A phase's limit from its estimate; a phase never seen (``learned`` false, its
+        estimate an allowance) gets :data:`UNSEEN_FACTOR` x its allowance instead."""
         if self.fixed_s == 0:
             return None
         if self.fixed_s is not None:
             return self.fixed_s
-        return min(self.cap_s, max(self.floor_s, self.factor * expected))
+        factor = self.factor if learned else UNSEEN_FACTOR
+        return min(self.cap_s, max(self.floor_s, factor * expected))
 
 
 # --------------------------------------------------------------------------- the job's end
@@ -386,6 +487,9 @@ class Monitor:
     verl's schedule of this trainer run (``last``: the attempt's last step).
     ``is_saved(step)``: whether ``global_step_<step>`` is a complete checkpoint.
     ``ckpt_dir``: where ``global_step_<step>`` is written (bytes arriving are progress).
+    ``logs``: the trainer's output (``driver.log``: Ray forwards every worker's output to
+    it); growing is activity, verl's save and validation lines start those phases.
+    ``silence_s``: no activity at all for this long is a hang (None: off).
     ``deadline``: the job's end. ``clock``: monotonic seconds (tests pass their own)."""
 
     metrics: Path
@@ -398,15 +502,22 @@ class Monitor:
     ckpt_dir: Path | None = None
     start_step: int = 0
     clock: Callable[[], float] = time.monotonic
+    logs: Sequence[Path] = ()
+    silence_s: float | None = None
     started: float | None = None
     first_line_at: float | None = None
     last_progress: float | None = None
+    last_activity: float | None = None
+    phase_started: float | None = None
+    save_bytes_at: float | None = None
     seen: int = 0
     last_step: int | None = None
     lines: list[dict[str, Any]] = field(default_factory=list)
     decided_saves: set[int] = field(default_factory=set)
     bytes_seen: dict[int, int] = field(default_factory=dict)
     complete_seen: set[int] = field(default_factory=set)
+    log_sizes: dict[Path, int] = field(default_factory=dict)
+    metrics_size: int | None = None
     bytes_walked_at: float | None = None
     phase: str = "startup"
     startup_hung_s: float | None = None
@@ -416,8 +527,17 @@ class Monitor:
     def start(self) -> None:
         """The Ray job was submitted: the startup clock runs from now; the deadline is
         read."""
-        self.started = self.clock()
+        self.started = self.last_activity = self.clock()
+        self.phase, self.phase_started = "startup", self.started
+        for path in self.logs:
+            self.log_sizes[path] = _size(path)
         self.deadline.refresh()
+
+    def blind(self) -> None:
+        """The launcher cannot see the trainer's output now (Ray's dashboard does not
+        answer, so the log stream is down): silence is not counted against the trainer
+        (its metrics lines, checkpoint bytes and phase limits are still watched)."""
+        self.last_activity = self.clock()
 
     @property
     def startup_s(self) -> float | None:
@@ -426,24 +546,38 @@ class Monitor:
             return None
         return self.first_line_at - self.started
 
+    def enter(self, phase: str, now: float) -> None:
+        if phase != self.phase:
+            log.info("watchdog: step %d: %s", self.next_step(), phase)
+            self.phase, self.phase_started = phase, now
+
     def poll(self) -> StopRequest | None:
-        """Look at the metrics log and the checkpoint once; a StopRequest when the attempt
-        must end."""
+        """Look at the metrics log, the trainer's output and the checkpoint once; a
+        StopRequest when the attempt must end."""
         now = self.clock()
         if self.started is None:
             self.start()
-        try:
-            lines = read_metrics(self.metrics)
-        except Exception as exc:  # a bad line must not stop the watch; verl_log names it
-            log.warning("watchdog: %s", exc)
-            lines = self.lines
+        size = _size(self.metrics)
+        if size == self.metrics_size:
+            lines = self.lines  # unchanged: not parsed again
+        else:
+            try:
+                lines = read_metrics(self.metrics)
+                self.metrics_size = size
+            except Exception as exc:  # a bad line must not stop the watch; verl_log names it
+                log.warning("watchdog: %s", exc)
+                lines = self.lines
         if len(lines) > self.seen:
             self.model.add_lines(lines[self.seen:])
             self.lines, self.seen = lines, len(lines)
             self.last_step = lines[-1]["step"]
-            self.last_progress = now
+            self.last_progress = self.last_activity = now
+            self.save_bytes_at = None
             if self.first_line_at is None:
                 self.first_line_at = now
+            self.phase = ""
+            self.enter("shutdown" if self.last_step >= self.schedule.last else "step", now)
+        self.watch_logs(now)
         self.watch_save(now)
         killed = self.planned_kill()
         if killed is not None:
@@ -456,9 +590,34 @@ class Monitor:
     def next_step(self) -> int:
         return (self.last_step if self.last_step is not None else self.start_step) + 1
 
+    def watch_logs(self, now: float) -> None:
+        """The trainer's output growing is activity; verl's save line (:data:`SAVE_LINE`)
+        of the next step starts its save."""
+        for path in self.logs:
+            size, seen = _size(path), self.log_sizes.get(path, 0)
+            if size < seen:
+                seen = 0  # rewritten
+            if size == seen:
+                continue
+            self.log_sizes[path] = size
+            self.last_activity = now
+            if self.last_progress is None or self.phase == "shutdown":
+                continue
+            try:
+                with open(path, "rb") as fh:
+                    fh.seek(max(seen, size - LOG_READ_MAX))
+                    text = fh.read(size - fh.tell()).decode(errors="replace")
+            except OSError:
+                continue
+            nxt = self.next_step()
+            if self.phase == "step" and self.schedule.saves(nxt) and any(
+                    int(m.group(1)) == nxt for m in SAVE_LINE.finditer(text)):
+                self.enter("save", now)
+
     def watch_save(self, now: float) -> None:
-        """Bytes arriving in the next step's checkpoint (walked at most every
-        :data:`BYTES_EVERY_S`), or it becoming complete, are progress."""
+        """The next step's ``global_step_<N>/`` appearing starts its save, bytes arriving in
+        it (walked at most every :data:`BYTES_EVERY_S`) carry it; its completion ends the
+        save (the launcher moved incomplete newer saves aside before the attempt)."""
         if self.ckpt_dir is None or self.last_step is None:
             return
         step = self.next_step()
@@ -466,46 +625,87 @@ class Monitor:
             return
         if step not in self.complete_seen and self.is_saved(step):
             self.complete_seen.add(step)
-            self.last_progress = now
+            self.last_progress = self.last_activity = now
+            self.enter("validation" if self.schedule.validates(step) else "saved", now)
+            return
+        if step in self.complete_seen:
             return
         path = self.ckpt_dir / f"global_step_{step}"
         if not path.is_dir():
             return
+        if self.phase == "step":  # the checkpoint manager's first act (see SAVE_LINE)
+            self.enter("save", now)
         if self.bytes_walked_at is not None and now - self.bytes_walked_at < BYTES_EVERY_S:
             return  # a multi-TB checkpoint of many files: walked once a minute at most
         self.bytes_walked_at = now
         size = tree_bytes(path)
         if size > self.bytes_seen.get(step, 0):
             self.bytes_seen[step] = size
-            self.last_progress = now
+            self.last_progress = self.last_activity = self.save_bytes_at = now
+
+    def phase_limit(self) -> tuple[float | None, float]:
+        """The limit of the phase the trainer is in (counted from its start) and the
+        phase's estimate (seconds)."""
+        nxt, m = self.next_step(), self.model
+        if self.phase == "save":
+            expected, learned = m.next_save(), m.save()[1]
+        elif self.phase == "validation":
+            expected, learned = m.validation()
+        elif self.phase == "saved":
+            expected, learned = 0.0, True  # the save is complete; the line is due
+        else:  # the step: its rollout and update, and a validation that no line tells apart
+            expected, learned = m.step()
+            if self.schedule.validates(nxt) and not self.schedule.saves(nxt):
+                expected += m.validation()[0]
+                learned = learned and m.validation()[1]
+            if self.schedule.saves(nxt) and self.ckpt_dir is None:
+                expected, learned = m.work(nxt, self.schedule, m.next_save()), False
+        return self.stall.limit(expected, learned), expected
 
     def hang(self, now: float) -> StopRequest | None:
+        quiet = (None if not self.silence_s or self.last_activity is None
+                 else now - self.last_activity)
         if self.last_progress is None:
             self.phase = "startup"
             limit, waited = self.model.startup_limit(), now - self.started
-            if self.model.allow.startup_s <= 0 or waited < limit:
+            if self.model.allow.startup_s <= 0:
+                return None
+            if quiet is not None and quiet >= self.silence_s:
+                why = (f"no output for {_minutes(quiet)}, silence limit "
+                       f"{_minutes(self.silence_s)}; {_minutes(waited)} after the submission")
+            elif waited >= limit:
+                why = (f"no metrics line {_minutes(waited)} after the submission; startup "
+                       f"limit {_minutes(limit)}")
+            else:
                 return None
             self.startup_hung_s = waited
-            return StopRequest("hung", f"hung before its first step (no metrics line "
-                               f"{_minutes(waited)} after the submission; startup limit "
-                               f"{_minutes(limit)})", None, True)
-        waited = now - self.last_progress
+            return StopRequest("hung", f"hung before its first step ({why})", None, True)
         step = self.last_step
         if step is not None and step >= self.schedule.last:
-            return self.shutdown(step, waited)
+            return self.shutdown(step, now - self.last_progress)
         nxt = self.next_step()
-        self.phase = "+".join(["step"] + (["save"] if self.schedule.saves(nxt) else []) +
-                              (["validation"] if self.schedule.validates(nxt) else []))
-        limit = self.stall.limit(self.model.work(nxt, self.schedule))
-        if limit is None or waited < limit:
+        limit, _ = self.phase_limit()
+        elapsed = now - self.phase_started
+        why = None
+        if quiet is not None and quiet >= self.silence_s:
+            why = (f"no output, line or checkpoint bytes for {_minutes(quiet)}; silence "
+                   f"limit {_minutes(self.silence_s)}")
+        elif (self.phase == "save" and self.silence_s and self.save_bytes_at is not None
+              and now - self.save_bytes_at >= self.silence_s):
+            why = (f"no checkpoint bytes for {_minutes(now - self.save_bytes_at)}; silence "
+                   f"limit {_minutes(self.silence_s)}")
+        elif limit is not None and elapsed >= limit:
+            if self.phase == "save" and self.save_bytes_at is not None \
+                    and now - self.save_bytes_at < min(limit, self.silence_s or limit):
+                return None  # a slow save still writing is making progress
+            why = f"{self.phase} for {_minutes(elapsed)}; its limit {_minutes(limit)}"
+        if why is None:
             return None
-        return StopRequest("hung", f"hung at step {nxt} ({self.phase}; no progress for "
-                           f"{_minutes(waited)}; last logged step {step}; stall limit "
-                           f"{_minutes(limit)})", step, True)
+        return StopRequest("hung", f"hung at step {nxt} ({why}; last logged step {step})",
+                           step, True)
 
     def shutdown(self, step: int, waited: float) -> StopRequest | None:
         """After the line of the last step: the trainer only has to exit."""
-        self.phase = "shutdown"
         allow = self.model.allow.shutdown_s
         if allow <= 0 or waited < allow:
             return None
@@ -551,14 +751,25 @@ class Monitor:
         if need is None or math.isinf(left):
             return None
         need += self.margin_s
-        log.info("watchdog: step %d saved; %.0fs left before the time limit, until the next "
-                 "save %.0fs", step, left, need)
+        why = "the next save needs"
+        nxt = self.schedule.next_save(step)
+        after = None if nxt is None or nxt >= self.schedule.last \
+            else self.model.until_save(nxt, self.schedule)
+        if left >= need and (after is None or left - need + self.margin_s < after + self.margin_s):
+            # The next save is this job's last: it must fit even when slow.
+            # ... and its validation, after which its line lets the next decision be made
+            need = self.model.until_save(step, self.schedule, self.model.slow_save()) \
+                + self.margin_s + (self.model.validation()[0]
+                                   if nxt is not None and self.schedule.validates(nxt) else 0.0)
+            why = "the next save (the job's last), reserving for a slow save, needs"
+        log.info("watchdog: step %d saved; %.0fs left before the time limit, %s %.0fs",
+                 step, left, why, need)
         if left >= need:
             return None
         return StopRequest(
             "stopped_for_time_limit",
             f"stopped after the save of step {step} before the time limit: 0 steps lost "
-            f"({left:.0f}s left, the next save needs {need:.0f}s)", step)
+            f"({left:.0f}s left, {why} {need:.0f}s)", step)
 
     def timing(self) -> dict[str, Any]:
         """For the attempt record: the startup measured, the model's estimates, the phase
@@ -568,6 +779,13 @@ class Monitor:
                 "startup_hung_s": (None if self.startup_hung_s is None
                                    else round(self.startup_hung_s, 1)),
                 "phase": self.phase, "model": self.model.snapshot()}
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
 
 
 def _minutes(seconds: float) -> str:

@@ -1,0 +1,702 @@
+"""Rule release: a checkpoint as a Hugging Face model directory, verified before it is
+called a release (docs/formats/release.md).
+
+For a release tag (``selected``: the checkpoint of eval/selected.json; ``final``), the job
+copies the HF weights verl saved with the checkpoint (``model_for_tag``) and their
+``config.json``, plus the base model's tokenizer, chat template, generation config and
+license files, into a temporary directory beside the destination, and checks it:
+
+- ``tokenizer``: the checkpoint's own tokenizer (when it carries one) is the base's
+  (vocabulary, added and special tokens, chat template);
+- ``index``, ``headers``, ``index_vs_shards``: hy3rl.checkpoint's header-only checks (a
+  missing shard, an unreadable header, a tensor the index misplaces);
+- ``inventory``: the same tensor names, shapes and dtypes as the base, each missing or extra
+  tensor named;
+- ``fixed_tensors``: the expert bias (hy3rl.rehearsal.FIXED_TENSOR) bit-identical to the
+  base when the plan's moe_router_bias_update_rate is 0, and trained tensors changed;
+- ``generates``: loaded from its own directory with the evaluation's transformers backend,
+  it answers ``release.problems`` problems greedily (recorded);
+- ``card``: the model card (README.md with Hugging Face metadata) written from the records
+  parses with ``huggingface_hub.ModelCard`` and its metadata round-trips;
+- ``evaluated``: the weight files' sha256 (every file of the directory is hashed: the
+  manifest in release.json) equal those the tag's evaluation loaded (samples.meta.json
+  ``weights``), file for file.
+
+Every check goes to ``release/<tag>/checks.json`` (hy3rl.checkpoint's report shape). Only
+when none failed is the temporary directory renamed to ``<release.dir>/<run>/<tag>`` and
+``release/<tag>/release.json`` written; otherwise the temporary directory is removed and
+:class:`ReleaseFailed` names each failed check: nothing that looks like a release is left.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hy3rl import checkpoint as ck
+from hy3rl.atomic import write_json_atomic, write_text_atomic
+from hy3rl.errors import StageError
+from hy3rl.timefmt import utc_now
+
+RELEASE_TAGS = ("selected", "final")
+BIAS_RATE_KEY = ("actor_rollout_ref.actor.megatron.override_transformer_config."
+                 "moe_router_bias_update_rate")
+# Taken from the checkpoint's HF directory: the weights and the model config.
+CHECKPOINT_FILES = re.compile(r"^(.+\.safetensors|model\.safetensors\.index\.json|config\.json)$")
+# Taken from the base model as they are: tokenizer, chat template, generation config, license.
+BASE_FILES = re.compile(r"^(tokenizer.*|special_tokens_map\.json|added_tokens\.json|vocab\..+"
+                        r"|merges\.txt|chat_template\.(jinja|json)|generation_config\.json"
+                        r"|LICEN[CS]E.*|NOTICE.*)$")
+CARD = "README.md"
+SHOWN = 5  # tensors or tokens named in one problem line
+
+
+class ReleaseError(StageError):
+    """An input of the release is unusable (the message names the file or key)."""
+
+
+class ReleaseFailed(StageError):
+    """A check failed; checks.json is written and nothing release-looking is left."""
+
+
+@dataclass(frozen=True)
+class Records:
+    """The run's records a release reads (None: not part of this run)."""
+
+    val: Path  # data/val.parquet (the problems the release answers)
+    summary: Path  # eval/summary.json
+    samples_meta: Path | None = None  # eval/<evaluated tag>/samples.meta.json (default: the
+    # layout's, of the tag the release is of)
+    plan: Path | None = None  # train/launch/plan.json (the recipe, the bias update rate)
+    selected: Path | None = None  # eval/selected.json
+    train_done: Path | None = None  # train/done.json (attempts)
+    lock: Path | None = None  # deps/lock.json (pins)
+    data_summary: Path | None = None  # data/summary.json (data hashes)
+    rehearsal: Path | None = None  # rehearsal/rehearsal.json
+    report: Path | None = None  # report/index.html (linked from the card)
+
+
+def _read_json(path: Path, what: str) -> Any:
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ReleaseError(f"{path}: cannot read {what}: {exc}") from None
+
+
+def release_tags(cfg: Any) -> list[str]:
+    """``release.tags`` of a GPU run (none without training), each checked against the DAG:
+    ``selected`` needs rule eval_select (eval.select, data.heldout, checkpoint tags),
+    ``final`` needs eval.final. Raises :class:`ReleaseError` naming the key."""
+    from hy3rl.selection import candidate_tags
+
+    if not cfg.cluster.gpu:
+        return []
+    for tag in cfg.release.tags:
+        if tag == "selected" and not (cfg.eval.select and cfg.data.heldout
+                                      and candidate_tags(cfg)):
+            raise ReleaseError("release.tags: 'selected' needs eval.select and data.heldout "
+                               "set (rule eval_select picks the checkpoint); remove it or "
+                               "set them")
+        if tag == "final" and not cfg.eval.final:
+            raise ReleaseError("release.tags: 'final' needs eval.final true (a release must "
+                               "be the evaluated model); remove it or set eval.final")
+    return list(cfg.release.tags)
+
+
+def evaluated_tag(tag: str, selected: Path | None) -> str:
+    """The evaluation tag a release tag is of: ``final`` itself; ``selected`` the tag
+    eval/selected.json names (refused when nothing was selected, with its reason)."""
+    if tag == "final":
+        return "final"
+    if tag != "selected":
+        raise ReleaseError(f"release.tags: unknown tag {tag!r} ({', '.join(RELEASE_TAGS)})")
+    if selected is None:
+        raise ReleaseError("release tag 'selected' needs eval/selected.json (eval.select and "
+                           "data.heldout set)")
+    sel = (_read_json(selected, "the selection") or {}).get("selected") or {}
+    if not sel.get("tag"):
+        raise ReleaseError(f"{selected}: nothing was selected ({sel.get('reason')}): no "
+                           "'selected' release")
+    return str(sel["tag"])
+
+
+# --------------------------------------------------------------------------- staging
+
+
+def stage(source: Path, base: Path, staging: Path) -> dict[str, str]:
+    """Copy the checkpoint's weights and config and the base's tokenizer files into
+    ``staging`` (a new directory); returns file name -> where it came from."""
+    if not source.is_dir():
+        raise ReleaseError(f"{source}: the checkpoint's HF directory does not exist")
+    if not base.is_dir():
+        raise ReleaseError(f"{base}: the base model directory does not exist")
+    ckpt = sorted(p.name for p in source.iterdir()
+                  if p.is_file() and CHECKPOINT_FILES.match(p.name))
+    if "config.json" not in ckpt or not any(n.endswith(".safetensors") for n in ckpt):
+        raise ReleaseError(f"{source}: no config.json or no *.safetensors weight file (an "
+                           "empty or incomplete HF export)")
+    taken = sorted(p.name for p in base.iterdir() if p.is_file() and BASE_FILES.match(p.name))
+    staging.mkdir(parents=True)
+    origin = {}
+    for folder, names in ((source, ckpt), (base, taken)):
+        for name in names:
+            shutil.copy2(folder / name, staging / name)
+            origin[name] = str(folder / name)
+    return origin
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def _tokenizer_view(folder: Path) -> dict[str, Any]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    return {"vocab": tok.get_vocab(), "special": dict(tok.special_tokens_map),
+            "chat_template": tok.chat_template}
+
+
+def check_tokenizer(source: Path, base: Path) -> ck.CheckResult:
+    """The checkpoint's tokenizer (when its export carries one) against the base's: the
+    vocabulary (added tokens included), the special tokens, the chat template. The release
+    ships the base's files, so a model trained with another tokenizer is refused."""
+    name = "tokenizer"
+    own = sorted(p.name for p in source.iterdir() if BASE_FILES.match(p.name)
+                 and p.name.startswith(("tokenizer", "chat_template", "special_tokens",
+                                        "added_tokens", "vocab", "merges")))
+    if not own:
+        return ck.CheckResult(name, "pass", f"{source} carries no tokenizer; the base's is "
+                              "shipped")
+    try:
+        mine, theirs = _tokenizer_view(source), _tokenizer_view(base)
+    except Exception as exc:  # transformers raises many kinds for a broken tokenizer
+        return ck.CheckResult(name, "fail", f"{source}: its tokenizer does not load: {exc}",
+                              [f"{source} ({', '.join(own)}): {exc}"])
+    problems = []
+    where = ", ".join(f"{source}/{n}" for n in own)
+    vm, vb = mine["vocab"], theirs["vocab"]
+    diff = sorted({t for t in vm.keys() | vb.keys() if vm.get(t) != vb.get(t)})
+    if diff:
+        shown = ", ".join(f"{t!r}: {vm.get(t)} vs base {vb.get(t)}" for t in diff[:SHOWN])
+        problems.append(f"{where}: {len(diff)} vocabulary entries differ from the base's "
+                        f"({shown})")
+    if mine["special"] != theirs["special"]:
+        problems.append(f"{where}: special tokens {mine['special']} differ from the base's "
+                        f"{theirs['special']}")
+    if mine["chat_template"] != theirs["chat_template"]:
+        problems.append(f"{where}: the chat template differs from the base's")
+    return ck._check(name, problems, f"{source}'s tokenizer ({', '.join(own)}) is the base's: "
+                     f"{len(vb)} tokens, special tokens and chat template equal",
+                     f"the checkpoint's tokenizer differs from the base's {base}")
+
+
+def headers(folder: Path, threads: int) -> tuple[ck.State, list[ck.CheckResult]]:
+    """hy3rl.checkpoint's header-only checks of ``folder``: index, headers, index_vs_shards."""
+    st = ck.State(folder.resolve())
+    results = [ck.check_index(st), ck.check_headers(st, threads), ck.check_index_vs_shards(st)]
+    return st, results
+
+
+def check_inventory(base: dict[str, ck.TensorInfo], rel: dict[str, ck.TensorInfo],
+                    base_dir: Path) -> ck.CheckResult:
+    """The release's tensors against the base's: the same names, shapes and dtypes."""
+    problems = []
+    for n in sorted(base.keys() - rel.keys()):
+        problems.append(f"missing tensor {n} ({base[n].dtype}{list(base[n].shape)} in the "
+                        f"base's {base[n].shard})")
+    for n in sorted(rel.keys() - base.keys()):
+        problems.append(f"extra tensor {n} in {rel[n].shard} (the base {base_dir} has none)")
+    for n in sorted(base.keys() & rel.keys()):
+        a, b = base[n], rel[n]
+        if (a.dtype, a.shape) != (b.dtype, b.shape):
+            problems.append(f"{n} in {b.shard}: {b.dtype}{list(b.shape)}, the base's is "
+                            f"{a.dtype}{list(a.shape)}")
+    if not base:
+        problems.append(f"{base_dir}: no tensor read from the base's headers")
+    return ck._check("inventory", problems,
+                     f"{len(rel)} tensors: the base's names, shapes and dtypes",
+                     f"{len(problems)} tensors missing, extra or unlike the base's")
+
+
+def bias_update_rate(plan: Path | None) -> tuple[float | None, str]:
+    """The plan's moe_router_bias_update_rate (None: not recorded) and where it was read."""
+    if plan is None:
+        return None, "no training plan given"
+    entry = ((_read_json(plan, "the training plan") or {}).get("resolved") or {}).get(BIAS_RATE_KEY)
+    if not isinstance(entry, dict) or entry.get("value") is None:
+        return None, f"{plan} resolves no {BIAS_RATE_KEY}"
+    try:
+        return float(entry["value"]), f"{plan}: {BIAS_RATE_KEY}={entry['value']}"
+    except (TypeError, ValueError):
+        raise ReleaseError(f"{plan}: {BIAS_RATE_KEY} is {entry['value']!r}, not a number") from None
+
+
+def check_fixed(base_dir: Path, rel_dir: Path, base: dict[str, ck.TensorInfo],
+                rel: dict[str, ck.TensorInfo], rate: float | None, why: str) -> ck.CheckResult:
+    """Tensor by tensor (one at a time, safetensors), bitwise: at update rate 0 the fixed
+    tensors (the expert bias) equal the base's; some trained tensor differs from the base's
+    (a release of unchanged weights is no trained model). Tensors of unlike shape or dtype
+    are left to ``inventory``."""
+    from safetensors import safe_open
+
+    from hy3rl.rehearsal import FIXED_TENSOR, tensor_bits
+
+    name = "fixed_tensors"
+    if not rel:
+        return ck.CheckResult(name, "not run", "not run: no readable tensor (see headers)")
+    fixed_required = rate == 0
+    problems: list[str] = []
+    moved_fixed, fixed, changed, trained = [], 0, 0, 0
+    with ExitStack() as stack:
+        handles: dict[Path, Any] = {}
+
+        def tensor(folder: Path, info: ck.TensorInfo) -> Any:
+            path = folder / info.shard
+            if path not in handles:
+                handles[path] = stack.enter_context(safe_open(path, framework="pt"))
+            return handles[path].get_tensor(info.name)
+
+        for n in sorted(base.keys() & rel.keys()):
+            a, b = base[n], rel[n]
+            if (a.dtype, a.shape) != (b.dtype, b.shape):
+                continue
+            differ = int((tensor_bits(tensor(base_dir, a))
+                          != tensor_bits(tensor(rel_dir, b))).sum())
+            if FIXED_TENSOR.search(n):
+                fixed += 1
+                if differ:
+                    moved_fixed.append(f"{n} in {b.shard}: {differ} of "
+                                       f"{b.shape[0] if b.shape else 1} elements differ from "
+                                       "the base's")
+            else:
+                trained += 1
+                changed += bool(differ)
+    if fixed_required:
+        problems += [f"{m} (fixed: expert bias at update rate 0)" for m in moved_fixed]
+        if not fixed:
+            problems.append("no expert bias (mlp.expert_bias / e_score_correction_bias) to "
+                            "compare")
+    if trained and not changed:
+        problems.append(f"none of {trained} trained tensors differs from the base's: the "
+                        "release holds the base's weights")
+    bias = (f"{fixed - len(moved_fixed)} of {fixed} expert biases bit-identical to the base "
+            f"({why})" if fixed_required else
+            f"expert biases not required fixed ({why}); {len(moved_fixed)} of {fixed} moved")
+    summary = f"{bias}; {changed} of {trained} trained tensors changed"
+    return ck._check(name, problems, summary, summary)
+
+
+def check_generates(folder: Path, val: Path, cfg: Any) -> tuple[ck.CheckResult, list[dict]]:
+    """The release, loaded from its own directory with the evaluation's transformers backend
+    (eval.transformers), answers ``release.problems`` problems of ``val`` greedily."""
+    from hy3rl.evaluate import (
+        Sampling,
+        TransformersBackend,
+        build_requests,
+        load_problems,
+        render_prompts,
+    )
+
+    name = "generates"
+    if cfg.eval.backend != "transformers":
+        return ck.CheckResult(name, "not run", "not run: eval.backend is vllm and no vLLM load "
+                              "of a release is built yet (the transformers backend holds one "
+                              "device)"), []
+    rc = cfg.release
+    sampling = Sampling(preset="greedy", temperature=0.0, top_p=1.0, n_samples=1,
+                        max_tokens=rc.max_tokens, seed=cfg.eval.seed, num_problems=rc.problems)
+    try:
+        problems = load_problems(val, rc.problems)
+        be = TransformersBackend(str(folder), device=cfg.eval.transformers.device,
+                                 dtype=cfg.eval.transformers.dtype)
+        requests = build_requests(problems, render_prompts(be.tokenizer, problems), sampling)
+        records = be.generate(requests, sampling)
+    except Exception as exc:  # a model that does not load or run: the check's failure
+        msg = f"{folder}: does not load or generate: {type(exc).__name__}: {exc}"
+        return ck.CheckResult(name, "fail", msg, [msg]), []
+    truth = {p.problem_id: p.ground_truth for p in problems}
+    answers = [{"problem_id": r.problem_id, "ground_truth": truth[r.problem_id],
+                "response": r.response, "num_tokens": r.num_tokens,
+                "finish_reason": r.finish_reason} for r in records]
+    empty = [a["problem_id"] for a in answers if not a["num_tokens"]]
+    bad = [f"problem {p}: no token generated" for p in empty]
+    return ck._check(name, bad, f"loaded from {folder} ({be.settings()}), {len(answers)} "
+                     f"greedy answers of at most {rc.max_tokens} tokens",
+                     "generated nothing"), answers
+
+
+def file_manifest(folder: Path, threads: int) -> dict[str, dict[str, Any]]:
+    """Every file of ``folder``: size and sha256 (hy3rl.hub.hash_files)."""
+    from hy3rl.hub import hash_files, list_files
+
+    files = [folder / rel for rel in list_files(folder)]
+    got = hash_files([(f, "sha256") for f in files], threads, progress=False,
+                     desc="hashing the release")
+    return {f.relative_to(folder).as_posix(): {"size": f.stat().st_size, "sha256": got[f]}
+            for f in files}
+
+
+def check_evaluated(manifest: dict[str, dict[str, Any]], samples_meta: Path) -> ck.CheckResult:
+    """The release's weight files against those the evaluation loaded (samples.meta.json
+    ``weights``), file for file."""
+    name = "evaluated"
+    meta = _read_json(samples_meta, "the evaluation's samples meta")
+    loaded = meta.get("weights") if isinstance(meta, dict) else None
+    if not isinstance(loaded, dict) or not loaded:
+        msg = (f"{samples_meta}: records no 'weights' (the sha256 of the files the evaluation "
+               "loaded): evaluate the tag again")
+        return ck.CheckResult(name, "fail", msg, [msg])
+    if meta.get("status") != "complete":
+        msg = f"{samples_meta}: status {meta.get('status')!r}, not 'complete'"
+        return ck.CheckResult(name, "fail", msg, [msg])
+    mine = {k: v["sha256"] for k, v in manifest.items() if k.endswith(".safetensors")}
+    problems = []
+    for f in sorted(mine.keys() | loaded.keys()):
+        if f not in loaded:
+            problems.append(f"{f}: in the release, not among the files evaluated "
+                            f"({samples_meta})")
+        elif f not in mine:
+            problems.append(f"{f}: evaluated ({samples_meta}), not in the release")
+        elif mine[f] != loaded[f]:
+            problems.append(f"{f}: sha256 {mine[f]} in the release, {loaded[f]} evaluated "
+                            f"({samples_meta})")
+    return ck._check(name, problems, f"{len(mine)} weight files equal those evaluated "
+                     f"({samples_meta}, model {meta.get('model_path')})",
+                     f"{len(problems)} weight files differ from those evaluated")
+
+
+# --------------------------------------------------------------------------- the card
+
+
+def _opt_json(path: Path | None, what: str) -> Any:
+    return _read_json(path, what) if path is not None and Path(path).exists() else None
+
+
+def _base_card_data(base: Path) -> dict[str, Any]:
+    from huggingface_hub import ModelCard
+
+    readme = base / CARD
+    if not readme.is_file():
+        return {}
+    try:
+        return ModelCard.load(readme).data.to_dict()
+    except Exception as exc:  # a base card that does not parse: its license is unknown
+        raise ReleaseError(f"{readme}: the base's model card does not parse: {exc}") from None
+
+
+def card_data(cfg: Any, tag: str, eval_tag: str, step: int | None, rec: Records,
+              base: Path) -> tuple[Any, dict[str, Any]]:
+    """The card's metadata (huggingface_hub.ModelCardData) and the values of its text."""
+    from huggingface_hub import EvalResult, ModelCardData
+
+    summary = _read_json(rec.summary, "the evaluation summary")
+    selected = _opt_json(rec.selected, "the selection")
+    grader = cfg.eval.select.grader if cfg.eval.select else "math_dapo"
+    rows = {r["tag"]: r for r in summary.get("rows", [])}
+    roles = [("base", "base"), ("final", "final")]
+    if selected and (selected.get("selected") or {}).get("tag"):
+        roles.insert(1, ("selected", selected["selected"]["tag"]))
+    table = []
+    for role, t in roles:
+        r = rows.get(t)
+        if r is None:
+            continue
+        ci = r.get(f"{grader}_ci") or [None, None]
+        table.append({"role": role, "tag": t, "n": r.get("n"), "avg": r.get(f"{grader}_avg"),
+                      "low": ci[0], "high": ci[1]})
+    own = rows.get(eval_tag)
+    if own is None or own.get(f"{grader}_avg") is None:
+        raise ReleaseError(f"{rec.summary}: no {grader} result of tag {eval_tag} (the model "
+                           "released): its evaluation must finish first")
+    n = own.get("n")
+    data_cfg = cfg.data
+    val_name = data_cfg.val.source
+    metric = f"avg@{n}"
+    results = []
+    ci = own.get(f"{grader}_ci") or [None, None]
+    for kind, value in (("", own[f"{grader}_avg"]), ("_ci_low", ci[0]), ("_ci_high", ci[1])):
+        if value is None:
+            continue
+        results.append(EvalResult(
+            task_type="text-generation", task_name="AIME-2024 (math)", dataset_type=val_name,
+            dataset_name="AIME-2024", dataset_split="train", metric_type=f"{metric}{kind}",
+            metric_value=float(value),
+            metric_name=f"{grader} {metric}" + (f" ({kind[4:]} end of the "
+                                                 f"{cfg.eval.bootstrap.level:.0%} problem "
+                                                 "bootstrap interval)" if kind else ""),
+            ))
+    if selected and tag == "selected":
+        sel = selected["selected"]
+        rule = selected.get("rule") or {}
+        results.append(EvalResult(
+            task_type="text-generation", task_name="held-out selection",
+            dataset_type=str(rule.get("set") or "heldout"), dataset_name="held-out set",
+            metric_type=str(rule.get("key") or "selection"), metric_value=float(sel["value"]),
+            metric_name=f"held-out {rule.get('key')} (the selection rule)",
+            ))
+    base_data = _base_card_data(base)
+    hub_base = not cfg.model.is_local
+    datasets = [s for s in (data_cfg.train.source, val_name) if s and "/" in s
+                and not Path(s).exists()]
+    data = ModelCardData(
+        base_model=cfg.model.source if hub_base else None,
+        datasets=datasets or None,
+        license=base_data.get("license"),
+        license_name=base_data.get("license_name"),
+        license_link=base_data.get("license_link"),
+        library_name="transformers",
+        pipeline_tag="text-generation",
+        tags=["hy3", "grpo", "verl", "reinforcement-learning", "math"],
+        model_name=f"{cfg.run.name}-{tag}",
+        eval_results=results,
+        base_model_revision=cfg.model.revision if hub_base else None,
+    )
+    values = {"table": table, "grader": grader, "metric": metric, "selected": selected,
+              "step": step, "hub_base": hub_base, "level": cfg.eval.bootstrap.level}
+    return data, values
+
+
+CARD_TEMPLATE = """---
+{{ card_data }}
+---
+
+# {{ run }} ({{ tag }})
+
+{{ what }}, trained from {{ base }} with GRPO (verl) by the hy3rl workflow, and
+released by it with every check passed (`release/{{ tag }}/checks.json` of the run).
+This card is written from the run's records; nothing in it is typed by hand.
+
+## Evaluation: AIME-2024, {{ grader }} {{ metric }}
+
+| model | tag | step | {{ metric }} | {{ level_pct }} problem-bootstrap interval |
+|---|---|---|---|---|
+{% for r in table -%}
+| {{ r.role }} | {{ r.tag }} | {{ r.step_s }} | {{ r.avg_s }} | {{ r.ci_s }} |
+{% endfor %}
+{% if selection %}
+**Selection.** {{ selection }}
+{% endif %}
+## Loading
+
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+model = AutoModelForCausalLM.from_pretrained("<this directory>", dtype="auto")
+tokenizer = AutoTokenizer.from_pretrained("<this directory>")
+```
+or `vllm serve <this directory>`. The tokenizer, chat template and generation config are
+the base model's.
+
+## Recipe
+
+{% if recipe %}The training plan's resolved verl values (`train/launch/plan.json`):
+
+<details><summary>{{ recipe|length }} values</summary>
+
+| key | value |
+|---|---|
+{% for k, v in recipe -%}
+| `{{ k }}` | `{{ v }}` |
+{% endfor %}
+</details>
+{% else %}No training plan was recorded.{% endif %}
+
+## Provenance
+
+{% for line in provenance -%}
+- {{ line }}
+{% endfor %}
+"""
+
+
+def _fmt(x: Any, missing: str = "n/a") -> str:
+    return missing if x is None else f"{x:.4f}" if isinstance(x, float) else str(x)
+
+
+def provenance_lines(rec: Records, cfg: Any) -> list[str]:
+    """Pins, data hashes, runtime identity, attempts, health and rehearsal, the report."""
+    lines = []
+    lock = _opt_json(rec.lock, "the deps lock")
+    if lock:
+        pins = ", ".join(f"{n} {r.get('commit')}" for n, r in (lock.get("repos") or {}).items())
+        lines.append(f"Pinned sources: {pins}.")
+    data = _opt_json(rec.data_summary, "the data summary")
+    if data:
+        hashes = []
+        for split, s in (data.get("splits") or data.get("outputs") or {}).items():
+            if isinstance(s, dict) and s.get("sha256"):
+                hashes.append(f"{split} sha256 {s['sha256']}")
+        lines.append("Data: " + ("; ".join(hashes) if hashes else f"see {rec.data_summary}")
+                     + ".")
+    plan = _opt_json(rec.plan, "the training plan")
+    if plan:
+        ident = ((plan.get("identity") or {}).get("trajectory") or {}).get("id")
+        lines.append(f"Run identity (the trajectory of the training plan): {ident}.")
+    done = _opt_json(rec.train_done, "the train sentinel")
+    if done:
+        lines.append(f"Training: final step {done.get('final_step')} of "
+                     f"{done.get('total_training_steps')}, {len(done.get('attempts') or [])} "
+                     f"attempt(s), {done.get('steps_lost_total')} step(s) lost to failures.")
+        health = done.get("health") or {}
+        if health:
+            lines.append(f"Training health: {json.dumps(health, sort_keys=True)[:300]}.")
+    reh = _opt_json(rec.rehearsal, "the rehearsal record")
+    if reh:
+        lines.append(f"Rehearsal: {reh.get('counts') or reh.get('status') or 'passed'} "
+                     f"({rec.rehearsal}).")
+    lines.append(f"Model: {cfg.model.source}" + (f" at revision {cfg.model.revision}"
+                                                  if cfg.model.revision else "") + ".")
+    if rec.report is not None:
+        lines.append(f"Report: {rec.report} (the run's HTML report).")
+    return lines
+
+
+def write_card(folder: Path, cfg: Any, tag: str, eval_tag: str, step: int | None,
+               rec: Records, base: Path) -> ck.CheckResult:
+    """Write README.md into ``folder`` and check that it parses (huggingface_hub.ModelCard)
+    with the metadata it was written with (model-index results included)."""
+    from huggingface_hub import ModelCard
+
+    data, v = card_data(cfg, tag, eval_tag, step, rec, base)
+    sel = v["selected"]
+    selection = None
+    if sel and (sel.get("selected") or {}).get("tag"):
+        rule = sel.get("rule") or {}
+        selection = (f"{sel['selected']['tag']} was picked by the rule fixed before training "
+                     f"({rule.get('key')} on the held-out set {rule.get('set')}, tie: "
+                     f"{rule.get('tie')}): {sel['selected'].get('reason')}. "
+                     f"{sel.get('verdict') or ''}")
+    steps = {r["tag"]: r.get("step") for r in ((sel or {}).get("test") or {}).get("rows", [])}
+    table = [{**r, "step_s": _fmt(steps.get(r["tag"], step if r["tag"] == eval_tag else None),
+                                  "-"),
+              "avg_s": _fmt(r["avg"]),
+              "ci_s": "n/a" if r["low"] is None else f"[{_fmt(r['low'])}, {_fmt(r['high'])}]"}
+             for r in v["table"]]
+    plan = _opt_json(rec.plan, "the training plan") or {}
+    recipe = [(k, e.get("value") if isinstance(e, dict) else e)
+              for k, e in sorted((plan.get("resolved") or {}).items())]
+    what = ("The checkpoint selected on the held-out set" if tag == "selected"
+            else "The final checkpoint")
+    from jinja2 import Template
+
+    text = Template(CARD_TEMPLATE, keep_trailing_newline=True).render(
+        card_data=data.to_yaml(), run=cfg.run.name, tag=tag,
+        what=f"{what} ({eval_tag}, step {step})", base=cfg.model.source, grader=v["grader"],
+        metric=v["metric"], level_pct=f"{v['level']:.0%}", table=table, selection=selection,
+        recipe=recipe, provenance=provenance_lines(rec, cfg))
+    path = folder / CARD
+    write_text_atomic(path, text)
+    try:
+        parsed = ModelCard(path.read_text(), ignore_metadata_errors=False)
+    except Exception as exc:  # huggingface_hub raises ValueError or yaml's errors
+        msg = f"{path}: does not parse as a model card: {exc}"
+        return ck.CheckResult("card", "fail", msg, [msg])
+    problems = []
+    want, got = data.to_dict(), parsed.data.to_dict()
+    for key in sorted(want.keys() | got.keys()):
+        if want.get(key) != got.get(key):
+            problems.append(f"{path}: metadata {key!r} reads back as {got.get(key)!r}, written "
+                            f"{want.get(key)!r}")
+    if not parsed.data.eval_results:
+        problems.append(f"{path}: no evaluation results (model-index) in its metadata")
+    return ck._check("card", problems, f"{path.name} parses (huggingface_hub ModelCard), "
+                     f"{len(parsed.data.eval_results or [])} evaluation results",
+                     f"{path.name}: metadata does not read back")
+
+
+# --------------------------------------------------------------------------- the stage
+
+
+def _clear_leftovers(dest: Path) -> None:
+    """Temporary directories of earlier release jobs of ``dest`` (killed or refused)."""
+    for p in dest.parent.glob(f".{dest.name}.*"):
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def build(cfg: Any, layout: Any, tag: str, rec: Records, *, threads: int) -> dict[str, Any]:
+    """Release ``tag`` (docs/formats/release.md): stage, check, and only when no check
+    failed rename the directory into place and write release.json. Raises
+    :class:`ReleaseFailed` (checks.json written, the staging directory removed) or
+    :class:`ReleaseError` (bad input)."""
+    from hy3rl.evaluate import checkpoint_step, model_for_tag
+
+    t0 = time.monotonic()
+    eval_tag = evaluated_tag(tag, rec.selected)
+    samples_meta = rec.samples_meta or Path(layout.eval_samples_meta(eval_tag))
+    source = Path(model_for_tag(cfg, eval_tag, rec.train_done)).resolve()
+    step = checkpoint_step(str(source))
+    base = Path(cfg.model.path).resolve()
+    dest = layout.release_model(tag)
+    checks_path = Path(layout.release_checks(tag))
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    _clear_leftovers(dest)
+    checks_path.unlink(missing_ok=True)  # an earlier job's checks never stand for this one
+    staging = dest.parent / f".{dest.name}.partial-{os.getpid()}"
+    try:
+        origin = stage(source, base, staging)
+        rate, why = bias_update_rate(rec.plan)
+        base_st, base_results = headers(base, threads)
+        bad_base = [r for r in base_results if r.status != "pass"]
+        if bad_base:
+            raise ReleaseError(f"{base}: the base model's headers do not read: "
+                               + "; ".join(r.details for r in bad_base))
+        st, results = headers(staging, threads)
+        results.insert(0, check_tokenizer(source, base))
+        results.append(check_inventory(base_st.tensors, st.tensors, base))
+        results.append(check_fixed(base, staging, base_st.tensors, st.tensors, rate, why))
+        gen, answers = check_generates(staging, rec.val, cfg)
+        results.append(gen)
+        results.append(write_card(staging, cfg, tag, eval_tag, step, rec, base))
+        manifest = file_manifest(staging, threads)  # every file's sha256, for release.json
+        results.append(check_evaluated(manifest, samples_meta))
+        extra = {"tag": tag, "evaluated_tag": eval_tag, "step": step, "source": str(source),
+                 "base": str(base), "dir": str(dest),
+                 "size": {"files": len(manifest),
+                          "bytes": sum(f["size"] for f in manifest.values())}}
+        doc = ck.write_report(checks_path, results, extra)
+        print("\n".join(ck.summary_lines(results)), flush=True)
+        if not doc["ok"]:
+            raise ReleaseFailed(ck.failure_message(doc, f"release {tag} of {source}",
+                                                   checks_path)
+                                + f"; nothing was released to {dest}")
+        old = dest.parent / f".{dest.name}.old-{os.getpid()}"
+        if dest.exists():
+            os.replace(dest, old)
+        os.replace(staging, dest)
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    record = {"schema_version": 1, "created": utc_now(), **extra,
+              "samples_meta": str(samples_meta), "origin": origin, "files": manifest,
+              "generated": answers, "checks": str(checks_path), "counts": doc["counts"],
+              "seconds": round(time.monotonic() - t0, 2)}
+    write_json_atomic(Path(layout.release_record(tag)), record)
+    print(f"release {tag}: {eval_tag} (step {step}) -> {dest}", flush=True)
+    return record
+
+
+def run(cfg: Any, tag: str, *, inputs: Any, out: Path, threads: int) -> dict[str, Any]:
+    """Rule release_model (scripts/adapters/release.py): :func:`build` of ``tag`` from the
+    rule's named ``inputs`` (a mapping: val, summary, and what the run has of selected,
+    plan, train_done, lock, data_summary, rehearsal); ``out`` is the layout's release.json."""
+    from hy3rl.layout import Layout
+
+    layout = Layout.from_config(cfg)
+    if Path(out) != Path(layout.release_record(tag)):
+        raise ReleaseError(f"{out}: not the layout's release record of {tag} "
+                           f"({layout.release_record(tag)})")
+
+    def opt(key: str) -> Path | None:
+        return Path(inputs[key]) if key in inputs else None
+
+    rec = Records(val=Path(inputs["val"]), summary=Path(inputs["summary"]),
+                  plan=opt("plan"), selected=opt("selected"), train_done=opt("train_done"),
+                  lock=opt("lock"), data_summary=opt("data_summary"),
+                  rehearsal=opt("rehearsal"), report=Path(layout.report_html))
+    return build(cfg, layout, tag, rec, threads=threads)

@@ -1,0 +1,356 @@
+"""Rule release (hy3rl.release) on real files: the session's tiny Hy3 as the base, copies of
+it as checkpoints "trained" (one tensor changed) in verl's layout, evaluated by the real
+hy3rl.evaluate.run (whose samples.meta.json records the weights' sha256). A good release
+passes every check and its card parses; each bad input fails its check by name and leaves
+nothing that looks like a release."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+from fixtures.checkpoint import rewrite_checkpoint
+from fixtures.common import make_config
+from fixtures.eval import make_val_parquet
+from hy3rl import evaluate, release
+from hy3rl.layout import Layout
+
+RUN = "rel"
+TRAINED = "model.layers.1.mlp.experts.0.up_proj.weight"
+BIAS = "model.layers.1.mlp.expert_bias"
+
+
+def _cfg(root: Path, base: Path, model: dict | None = None, **release_cfg):
+    return make_config(
+        run={"name": RUN, "results_root": str(root / "results")},
+        train={"checkpoint_root": str(root / "ckpt")},
+        cluster={"gpu": True},
+        model=model or {"source": str(base)},
+        eval={"num_problems": 1, "n_samples": 1, "max_tokens": 2, "steps": [2]},
+        release={"dir": str(root / "released"), "max_tokens": 4, "threads": 2, **release_cfg},
+    )
+
+
+def _train(hf: Path, base: Path, name: str, delta: float) -> None:
+    """A "trained" export of ``base``: ``name`` moved by ``delta``, every other tensor kept."""
+    shutil.copytree(base, hf)
+    rewrite_checkpoint(hf, lambda t: {**t, name: (t[name].float() + delta).to(t[name].dtype)})
+
+
+@pytest.fixture(scope="module")
+def run_template(tmp_path_factory, tiny_hy3_dir) -> Path:
+    """A run's files as rule release reads them: checkpoints of steps 2 and 3 (final),
+    evaluated by hy3rl.evaluate.run; summary, selection (step 2), plan (bias update rate 0),
+    train sentinel. Tests copy it (run_copy) before changing anything."""
+    root = tmp_path_factory.mktemp("release-run")
+    cfg = _cfg(root, tiny_hy3_dir)
+    layout = Layout.from_config(cfg)
+    val = make_val_parquet(Path(layout.data_val), n_problems=3)
+    for step, delta in ((2, 0.25), (3, 0.5)):
+        _train(layout.checkpoint_hf_model(step), tiny_hy3_dir, TRAINED, delta)
+    rows = []
+    for tag, step in (("base", None), ("step2", 2), ("final", 3)):
+        if step is not None:  # the released tags' generations (base's: its summary row)
+            evaluate.run(cfg.eval, tag=tag, model=layout.checkpoint_hf_model(step), val=val,
+                         samples=Path(layout.eval_samples(tag)),
+                         meta=Path(layout.eval_samples_meta(tag)))
+        rows.append({"tag": tag, "num_problems": 1, "n": 1, "math_dapo_avg": 0.25 * (step or 1),
+                     "math_dapo_ci": [0.0, 0.5 + 0.1 * (step or 0)]})
+    test_rows = [{**r, "role": role, "step": s} for r, role, s in
+                 zip(rows, ("base", "selected", "final"), (None, 2, 3), strict=True)]
+    selected = {"rule": {"set": "dapo_heldout", "key": "math_dapo avg@1", "tie": "earliest step"},
+                "selected": {"tag": "step2", "step": 2, "value": 0.75,
+                             "reason": "highest value 0.75"},
+                "test": {"rows": test_rows}, "verdict": "selected and final do not differ."}
+    files = {layout.eval_summary: {"tags": ["base", "step2", "final"], "rows": rows},
+             layout.eval_selected: selected,
+             layout.train_plan: {"resolved": {release.BIAS_RATE_KEY: {"value": 0.0},
+                                              "algorithm.adv_estimator": {"value": "grpo"}},
+                                 "identity": {"trajectory": {"id": "abc123"}}},
+             layout.train_done: {"final_step": 3, "total_training_steps": 3,
+                                 "attempts": [{"attempt": 1}], "steps_lost_total": 0}}
+    for path, doc in files.items():
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(doc))
+    return root
+
+
+@pytest.fixture
+def run_copy(run_template, tmp_path, tiny_hy3_dir):
+    """A private copy of the run: (cfg, layout, records(tag))."""
+    root = tmp_path / "run"
+    shutil.copytree(run_template, root)
+    cfg = _cfg(root, tiny_hy3_dir)
+    layout = Layout.from_config(cfg)
+
+    def records() -> release.Records:
+        return release.Records(
+            val=Path(layout.data_val), summary=Path(layout.eval_summary),
+            plan=Path(layout.train_plan), selected=Path(layout.eval_selected),
+            train_done=Path(layout.train_done))
+
+    return cfg, layout, records
+
+
+def _build(run_copy, tag: str = "final") -> dict:
+    cfg, layout, records = run_copy
+    return release.build(cfg, layout, tag, records(), threads=2)
+
+
+def _refused(run_copy, tag: str = "final") -> dict[str, dict]:
+    """Build, expect a refusal; return the failed checks by name, after asserting that
+    nothing release-looking is left (no directory, no temporary one, no release.json)."""
+    cfg, layout, _ = run_copy
+    with pytest.raises(release.ReleaseFailed) as exc:
+        _build(run_copy, tag)
+    dest = layout.release_model(tag)
+    assert not dest.exists()
+    assert not list(dest.parent.glob(f".{dest.name}*"))
+    assert not Path(layout.release_record(tag)).exists()
+    doc = json.loads(Path(layout.release_checks(tag)).read_text())
+    failed = {c["name"]: c for c in doc["checks"] if c["status"] == "fail"}
+    assert failed and doc["ok"] is False
+    for name in failed:
+        assert name in str(exc.value)
+    return failed
+
+
+def _problems(check: dict) -> str:
+    return "\n".join(check["problems"]) + check["details"]
+
+
+def test_good_release_passes_every_check_and_its_card_parses(run_copy, tiny_hy3_dir):
+    from huggingface_hub import ModelCard
+
+    cfg, layout, _ = run_copy
+    rec = _build(run_copy, "selected")
+    dest = layout.release_model("selected")
+    assert dest == (Path(cfg.release.dir) / RUN / "selected").resolve() and dest.is_dir()
+    doc = json.loads(Path(layout.release_checks("selected")).read_text())
+    assert {c["name"]: c["status"] for c in doc["checks"]} == {
+        n: "pass" for n in ("tokenizer", "index", "headers", "index_vs_shards", "inventory",
+                            "fixed_tensors", "generates", "card", "evaluated")}
+    assert doc["size"]["files"] == len(rec["files"]) == 10
+    assert rec["evaluated_tag"] == "step2" and rec["step"] == 2
+    # evaluate.run recorded the sha256 of each weight file it loaded; they are the release's
+    meta = json.loads(Path(layout.eval_samples_meta("step2")).read_text())
+    assert meta["weights"] == {k: v["sha256"] for k, v in rec["files"].items()
+                               if k.endswith(".safetensors")}
+    assert len(meta["weights"]) == 3
+    assert rec["source"].endswith("global_step_2/actor/model/huggingface")
+    # the weights and config of the checkpoint, the tokenizer files of the base
+    assert rec["origin"]["tokenizer.json"] == str(tiny_hy3_dir.resolve() / "tokenizer.json")
+    assert "global_step_2" in rec["origin"]["model-00001-of-00003.safetensors"]
+    assert "tiny-hy3.json" not in rec["files"] and "README.md" in rec["files"]
+    assert set(rec["files"]) == {p.name for p in dest.iterdir()}
+    assert [a["problem_id"] for a in rec["generated"]] == ["0", "1"]
+    assert all(1 <= a["num_tokens"] <= 4 for a in rec["generated"])
+    fixed = next(c for c in doc["checks"] if c["name"] == "fixed_tensors")
+    assert "3 of 3 expert biases bit-identical" in fixed["details"]  # 2 MoE layers + MTP
+    assert "1 of " in fixed["details"]  # one trained tensor changed
+    card = ModelCard.load(dest / "README.md")
+    assert card.data.library_name == "transformers" and card.data.model_name == "rel-selected"
+    results = {r.metric_type: r.metric_value for r in card.data.eval_results}
+    assert results == {"avg@1": 0.5, "avg@1_ci_low": 0.0, "avg@1_ci_high": 0.7,
+                       "math_dapo avg@1": 0.75}
+    assert "| selected | step2 | 2 | 0.5000 | [0.0000, 0.7000] |" in card.text
+    assert "| final | final | 3 | 0.7500 |" in card.text
+    assert "abc123" in card.text and "algorithm.adv_estimator" in card.text
+    assert not list(dest.parent.glob(".selected*"))
+
+
+def test_release_replaces_an_earlier_one_whole(run_copy):
+    """Through the rule's entry point (release.run, the rule's named inputs)."""
+    cfg, layout, _ = run_copy
+    dest = layout.release_model("final")
+    dest.mkdir(parents=True)
+    (dest / "stale.bin").write_text("old")
+    inputs = {"val": layout.data_val, "summary": layout.eval_summary,
+              "plan": layout.train_plan, "train_done": layout.train_done}
+    rec = release.run(cfg, "final", inputs=inputs, out=Path(layout.release_record("final")),
+                      threads=2)
+    assert json.loads(Path(layout.release_record("final")).read_text()) == rec
+    assert rec["samples_meta"] == layout.eval_samples_meta("final")
+    assert not (dest / "stale.bin").exists() and (dest / "README.md").is_file()
+    assert not list(dest.parent.glob(".final*"))
+
+
+def test_missing_expert_tensor_fails_inventory_by_name(run_copy):
+    cfg, layout, _ = run_copy
+    gone = "model.layers.2.mlp.experts.3.down_proj.weight"
+    rewrite_checkpoint(layout.checkpoint_hf_model(3),
+                       lambda t: {k: v for k, v in t.items() if k != gone})
+    failed = _refused(run_copy)
+    assert f"missing tensor {gone}" in _problems(failed["inventory"])
+
+
+def test_missing_shard_fails_the_index_by_name(run_copy):
+    cfg, layout, _ = run_copy
+    (layout.checkpoint_hf_model(3) / "model-00002-of-00003.safetensors").unlink()
+    failed = _refused(run_copy)
+    assert "shard model-00002-of-00003.safetensors is missing" in _problems(failed["index"])
+    assert "inventory" in failed
+
+
+def test_changed_byte_fails_evaluated_by_file(run_copy):
+    """One byte of a trained matrix changed after the evaluation: only the hashes see it."""
+    from hy3rl.checkpoint import read_header
+
+    cfg, layout, _ = run_copy
+    shard = layout.checkpoint_hf_model(3) / "model-00003-of-00003.safetensors"
+    info = next(t for t in read_header(shard).tensors.values() if len(t.shape) == 2)
+    with open(shard, "r+b") as fh:
+        (n,) = struct.unpack("<Q", fh.read(8))
+        fh.seek(8 + n + info.start + 1)
+        byte = fh.read(1)
+        fh.seek(-1, 1)
+        fh.write(bytes([byte[0] ^ 0x01]))
+    failed = _refused(run_copy)
+    assert set(failed) == {"evaluated"}
+    assert "model-00003-of-00003.safetensors: sha256" in _problems(failed["evaluated"])
+    assert "model-00001" not in _problems(failed["evaluated"])
+
+
+def test_weights_unlike_the_evaluated_ones_fail_by_file(run_copy, tiny_hy3_dir):
+    """The evaluation loaded other weights (the base's) than the release holds."""
+    cfg, layout, _ = run_copy
+    meta_path = Path(layout.eval_samples_meta("final"))
+    meta = json.loads(meta_path.read_text())
+    meta["weights"] = evaluate.weight_hashes(tiny_hy3_dir)
+    meta_path.write_text(json.dumps(meta))
+    failed = _refused(run_copy)
+    assert set(failed) == {"evaluated"}
+    text = _problems(failed["evaluated"])
+    # the trained tensor lives in one shard: only that file differs, and it is named
+    differing = [line for line in failed["evaluated"]["problems"] if "sha256" in line]
+    assert len(differing) == 1 and str(meta_path) in text
+
+
+def test_an_evaluation_without_recorded_weights_fails(run_copy):
+    cfg, layout, _ = run_copy
+    meta_path = Path(layout.eval_samples_meta("final"))
+    meta = json.loads(meta_path.read_text())
+    del meta["weights"]
+    meta_path.write_text(json.dumps(meta))
+    failed = _refused(run_copy)
+    assert "records no 'weights'" in _problems(failed["evaluated"])
+
+
+def test_changed_tokenizer_fails_by_file(run_copy):
+    cfg, layout, _ = run_copy
+    tok = layout.checkpoint_hf_model(3) / "tokenizer.json"
+    doc = json.loads(tok.read_text())
+    doc["added_tokens"].append({**doc["added_tokens"][-1], "id": 512, "content": "<|new|>"})
+    tok.write_text(json.dumps(doc))
+    failed = _refused(run_copy)
+    assert set(failed) == {"tokenizer"}
+    text = _problems(failed["tokenizer"])
+    assert str(tok.parent / "tokenizer.json") in text and "'<|new|>'" in text
+
+
+def test_moved_expert_bias_fails_fixed_tensors_by_name(run_copy):
+    cfg, layout, _ = run_copy
+    hf = layout.checkpoint_hf_model(3)
+    rewrite_checkpoint(hf, lambda t: {**t, BIAS: t[BIAS] + 1.0})
+    meta_path = Path(layout.eval_samples_meta("final"))  # evaluated as it is now
+    meta = json.loads(meta_path.read_text())
+    meta["weights"] = evaluate.weight_hashes(hf)
+    meta_path.write_text(json.dumps(meta))
+    failed = _refused(run_copy)
+    assert set(failed) == {"fixed_tensors"}
+    assert f"{BIAS} in " in _problems(failed["fixed_tensors"])
+
+
+def test_the_base_released_as_trained_fails_fixed_tensors(run_copy, tiny_hy3_dir):
+    cfg, layout, _ = run_copy
+    hf = layout.checkpoint_hf_model(3)
+    shutil.rmtree(hf)
+    shutil.copytree(tiny_hy3_dir, hf)
+    failed = _refused(run_copy)
+    assert "none of" in _problems(failed["fixed_tensors"])
+    assert "the release holds the base's weights" in _problems(failed["fixed_tensors"])
+
+
+def test_a_model_that_does_not_load_fails_generates(run_copy):
+    cfg, layout, _ = run_copy
+    conf = layout.checkpoint_hf_model(3) / "config.json"
+    doc = json.loads(conf.read_text())
+    doc["hidden_act"] = "no_such_activation"
+    conf.write_text(json.dumps(doc))
+    failed = _refused(run_copy)
+    assert set(failed) == {"generates"}
+    assert "does not load or generate" in _problems(failed["generates"])
+
+
+def test_a_card_whose_metadata_breaks_fails_card(run_copy, monkeypatch):
+    """A template that corrupts the front matter: the card check reads it back and fails."""
+    monkeypatch.setattr(release, "CARD_TEMPLATE",
+                        release.CARD_TEMPLATE.replace("{{ card_data }}",
+                                                      "{{ card_data }}\nlicense: [unclosed"))
+    failed = _refused(run_copy)
+    assert set(failed) == {"card"}
+    assert "README.md" in _problems(failed["card"])
+
+
+def test_an_empty_export_is_refused_before_any_check(run_copy):
+    cfg, layout, records = run_copy
+    hf = layout.checkpoint_hf_model(3)
+    shutil.rmtree(hf)
+    hf.mkdir()
+    with pytest.raises(release.ReleaseError, match="no config.json or no"):
+        _build(run_copy)
+    dest = layout.release_model("final")
+    assert not dest.exists() and not list(dest.parent.glob(".final*"))
+
+
+def test_nothing_selected_is_refused_with_the_reason(run_copy):
+    cfg, layout, _ = run_copy
+    path = Path(layout.eval_selected)
+    doc = json.loads(path.read_text())
+    doc["selected"] = {"tag": None, "reason": "no candidate has a held-out result"}
+    path.write_text(json.dumps(doc))
+    with pytest.raises(release.ReleaseError, match="no candidate has a held-out result"):
+        _build(run_copy, "selected")
+
+
+@pytest.mark.parametrize(("sections", "key"), [
+    ({"eval": {"steps": [2], "select": None}}, "'selected' needs eval.select"),
+    ({"eval": {"steps": [2], "final": False}, "release": {"tags": ["final"]}},
+     "'final' needs eval.final"),
+])
+def test_a_release_tag_without_its_evaluation_is_refused_by_key(sections, key):
+    cfg = make_config(cluster={"gpu": True}, **sections)
+    with pytest.raises(release.ReleaseError, match=key):
+        release.release_tags(cfg)
+
+
+def test_release_tags_of_the_default_and_of_a_gpu_run():
+    assert release.release_tags(make_config()) == []  # no training, no release
+    assert release.release_tags(make_config(cluster={"gpu": True}, eval={"steps": [2]})) == \
+        ["selected", "final"]
+
+
+def test_the_card_names_a_hub_base_at_its_revision_with_the_base_license(run_copy, tmp_path,
+                                                                           tiny_hy3_dir):
+    """A hub base (model.source a repo id, downloaded to model.dir) whose own card states a
+    license: the release's card names the repo and revision and carries the license."""
+    from huggingface_hub import ModelCard
+
+    _, layout, records = run_copy
+    base = tmp_path / "hub-base"
+    shutil.copytree(tiny_hy3_dir, base)
+    (base / "README.md").write_text("---\nlicense: other\nlicense_name: hy3-license\n"
+                                    "license_link: LICENSE\n---\n# base\n")
+    (base / "LICENSE").write_text("the base's license text\n")
+    cfg = _cfg(tmp_path / "run", base,
+               model={"source": "tencent/Hy3", "revision": "a" * 40, "dir": str(base)})
+    rec = release.build(cfg, layout, "final", records(), threads=2)
+    dest = Path(rec["dir"])
+    data = ModelCard.load(dest / "README.md").data
+    assert (data.base_model, data.base_model_revision) == ("tencent/Hy3", "a" * 40)
+    assert (data.license, data.license_name, data.license_link) == \
+        ("other", "hy3-license", "LICENSE")
+    assert (dest / "LICENSE").read_text() == "the base's license text\n"
