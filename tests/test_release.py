@@ -317,7 +317,10 @@ def test_nothing_selected_is_refused_with_the_reason(run_copy):
 
 
 @pytest.mark.parametrize(("sections", "key"), [
-    ({"eval": {"steps": [2], "select": None}}, "'selected' needs eval.select"),
+    ({"eval": {"steps": [2], "select": None}, "release": {"tags": ["selected", "final"]}},
+     "'selected' needs eval.select"),
+    ({"data": {"heldout": None}, "eval": {"steps": [2]}, "release": {"tags": ["selected"]}},
+     "'selected' needs eval.select and data.heldout"),
     ({"eval": {"steps": [2], "final": False}, "release": {"tags": ["final"]}},
      "'final' needs eval.final"),
 ])
@@ -331,6 +334,14 @@ def test_release_tags_of_the_default_and_of_a_gpu_run():
     assert release.release_tags(make_config()) == []  # no training, no release
     assert release.release_tags(make_config(cluster={"gpu": True}, eval={"steps": [2]})) == \
         ["selected", "final"]
+    # Unset, the tags are what the DAG evaluates: no selection without eval.select (a run
+    # without a held-out set is not refused), no final without eval.final; [] is none.
+    assert release.release_tags(make_config(cluster={"gpu": True}, eval={
+        "steps": [2], "select": None})) == ["final"]
+    assert release.release_tags(make_config(cluster={"gpu": True}, eval={
+        "steps": [2], "select": None, "final": False})) == []
+    assert release.release_tags(make_config(cluster={"gpu": True}, eval={"steps": [2]},
+                                            release={"tags": []})) == []
 
 
 def test_the_card_names_a_hub_base_at_its_revision_with_the_base_license(run_copy, tmp_path,

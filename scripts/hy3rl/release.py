@@ -93,14 +93,18 @@ def _read_json(path: Path, what: str) -> Any:
 def release_tags(cfg: Any) -> list[str]:
     """``release.tags`` of a GPU run (none without training), each checked against the DAG:
     ``selected`` needs rule eval_select (eval.select, data.heldout, checkpoint tags),
-    ``final`` needs eval.final. Raises :class:`ReleaseError` naming the key."""
+    ``final`` needs eval.final. Raises :class:`ReleaseError` naming the key. Unset (null):
+    the tags whose evaluation the DAG has, none refused."""
     from hy3rl.selection import candidate_tags
 
     if not cfg.cluster.gpu:
         return []
+    selectable = bool(cfg.eval.select and cfg.data.heldout and candidate_tags(cfg))
+    if cfg.release.tags is None:  # the default: what the DAG evaluates, nothing refused
+        return [tag for tag, evaluated in (("selected", selectable),
+                                           ("final", bool(cfg.eval.final))) if evaluated]
     for tag in cfg.release.tags:
-        if tag == "selected" and not (cfg.eval.select and cfg.data.heldout
-                                      and candidate_tags(cfg)):
+        if tag == "selected" and not selectable:
             raise ReleaseError("release.tags: 'selected' needs eval.select and data.heldout "
                                "set (rule eval_select picks the checkpoint); remove it or "
                                "set them")

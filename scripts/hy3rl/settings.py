@@ -471,7 +471,7 @@ class Report:
 @dataclass(frozen=True)
 class Release:
     dir: str
-    tags: list[str]
+    tags: list[str] | None  # None (unset): what the DAG evaluates (hy3rl.release.release_tags)
     problems: int
     max_tokens: int
     threads: int
