@@ -27,7 +27,7 @@ if gpu_enabled():
         params:
             **triggers("release", "eval.transformers"),
         script:
-            "../scripts/adapters/release.py"
+            "../scripts/adapters/release_model.py"
 
     # The target users type: every release of release.tags.
     rule release:

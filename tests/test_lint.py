@@ -196,7 +196,7 @@ def test_readme_command_check_catches_broken_commands(cmd: str, error: str):
 # ----------------------------------------------------------------------- rules' shape
 
 # Rules that only collect targets: no job runs, so no log, threads, resources or script.
-TARGET_RULES = {"all"}
+TARGET_RULES = {"all", "release"}
 # rule -> why it may run something other than its `scripts/adapters/<rule>.py` adapter.
 NOT_ADAPTED: dict[str, str] = {}
 # rule -> "tests/test_x.py::test_name" that proves its `conda:`/`container:` takes effect.

@@ -686,7 +686,7 @@ def build(cfg: Any, layout: Any, tag: str, rec: Records, *, threads: int) -> dic
 
 
 def run(cfg: Any, tag: str, *, inputs: Any, out: Path, threads: int) -> dict[str, Any]:
-    """Rule release_model (scripts/adapters/release.py): :func:`build` of ``tag`` from the
+    """Rule release_model (scripts/adapters/release_model.py): :func:`build` of ``tag`` from the
     rule's named ``inputs`` (a mapping: val, summary, and what the run has of selected,
     plan, train_done, lock, data_summary, rehearsal); ``out`` is the layout's release.json."""
     from hy3rl.layout import Layout
