@@ -559,6 +559,17 @@ def eval_request(tag):
     return LAYOUT.eval_request(tag, eval_request_digest(config, tag, TRAIN_CONTENT))
 
 
+def eval_request_inputs(wildcards):
+    """A checkpoint tag's request waits for the plan preflight passed (ancient: an unchanged
+    plan re-rendered asks for nothing; rule eval_request's comment says why); base's asks for
+    nothing."""
+    from hy3rl.layout import split_tag
+
+    if gpu_enabled() and split_tag(wildcards.tag)[0] != "base":
+        return {"plan": ancient(LAYOUT.train_plan)}
+    return {}
+
+
 def eval_request_param(wildcards):
     """Rule eval_request's param: the tag, its generation settings and, for a checkpoint
     tag, the training keys (final: with the total, hy3rl.identity.eval_request_params).

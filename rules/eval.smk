@@ -12,12 +12,18 @@ STAGE_TARGETS.append(eval_targets)
 
 # What a tag is asked to evaluate (an input of its generation), named by the digest of its
 # values (eval_request in rules/common.smk; hy3rl.identity.eval_request_params): its
-# settings, for a checkpoint tag the training keys, for `final` with the total. No input, so
-# never masked behind training or preflight: new values name a missing request, made (and
-# the tag evaluated) in the same invocation; values restored after a refused change name the
-# request still in place, and nothing is evaluated again. The generation removes the tag's
-# other requests, so returning to older values evaluates again.
+# settings, for a checkpoint tag the training keys, for `final` with the total. A direct
+# input of `all` (eval_targets), so a missing request is found even while everything behind
+# preflight is masked (snakemake#4166): new values name a missing request, made (and the tag
+# evaluated) in the same invocation; values restored after a refused change name the request
+# still in place, and nothing is evaluated again. A checkpoint tag's request is made only
+# once preflight passed (the plan, ancient: eval_request_inputs): made by an invocation that
+# preflight refused, it would stand for an evaluation that never ran, and the invocation
+# that trains would find it in place and, masked, evaluate nothing. The generation removes
+# the tag's other requests, so returning to older values evaluates again.
 rule eval_request:
+    input:
+        unpack(eval_request_inputs),
     output:
         request=LAYOUT.eval_request("{tag}", "{digest}"),
     log:

@@ -23,8 +23,10 @@ rule can be edited there). Each change is ONE invocation:
    change recorded in the identity and shown in the report at step 4;
 7. the total lowered below the newest checkpoint: refused;
 8. another learning rate with `on_config_change: fresh`: the old checkpoints moved aside
-   (nothing deleted), training from step 0; the curves hold only the new lineage; the final
-   model released (issue 31): its checks pass, its weights are the ones evaluated.
+   (nothing deleted), training from step 0; the curves hold only the new lineage; step 1
+   evaluated again on the new lineage (the invocation refused just before left no request of
+   the new values behind); the final model released (issue 31): its checks pass, its weights
+   are the ones evaluated; then nothing is left to do.
 """
 
 from __future__ import annotations
@@ -259,11 +261,14 @@ def test_each_change_is_one_invocation_that_does_the_right_thing(tmp_path: Path,
     # (8) another learning rate, started afresh: nothing deleted, a new lineage
     run.cfg["train"].update(on_config_change="fresh", total_training_steps=2,
                             env={"ACTOR_LR": 2e-5})
+    requests = sorted((run.res / "eval" / "step1").glob("request.*.json"))
     code, out = run()  # step 3 is no longer within the total: refused, nothing moved
     assert code != 0
     assert "eval.steps [3]: beyond train.total_training_steps = 2" in (
         run.res / "logs" / "preflight.log").read_text()
     assert not [p for p in run.ckpt.iterdir() if p.name.startswith("superseded-")]
+    # ... and no request of the new values stands for an evaluation that never ran
+    assert sorted((run.res / "eval" / "step1").glob("request.*.json")) == requests
     run.cfg["eval"]["steps"] = [1]
     run.cfg["release"]["tags"] = ["final"]  # issue 31: the release, through the workflow
     code, out = run()
@@ -278,6 +283,11 @@ def test_each_change_is_one_invocation_that_does_the_right_thing(tmp_path: Path,
              (run.res / "train" / "metrics.jsonl").read_text().splitlines()]
     assert max(steps) == 2, steps
     assert run.eval_step("final") == 2
+    # step 1 is evaluated again, on the new lineage's checkpoint (its wait names the new
+    # trajectory), in this invocation
+    assert _ran(out, "eval_checkpoint") and _ran(out, "eval_generate"), out[-3000:]
+    ready = json.loads((run.res / "eval" / "step1" / "checkpoint.json").read_text())
+    assert ready["trajectory_id"] == a5["trajectory_id"], (ready, a5["trajectory_id"])
     # ... and the final model released from the new lineage: every check passes, its weight
     # files are the ones the final evaluation loaded (their sha256), the card parses
     from huggingface_hub import ModelCard
