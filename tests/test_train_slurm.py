@@ -384,7 +384,12 @@ def test_slow_first_save_and_validation_no_false_hang_real_hangs_caught(slurm_tr
     assert "killed 1 log stream client(s)" in driver
     assert [driver.count(f"step:{k} - ") for k in range(1, 10)] == [1] * 9, driver[-3000:]
     model = a1["timing"]["model"]
-    assert model["save"]["learned"] and model["save"]["s"] >= 5.0, model
+    # both saves learned; the slow first one is not the estimate (issue 29: one slow save
+    # raises the next save's limit only), but it is on record
+    assert model["save"]["learned"] and model["save"]["samples"] == 2, model
+    saves = {(x := json.loads(line))["step"]: x["data"].get("timing_s/save_checkpoint")
+             for line in (logs.parent / "attempt-1.metrics.jsonl").read_text().splitlines()}
+    assert saves[4] >= 5.0 and saves[8] < 5.0, saves
     assert model["validation"]["learned"] and model["validation"]["s"] >= 2.5, model
     assert a2["outcome"] == "succeeded" and a2["start_step"] == 8, a2
     assert "after the line of the final step 12, whose checkpoint is complete" in \
