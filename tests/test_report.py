@@ -768,8 +768,10 @@ def test_rule_outputs_come_from_the_layout_with_captions():
 def _report_rule_inputs(workdir: Path, configfile: Path) -> list[str]:
     """The report rule's inputs as Snakemake resolves them (other stages' targets of `all`),
     read from the dry run's missing-input message while only `report` may run."""
-    proc = run_snakemake(["-n", "-c1", "--configfile", str(configfile), "--allowed-rules",
-                          "report", "report"], workdir, check=False)
+    # the target first: after --allowed-rules (nargs +) it would be one more allowed rule,
+    # and the run would build `all`
+    proc = run_snakemake(["report", "-n", "-c1", "--configfile", str(configfile),
+                          "--allowed-rules", "report"], workdir, check=False)
     text = proc.stdout + proc.stderr
     assert "Missing input files for rule report" in text, text[-3000:]
     block = text.split("affected files:", 1)[1]
@@ -804,7 +806,7 @@ def test_snakemake_report_rule_and_snakemake_report(gpu: bool, tmp_path: Path):
         (workdir / rel).parent.mkdir(parents=True, exist_ok=True)
         (workdir / rel).touch()
     env = {"WANDB_API_KEY": SECRET_WANDB, "HF_TOKEN": SECRET_HF}  # as a real job would have
-    run_snakemake(["-c1", "--configfile", str(configfile), "--allowed-rules", "report",
+    run_snakemake(["report", "-c1", "--configfile", str(configfile), "--allowed-rules",
                    "report"], workdir, env=env)
     out = results / "report"
     assert sorted(p.name for p in out.iterdir()) == OUTPUTS
@@ -815,8 +817,8 @@ def test_snakemake_report_rule_and_snakemake_report(gpu: bool, tmp_path: Path):
     assert SECRET_SK not in log
     if not gpu:
         return  # one `snakemake --report` (below) is enough
-    run_snakemake(["--configfile", str(configfile), "--allowed-rules", "report",
-                   "--report", str(tmp_path / "record.zip"), "report"], workdir)
+    run_snakemake(["report", "--configfile", str(configfile), "--allowed-rules", "report",
+                   "--report", str(tmp_path / "record.zip")], workdir)
     with zipfile.ZipFile(tmp_path / "record.zip") as z:
         names = z.namelist()
         blobs = {n: z.read(n) for n in names}
