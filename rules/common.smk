@@ -624,14 +624,10 @@ def eval_summary_inputs():
 
 
 def selection_enabled():
-    """Rule eval_select is in the DAG: eval.select is set and checkpoints are evaluated."""
-    from hy3rl.selection import candidate_tags
+    """Rule eval_select is in the DAG (hy3rl.selection.selects)."""
+    from hy3rl.selection import selects
 
-    return (
-        CFG.eval.select is not None
-        and CFG.data.heldout is not None
-        and bool(candidate_tags(CFG))
-    )
+    return selects(CFG)
 
 
 def eval_select_inputs(wildcards):

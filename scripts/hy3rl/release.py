@@ -95,11 +95,11 @@ def release_tags(cfg: Any) -> list[str]:
     ``selected`` needs rule eval_select (eval.select, data.heldout, checkpoint tags),
     ``final`` needs eval.final. Raises :class:`ReleaseError` naming the key. Unset (null):
     the tags whose evaluation the DAG has, none refused."""
-    from hy3rl.selection import candidate_tags
+    from hy3rl.selection import selects
 
     if not cfg.cluster.gpu:
         return []
-    selectable = bool(cfg.eval.select and cfg.data.heldout and candidate_tags(cfg))
+    selectable = selects(cfg)
     if cfg.release.tags is None:  # the default: what the DAG evaluates, nothing refused
         return [tag for tag, evaluated in (("selected", selectable),
                                            ("final", bool(cfg.eval.final))) if evaluated]

@@ -224,6 +224,13 @@ def select(candidates: list[dict[str, Any]], rule: Mapping[str, Any] | None = No
             "unhealthy": past, "reason": reason}
 
 
+def selects(cfg: Config) -> bool:
+    """Rule eval_select is in the DAG: eval.select and data.heldout are set and checkpoints
+    are evaluated (rules/common.smk's selection_enabled; hy3rl.release.release_tags)."""
+    return (cfg.eval.select is not None and cfg.data.heldout is not None
+            and bool(candidate_tags(cfg)))
+
+
 def candidate_tags(cfg: Config) -> list[str]:
     """The checkpoint tags that may be selected: ``step<N>`` for eval.steps, and ``final``
     when eval.final (only when training is in the DAG, as hy3rl.evaluate.eval_tags). A
