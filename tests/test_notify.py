@@ -71,9 +71,11 @@ def test_each_closed_attempt_is_notified_once_with_its_record_path(tmp_path, lay
     wait_for(lambda: calls(tmp_path))
     time.sleep(0.3)  # a few more polls: attempt 2 still running, attempt 1 not repeated
     assert calls(tmp_path) == [f"--tag|two words|{first.resolve()}|"]
-    second = record(layout, 2, "stopped_for_time_limit")
-    watcher._stop.set()  # no more polls: only stop()'s last pass can notify attempt 2
+    # No more polls, then attempt 2 closes: only stop()'s last pass can notify it. (Closed
+    # before the thread ended, a poll between the record and the stop could notify it.)
+    watcher._stop.set()
     watcher._thread.join()
+    second = record(layout, 2, "stopped_for_time_limit")
     assert watcher.stop() == [2]
     assert calls(tmp_path)[1] == f"--tag|two words|{second.resolve()}|"
     assert read_notified(layout) == [1, 2]
