@@ -81,6 +81,14 @@ def model_manifest():
     return LAYOUT.model_manifest
 
 
+def rehearsal_model_inputs():
+    """Rule rehearsal_model's inputs: none for the small model; for ``rehearsal.shape:
+    stage`` the real model (its manifest) and the run's plan (its pipeline size)."""
+    if CFG.rehearsal.shape != "stage":
+        return {}
+    return {"manifest": model_manifest(), "plan": LAYOUT.preflight_plan}
+
+
 # ---- data ----
 def data_inputs(wildcards):
     """The model's manifest (the tokenizer + chat template are read from CFG.model.path)

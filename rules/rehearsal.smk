@@ -19,16 +19,21 @@ STAGE_TARGETS.append(rehearsal_targets)
 
 if rehearsal_enabled():
 
+    # shape small: a small Hy3 built on the submit host. shape stage: one real pipeline
+    # stage (hy3rl.stage, ~40 GB of random weights for Hy3) from the real checkpoint's config
+    # and headers and the run's plan (its PP), written shard by shard in a cluster job.
     rule rehearsal_model:
+        input:
+            **rehearsal_model_inputs(),
         output:
             directory(LAYOUT.rehearsal_model),
         log:
             LAYOUT.log("rehearsal/model"),
-        localrule: True
-        threads: 1
+        localrule: CFG.rehearsal.shape == "small"
+        threads: 1 if CFG.rehearsal.shape == "small" else 8
         resources:
-            mem_mb=4000,
-            runtime=10,
+            mem_mb=4000 if CFG.rehearsal.shape == "small" else 16000,
+            runtime=10 if CFG.rehearsal.shape == "small" else 120,
         params:
             **triggers("rehearsal.model"),
         script:

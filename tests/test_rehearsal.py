@@ -41,13 +41,16 @@ def test_derive_scales_the_run_to_one_node_and_lists_nothing_it_hides(tmp_path: 
     r = rh.derive(cfg, layout)
     assert (r.cluster.nodes, r.cluster.gpus_per_node) == (1, 8)
     assert r.train.total_training_steps == rh.TOTAL == 3
-    # the rehearsal's knobs over the run's (a key given overrides that default only)
-    assert cfg.rehearsal.env["ACTOR_PP"] == 1 and cfg.rehearsal.env["TRAIN_BATCH_SIZE"] == 16
-    assert r.train.env == {**cfg.train.env, **cfg.rehearsal.env, "SAVE_FREQ": 1,
+    # the shape's knobs over the run's, the rehearsal's over the shape's
+    assert cfg.rehearsal.shape == "small" and cfg.rehearsal.env == {"ACTOR_PP": 1,
+                                                                     "ROLLOUT_N": 4}
+    small = rh.SHAPE_ENV["small"]
+    assert small["TRAIN_BATCH_SIZE"] == 16 and small["MAX_RESPONSE_LENGTH"] == 512
+    assert r.train.env == {**cfg.train.env, **small, **cfg.rehearsal.env, "SAVE_FREQ": 1,
                            "TEST_FREQ": 3}
     # the run's own overrides stay, the rehearsal's win on a shared key; the actor's lr is
     # the rehearsal's raised one (ACTOR_LR) even where the run sets it by an override
-    assert cfg.rehearsal.env["ACTOR_LR"] == 1e-4
+    assert small["ACTOR_LR"] == 1e-4
     assert r.train.verl_overrides == {"actor_rollout_ref.actor.optim.lr": 1e-4,
                                       "trainer.experiment_name": "paper-rehearsal",
                                       "++reward.reward_kwargs.overlong_buffer_cfg.len": 256}
@@ -345,7 +348,10 @@ def test_rehearsal_plan_of_the_paper_run_against_real_pinned_verl(tmp_path: Path
         "model": {"source": str(tiny_hy3_dir), "revision": None, "dir": ""},
         "data": {"heldout": None}, "eval": {"select": None},
         "train": {"checkpoint_root": str(tmp_path / "ckpt")},
-        "preflight": {"waive": ["disk"]}})
+        "preflight": {"waive": ["disk"]},
+        # the small shape (the paper's is stage: its plan over the fake verl is in
+        # test_stage.py; a stage of the tiny fixture's 3 layers does not split into 16)
+        "rehearsal": {"shape": "small", "env": {"ACTOR_EP": 8}, "model": {"num_experts": 8}}})
     cfg = Config.from_dict(raw)
     layout = Layout.from_config(cfg)
     build_tiny_model(layout.rehearsal_model, cfg.rehearsal.model)

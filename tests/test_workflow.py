@@ -95,6 +95,11 @@ def test_paper_config_dry_run_with_slurm_profile(tmp_path: Path, tiny_hy3_dir: P
     assert preflight_inputs.strip().startswith("input:"), preflight_inputs
     for report in ("checks/checkpoint.json", "checks/bridge.json"):
         assert f"results/hy3-grpo-paper/{report}" in preflight_inputs, preflight_inputs
+    # rehearsal.shape stage: the stage is built in a cluster job from the real model (its
+    # manifest) and the run's plan (its pipeline size)
+    stage_inputs = out.split("rule rehearsal_model:", 1)[1].split("\n", 2)[1]
+    assert "results/hy3-grpo-paper/model/manifest.json" in stage_inputs, stage_inputs
+    assert "results/hy3-grpo-paper/preflight/plan.json" in stage_inputs, stage_inputs
     # The training job waits for the rehearsal's record (the gate).
     train_inputs = out.split("rule train:", 1)[1].split("\n", 2)[1]
     assert "results/hy3-grpo-paper/rehearsal/rehearsal.json" in train_inputs, train_inputs

@@ -96,6 +96,29 @@ MEMORY_PHASES = {"update": "actor/perf/"}
 GPU_MEMORY = ("max_memory_allocated_gb", "max_memory_reserved_gb")  # judged
 HOST_MEMORY = "cpu_memory_used_gb"  # recorded
 GIB = 2**30  # verl's "_gb" figures are bytes / 1024**3
+# Each shape's knobs over train.env (rehearsal.env over them). `small`: one node and a small
+# model at reduced lengths. `stage` (hy3rl.stage): one real pipeline stage at the run's
+# per-GPU layout and lengths: PP 1 (the stage is one PP stage of the run), rollout TP 1 (the
+# stage's weights per GPU are about the run's at TP 16), every other parallel size and token
+# limit the run's; vLLM's memory fraction is derived (stage_mem_util) so that each GPU keeps
+# the run's KV-cache budget. Both raise ACTOR_LR so that one step moves bf16 weights.
+SHAPE_ENV: dict[str, dict[str, Any]] = {
+    "small": {"ACTOR_TP": 1, "ACTOR_PP": 1, "ACTOR_CP": 1, "ACTOR_EP": 1, "ACTOR_ETP": 1,
+              "ROLLOUT_TP": 1, "TRAIN_BATCH_SIZE": 16, "PPO_MINI_BATCH_SIZE": 16,
+              "ROLLOUT_N": 4, "MAX_RESPONSE_LENGTH": 512, "PPO_MAX_TOKEN_LEN_PER_GPU": 5120,
+              "ROLLOUT_MAX_MODEL_LEN": 2560, "ROLLOUT_MAX_NUM_BATCHED_TOKENS": 2560,
+              "ACTOR_LR": 1.0e-4},
+    "stage": {"ACTOR_PP": 1, "ROLLOUT_TP": 1, "TRAIN_BATCH_SIZE": 8,
+              "PPO_MINI_BATCH_SIZE": 8, "ACTOR_LR": 1.0e-4},
+}
+# the small shape halves the DAPO overlong buffer to its reduced response length (the
+# paper's 4096 is half of 8192); the stage keeps the run's lengths, so its buffer
+SHAPE_OVERRIDES: dict[str, dict[str, Any]] = {
+    "small": {"++reward.reward_kwargs.overlong_buffer_cfg.len": 256},
+    "stage": {},
+}
+MEM_UTIL_KNOB = "ROLLOUT_GPU_MEM_UTIL"
+MEM_UTIL_KEY = "actor_rollout_ref.rollout.gpu_memory_utilization"
 
 
 class RehearsalError(StageError):
@@ -124,15 +147,21 @@ def derive(cfg: Config, layout: Layout) -> Config:
     raw["model"]["dir"] = ""
     raw["preflight"]["model_bytes"] = 0  # the rehearsal model's own size, from its index
     tr = raw["train"]
+    env = {**SHAPE_ENV[reh.shape], **reh.env}
+    if reh.shape == "stage" and MEM_UTIL_KNOB not in reh.env:
+        util = stage_mem_util(cfg, layout)
+        if util is not None:
+            env[MEM_UTIL_KNOB] = util
     # saved at every step; validated before training and at the last step (as verl does)
-    tr["env"] = {**tr["env"], **reh.env, "SAVE_FREQ": 1, "TEST_FREQ": TOTAL}
+    tr["env"] = {**tr["env"], **env, "SAVE_FREQ": 1, "TEST_FREQ": TOTAL}
     # its own experiment name (W&B run name, verl's logs) unless the rehearsal sets one
+    own = {**SHAPE_OVERRIDES[reh.shape], **reh.verl_overrides}
     overrides = {**tr["verl_overrides"], "trainer.experiment_name": f"{cfg.run.name}-rehearsal",
-                 **reh.verl_overrides}
-    # the raised learning rate (rehearsal.env ACTOR_LR) also where the run sets the actor's
-    # lr by an override, which would beat the knob, unless the rehearsal's overrides set it
-    if "ACTOR_LR" in reh.env and not any(k.lstrip("+~") == LR_KEY for k in reh.verl_overrides):
-        overrides.update({k: reh.env["ACTOR_LR"] for k in tr["verl_overrides"]
+                 **own}
+    # the raised learning rate (ACTOR_LR) also where the run sets the actor's lr by an
+    # override, which would beat the knob, unless the rehearsal's overrides set it
+    if "ACTOR_LR" in env and not any(k.lstrip("+~") == LR_KEY for k in own):
+        overrides.update({k: env["ACTOR_LR"] for k in tr["verl_overrides"]
                           if k.lstrip("+~") == LR_KEY})
     tr["verl_overrides"] = overrides
     tr["total_training_steps"] = TOTAL
@@ -159,6 +188,59 @@ def derive(cfg: Config, layout: Layout) -> Config:
     # The checkpoint directory is the rehearsal layout's (Layout.from_config would name it
     # after the derived run): callers pass rl.checkpoint_dir explicitly.
     return rcfg
+
+
+def _effective(plan_path: str | Path) -> dict[str, Any] | None:
+    doc = read_record(plan_path)
+    return (doc or {}).get("effective") or None
+
+
+def stage_mem_util(cfg: Config, layout: Layout) -> float | None:
+    """``shape: stage``: vLLM's memory fraction that leaves each GPU of the rehearsal the
+    KV-cache budget each GPU of the run will have (hy3rl.stage.kv_matching_utilization),
+    from the run's plan (its fraction and rollout TP), the run's model bytes and the built
+    stage's; None while one of them is not on disk yet (before rule rehearsal_model)."""
+    from hy3rl.preflight import model_bytes
+    from hy3rl.stage import kv_matching_utilization
+
+    eff = _effective(layout.preflight_plan)
+    run_bytes, _ = model_bytes(cfg)
+    stage_index = read_record(Path(layout.rehearsal_model) / "model.safetensors.index.json")
+    stage_total = ((stage_index or {}).get("metadata") or {}).get("total_size")
+    gmem = cfg.cluster.gpu_memory_gb
+    if not eff or not run_bytes or not stage_total or not gmem:
+        return None
+    util = finite_number(eff.get(MEM_UTIL_KEY))
+    tp = finite_number(eff.get("actor_rollout_ref.rollout.tensor_model_parallel_size"))
+    if util is None or not tp:
+        return None
+    rtp = int(SHAPE_ENV["stage"]["ROLLOUT_TP"])
+    if "ROLLOUT_TP" in cfg.rehearsal.env:
+        rtp = int(cfg.rehearsal.env["ROLLOUT_TP"])
+    return kv_matching_utilization(run_util=util, run_bytes=int(run_bytes),
+                                   run_rollout_tp=int(tp), stage_bytes_=int(stage_total),
+                                   stage_rollout_tp=rtp, gpu_memory_gb=float(gmem))
+
+
+def per_gpu_figures(cfg: Config, layout: Layout, main: Mapping[str, Any],
+                    rehearsal: Mapping[str, Any]) -> dict[str, Any]:
+    """The per-GPU shapes and lengths of the run's plan and the rehearsal's side by side
+    (hy3rl.stage.per_gpu), and the figures that differ (hy3rl.stage.SAME)."""
+    from hy3rl.preflight import model_bytes
+    from hy3rl.stage import compare, per_gpu
+
+    def config(path: Path) -> dict[str, Any]:
+        return read_record(path / "config.json") or {}
+
+    rmodel = Path(layout.rehearsal_model)
+    index = read_record(rmodel / "model.safetensors.index.json") or {}
+    run_bytes, _ = model_bytes(cfg)
+    gmem = cfg.cluster.gpu_memory_gb or None
+    run = per_gpu(config(Path(cfg.model.path)), main.get("effective") or {},
+                  gpu_memory_gb=gmem, model_bytes=run_bytes)
+    reh = per_gpu(config(rmodel), rehearsal.get("effective") or {}, gpu_memory_gb=gmem,
+                  model_bytes=(index.get("metadata") or {}).get("total_size"))
+    return {"run": run, "rehearsal": reh, "differ": compare(run, reh)}
 
 
 def runtime_fingerprint(runtime: Runtime) -> str:
@@ -234,11 +316,24 @@ def plan(cfg: Config, layout: Layout, *, lock: Path, data_summary: Path, train_f
     doc = json.loads(out.read_text())
     doc["rehearsal"] = {
         "of_plan": str(main_plan), "of_plan_sha256": sha256_file(Path(main_plan)),
-        "model": asdict(cfg.rehearsal.model), "nodes": 1,
+        "model": (asdict(cfg.rehearsal.model) if cfg.rehearsal.shape == "small"
+                  else read_record(Path(layout.rehearsal_model) / "stage-hy3.json")),
+        "nodes": 1,
         "gpus_per_node": cfg.cluster.gpus_per_node, "total_training_steps": TOTAL,
         "save_freq": 1, "kill_after": KILL_AFTER,
         "reductions": reductions(main, doc),
+        "shape": cfg.rehearsal.shape,
+        "per_gpu": per_gpu_figures(cfg, layout, main, doc),
     }
+    differ = doc["rehearsal"]["per_gpu"]["differ"]
+    if cfg.rehearsal.shape == "stage" and differ:
+        out.unlink(missing_ok=True)
+        raise RehearsalError(
+            "rehearsal.shape stage: the rehearsal's per-GPU figures differ from the run's, so "
+            "its memory peaks would not be the run's: " + "; ".join(
+                f"{d['key']}: run {d['run']}, rehearsal {d['rehearsal']}" for d in differ)
+            + " (rehearsal.env may not change the run's per-GPU layout or lengths with this "
+            "shape; set rehearsal.shape: small to rehearse reduced)")
     write_json_atomic(out, doc)
     log.info("rehearsal plan %s: %d reductions against %s", out,
              len(doc["rehearsal"]["reductions"]), main_plan)

@@ -451,6 +451,7 @@ class RehearsalEval:
 @dataclass(frozen=True)
 class Rehearsal:
     model: RehearsalModel
+    shape: str  # small | stage (hy3rl.rehearsal.SHAPE_ENV, hy3rl.stage)
     env: dict[str, Any]
     verl_overrides: dict[str, Any]
     eval: RehearsalEval

@@ -504,11 +504,41 @@ def rehearsal_view(found: Found) -> dict[str, Any]:
     ran = (plan or {}).get("rehearsal") if isinstance(plan, dict) else None
     view["ran"] = ran
     view["reductions"] = (ran or {}).get("reductions") or []
+    view["model_text"] = rehearsal_model_text(ran)
+    per = (ran or {}).get("per_gpu") or {}
+    differ = {d.get("key") for d in per.get("differ") or []}
+    view["per_gpu"] = [{"key": k, "run": v, "rehearsal": (per.get("rehearsal") or {}).get(k),
+                        "same": k not in differ}
+                       for k, v in (per.get("run") or {}).items()]
+    gmem = (doc.get("memory") or {}).get("gpu_memory_gb")
+    view["memory"] = [{"phase": phase, "metric": name, "peak_gb": f.get("peak"),
+                       "step": f.get("step"), "device_gb": gmem}
+                      for phase, figures in ((doc.get("memory") or {}).get("phases")
+                                             or {}).items()
+                      for name, f in figures.items() if isinstance(f, dict)]
     view["phases"] = [{"phase": k, "seconds": v} for k, v in (doc.get("phases_s") or {}).items()]
     view["identity"] = ((doc.get("runtime") or {}).get("identity") or {}).get("id")
     view["checks"] = doc.get("checks") or []
     view["failure"] = doc.get("failure")
     return view
+
+
+def rehearsal_model_text(ran: Any) -> str:
+    """What the rehearsal trained, from its plan's ``rehearsal`` (``shape`` and ``model``:
+    the small model's sizes, or the stage's record, hy3rl.stage)."""
+    if not isinstance(ran, dict) or not isinstance(ran.get("model"), dict):
+        return "a model its plan does not name"
+    m = ran["model"]
+    if ran.get("shape") == "stage":
+        return (f"one pipeline stage of the run's model ({m.get('layers')} of its "
+                f"{m.get('real_layers')} layers + {m.get('mtp_layers')} MTP, "
+                f"{(m.get('parameters') or 0) / 1e9:.1f}B parameters, "
+                f"{(m.get('total_size') or 0) / 1e9:.1f} GB of random weights, its tensors "
+                f"checked against the real checkpoint's "
+                f"{(m.get('inventory_check') or {}).get('against')}) at the run's per-GPU "
+                "layout and lengths")
+    return (f"a small Hy3 of hidden size {m.get('hidden_size')}, {m.get('num_hidden_layers')} "
+            f"layers + MTP, {m.get('num_experts')} experts")
 
 
 def _eval_tags(layout: Layout, heldout: bool = False) -> list[str]:

@@ -1,0 +1,340 @@
+"""rehearsal.shape stage (issue 28; hy3rl.stage): one pipeline stage of a Hy3 built from the
+real checkpoint's config and headers, at a reduced size here (a tiny random Hy3 stands for
+the real one: never gigabytes in CI); its inventory against the real one, each way it can
+differ; the per-GPU figures of the paper plan and of the stage rehearsal's plan, composed by
+preflight over the fake verl, equal; and a rehearsal that would change them refused."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from hy3rl import rehearsal as rh
+from hy3rl import stage
+from hy3rl.checkpoint import read_header
+from hy3rl.layout import Layout
+from hy3rl.model import build_tiny_model
+from hy3rl.settings import Config
+
+# The real Hy3 (upstream-facts.md): its config as the checkpoint's config.json gives it.
+HY3 = {"model_type": "hy_v3", "architectures": ["HYV3ForCausalLM"], "vocab_size": 120832,
+       "hidden_size": 4096, "num_hidden_layers": 80, "num_attention_heads": 64,
+       "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 13312,
+       "moe_intermediate_size": 1536, "num_experts": 192, "num_experts_per_tok": 8,
+       "num_shared_experts": 1, "first_k_dense_replace": 1, "num_nextn_predict_layers": 1,
+       "tie_word_embeddings": False}
+HY3_BYTES = 597_572_342_272  # metadata.total_size of the real checkpoint
+
+
+@pytest.fixture(scope="module")
+def real(tmp_path_factory) -> Path:
+    """A tiny Hy3 standing for the real one: 4 decoder layers (0 dense) + MTP, 8 experts."""
+    return build_tiny_model(tmp_path_factory.mktemp("real") / "hy3", num_hidden_layers=4,
+                            num_experts=8)
+
+
+def headers(model: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    out = {}
+    for f in sorted(model.glob("*.safetensors")):
+        shard = read_header(f)
+        assert shard.error is None, shard.error
+        out.update({n: (i.dtype, i.shape) for n, i in shard.tensors.items()})
+    return out
+
+
+def test_the_real_hy3s_stage_is_five_layers_of_the_real_sizes_about_forty_gb() -> None:
+    """The paper's stage, from the real config alone (no weights): the inventory builder
+    gives the real checkpoint's total size exactly, the stage 5 layers of it."""
+    assert stage.stage_bytes(HY3) == HY3_BYTES
+    cfg, cut = stage.stage_config(HY3, 16)
+    assert cfg["num_hidden_layers"] == 5 and cut == []
+    inv = stage.inventory(cfg)
+    assert inv["model.layers.0.mlp.gate_proj.weight"].shape == (13312, 4096)  # dense
+    assert inv["model.layers.4.mlp.experts.191.up_proj.weight"].shape == (1536, 4096)
+    assert inv["model.layers.5.eh_proj.weight"].shape == (4096, 8192)  # the MTP layer
+    assert inv["lm_head.weight"].shape == (120832, 4096)
+    assert 39e9 < stage.stage_bytes(cfg) < 40e9  # ~19.9B parameters in bf16
+    # vLLM's fraction that leaves the stage's GPU the run's KV budget: 96 GB x the script's
+    # ROLLOUT_GPU_MEM_UTIL 0.65 less 597.6 GB / TP 16 = 25.05 GB, plus the stage's 39.7 GB
+    util = stage.kv_matching_utilization(
+        run_util=0.65, run_bytes=HY3_BYTES, run_rollout_tp=16,
+        stage_bytes_=stage.stage_bytes(cfg), stage_rollout_tp=1, gpu_memory_gb=96)
+    assert util == pytest.approx((96e9 * 0.65 - HY3_BYTES / 16 + stage.stage_bytes(cfg))
+                                 / 96e9, abs=1e-4)
+    assert 0.67 < util < 0.68
+
+
+def test_a_stage_that_cannot_be_cut_is_refused_naming_the_key() -> None:
+    with pytest.raises(stage.StageBuildError, match=r"num_hidden_layers = 80 does not split "
+                       r"into 3 pipeline stages"):
+        stage.stage_config(HY3, 3)
+    with pytest.raises(stage.StageBuildError, match="all dense"):
+        stage.stage_config({**HY3, "first_k_dense_replace": 5}, 16)
+    with pytest.raises(stage.StageBuildError, match="model_type"):
+        stage.stage_config({**HY3, "model_type": "llama"}, 16)
+
+
+def test_the_stage_holds_the_real_tensors_of_its_layers_and_loads(real: Path,
+                                                                  tmp_path: Path) -> None:
+    out = tmp_path / "stage"
+    rec = stage.build_stage(real, out, pp=2, shard_bytes=150_000)
+    check = rec["inventory_check"]
+    assert (check["against"], check["problems"], check["problem_count"]) == ("headers", [], 0)
+    assert (rec["layers"], rec["real_layers"], rec["mtp_layers"]) == (2, 4, 1)
+    assert rec["per_layer_keys_cut"] == ["mlp_layer_types"]
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["num_hidden_layers"] == 2 and cfg["mlp_layer_types"] == ["dense", "sparse"]
+    real_cfg = json.loads((real / "config.json").read_text())
+    assert {k: v for k, v in cfg.items() if k not in ("num_hidden_layers", "mlp_layer_types")} \
+        == {k: v for k, v in real_cfg.items() if k not in ("num_hidden_layers",
+                                                           "mlp_layer_types")}
+    # tensor by tensor, header against header: layers 0-1, the MTP layer (real 4, stage 2),
+    # the embedding, norm and output layer; nothing of layers 2-3
+    got, want = headers(out), headers(real)
+    mapping = {n: stage.real_name(n, 2, 4) for n in got}
+    assert mapping["model.layers.2.eh_proj.weight"] == "model.layers.4.eh_proj.weight"
+    assert {n: got[n] for n in got} == {n: want[mapping[n]] for n in got}
+    held = set(mapping.values())
+    assert {n for n in want if n not in held} == {
+        n for n in want if n.startswith(("model.layers.2.", "model.layers.3."))}
+    # shard by shard (several shards at this shard size), the index names every tensor
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(got) and rec["shards"] > 2
+    assert index["metadata"]["total_size"] == rec["total_size"] == sum(
+        f.stat().st_size - 8 - read_header(f).header_len for f in out.glob("*.safetensors"))
+    # random weights, norms at one, the expert bias F32 and non-zero; the tokenizer copied
+    from safetensors import safe_open
+
+    values = {}
+    for f in out.glob("*.safetensors"):
+        with safe_open(f, "pt") as fh:
+            values.update({n: fh.get_tensor(n) for n in fh.keys()})  # noqa: SIM118
+    assert values["model.layers.1.mlp.experts.3.up_proj.weight"].float().std() > 0.01
+    assert (values["model.norm.weight"] == 1).all()
+    bias = values["model.layers.1.mlp.expert_bias"]
+    assert str(bias.dtype) == "torch.float32" and (bias != 0).all()
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (out / name).read_bytes() == (real / name).read_bytes()
+    assert not (out / "tiny-hy3.json").exists()  # the real model's own record is not copied
+    assert not list(tmp_path.glob(".stage.tmp-*"))
+    # transformers' hy_v3 loads it and generates (the MTP layer ignored on load, as Hy3's)
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(out)
+    ids = tok("Find 2 + 2.", return_tensors="pt").input_ids
+    gen = model.generate(ids, max_new_tokens=4, do_sample=False)
+    assert gen.shape[1] == ids.shape[1] + 4 or tok.eos_token_id in gen[0].tolist()
+
+
+def test_only_the_index_on_disk_the_config_decides(real: Path, tmp_path: Path) -> None:
+    """Header-only where the shards are there; where only config and index are (not
+    downloaded), the real config's inventory is the reference, and says so."""
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors.index.json", "tokenizer.json"):
+        shutil.copy2(real / name, bare / name)
+    cfg, _ = stage.stage_config(json.loads((real / "config.json").read_text()), 2)
+    rec = stage.check_against_real(cfg, bare, json.loads((real / "config.json").read_text()))
+    assert rec["against"] == "config" and rec["problems"] == []
+
+
+def test_a_real_checkpoint_unlike_its_config_is_refused_naming_the_tensor(
+        real: Path, tmp_path: Path) -> None:
+    """The stage comes from the config; the real shards' headers decide: a config whose
+    expert FFN size is not the checkpoint's fails, naming the tensor, with nothing written."""
+    lying = tmp_path / "lying"
+    shutil.copytree(real, lying)
+    cfg = json.loads((lying / "config.json").read_text())
+    cfg["moe_intermediate_size"] *= 2
+    (lying / "config.json").write_text(json.dumps(cfg))
+    out = tmp_path / "stage"
+    with pytest.raises(stage.StageBuildError, match=r"against its headers.*"
+                       r"model\.layers\.1\.mlp\.experts\.0\.(gate|up|down)_proj\.weight: stage "
+                       r"BF16\[\d+, \d+\], real"):
+        stage.build_stage(lying, out, pp=2)
+    assert not out.exists() and not list(tmp_path.glob(".stage.tmp-*"))
+    # a real tensor of the stage's layers the config does not imply (an extra tensor)
+    from safetensors.torch import load_file, save_file
+
+    extra = tmp_path / "extra"
+    shutil.copytree(real, extra)
+    first = sorted(extra.glob("*.safetensors"))[0]
+    tensors = load_file(first)
+    name = next(n for n in tensors if n.startswith("model.layers.0."))
+    tensors["model.layers.0.mlp.surprise.weight"] = tensors[name].clone()
+    save_file(tensors, str(first), metadata={"format": "pt"})
+    index = json.loads((extra / "model.safetensors.index.json").read_text())
+    index["weight_map"]["model.layers.0.mlp.surprise.weight"] = first.name
+    (extra / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(stage.StageBuildError, match=r"model\.layers\.0\.mlp\.surprise\.weight: "
+                       r"in the real checkpoint, not in the stage"):
+        stage.build_stage(extra, out, pp=2)
+
+
+def test_an_output_in_the_way_is_refused_and_kept(real: Path, tmp_path: Path) -> None:
+    out = tmp_path / "stage"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(stage.StageBuildError, match="exists and is not empty"):
+        stage.build_stage(real, out, pp=2)
+    assert (out / "keep.txt").read_text() == "mine"
+
+
+# --------------------------------------------------------------------------- the plans
+
+
+def _paper_stage_cfg(tmp_path: Path, real: Path, **rehearsal) -> Config:
+    from hy3rl.config import deep_merge, load
+
+    repo = Path(__file__).resolve().parents[1]
+    raw = deep_merge(load(repo / "config/config.yaml", repo / "config/paper.yaml"), {
+        "run": {"results_root": str(tmp_path / "results")},
+        "model": {"source": str(real), "revision": None, "dir": ""},
+        "data": {"heldout": None}, "eval": {"select": None},
+        "train": {"checkpoint_root": str(tmp_path / "ckpt")},
+        "preflight": {"waive": ["disk"]}, "rehearsal": rehearsal})
+    return Config.from_dict(raw)
+
+
+def _plans(cfg: Config, verl, tmp_path: Path) -> tuple[Path, Layout]:
+    """The run's plan (preflight over the fake verl), then the stage built from it."""
+    from hy3rl import preflight as pf
+    from test_preflight import bridge_report
+
+    layout = Layout.from_config(cfg)
+    main = Path(layout.preflight_plan)
+    bridge = bridge_report(tmp_path / "checks" / "bridge.json")
+    pf.run(cfg, lock=verl.lock, data_summary=None, train_files=tmp_path / "data/train.parquet",
+           val_files=tmp_path / "data/val.parquet", checkpoint_check=None,
+           bridge_check=bridge, plan=main, launch=Path(layout.preflight_launch),
+           refused=main.with_name("refused.json"),
+           reward_fn=lambda sha: main.with_name(f"{sha}.py"))
+    stage.run(cfg, out=Path(layout.rehearsal_model), plan=main)
+    return main, layout
+
+
+def _rehearsal_plan(cfg: Config, verl, tmp_path: Path, layout: Layout, main: Path) -> dict:
+    rh.plan(cfg, layout, lock=verl.lock, data_summary=tmp_path / "none.json",
+            train_files=tmp_path / "data/train.parquet",
+            val_files=tmp_path / "data/val.parquet", checkpoint_check=None,
+            bridge_check=tmp_path / "checks" / "bridge.json", main_plan=main)
+    return json.loads(Path(layout.rehearsal_layout().preflight_plan).read_text())
+
+
+@pytest.fixture(scope="module")
+def real_pp16(tmp_path_factory) -> Path:
+    """A tiny Hy3 whose 32 layers split into the paper's 16 stages of 2 (0 dense, 1 MoE)."""
+    return build_tiny_model(tmp_path_factory.mktemp("real16") / "hy3", num_hidden_layers=32,
+                            num_experts=8)
+
+
+def test_the_paper_stage_plans_per_gpu_figures_equal_the_paper_plans(
+        real_pp16: Path, fake_verl_repo, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("WANDB_MODE", "offline")  # the paper's loggers include wandb
+    verl = fake_verl_repo()
+    cfg = _paper_stage_cfg(tmp_path, real_pp16)
+    assert cfg.rehearsal.shape == "stage"
+    main, layout = _plans(cfg, verl, tmp_path)
+    record = json.loads((Path(layout.rehearsal_model) / "stage-hy3.json").read_text())
+    assert (record["pipeline_stages"], record["layers"]) == (16, 2)
+    doc = _rehearsal_plan(cfg, verl, tmp_path, layout, main)
+    assert doc["ok"], doc["errors"]
+    per = doc["rehearsal"]["per_gpu"]
+    assert doc["rehearsal"]["shape"] == "stage" and per["differ"] == []
+    run, reh = per["run"], per["rehearsal"]
+    # the paper's per-GPU layout and lengths, in both plans
+    for key, value in {"layers_per_pp_stage": 2, "experts_per_ep_rank": 1,
+                       "context_parallel": 8, "max_prompt_length": 2048,
+                       "max_response_length": 8192, "rollout_max_model_len": 10240}.items():
+        assert run[key] == reh[key] == value, key
+    for key in stage.SAME:
+        if key != "rollout_kv_budget_gb":
+            assert run[key] == reh[key], key
+    assert (run["rollout_tp"], reh["rollout_tp"]) == (16, 1)
+    assert reh["rollout_kv_budget_gb"] == pytest.approx(run["rollout_kv_budget_gb"], abs=0.05)
+    # the paper: preflight.model_bytes (the real 597.6 GB) at rollout TP 16 and the script's
+    # ROLLOUT_GPU_MEM_UTIL 0.65 leave 96 x 0.65 - 37.35 = 25.05 GB a GPU; the stage (a few MB
+    # here) gets a fraction that leaves it the same
+    assert (run["rollout_weights_gb"], run["rollout_gpu_memory_utilization"]) == (37.35, 0.65)
+    assert run["rollout_kv_budget_gb"] == 25.05
+    assert reh["rollout_gpu_memory_utilization"] == pytest.approx(25.05 / 96, abs=1e-3)
+    # what the stage reduces: nodes, PP, rollout TP (and vLLM's fraction with it), batch, lr
+    red = {r["key"]: (r["run"], r["rehearsal"]) for r in doc["rehearsal"]["reductions"]}
+    assert red["actor_rollout_ref.actor.megatron.pipeline_model_parallel_size"] == ("16", "1")
+    assert red["actor_rollout_ref.rollout.tensor_model_parallel_size"] == ("16", "1")
+    assert rh.MEM_UTIL_KEY in red
+    for kept in ("data.max_response_length", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
+                 "actor_rollout_ref.actor.megatron.context_parallel_size",
+                 "actor_rollout_ref.actor.megatron.expert_model_parallel_size",
+                 "reward.reward_kwargs.overlong_buffer_cfg.len"):
+        assert kept not in red, kept
+
+
+def test_a_stage_rehearsal_that_changes_the_per_gpu_layout_is_refused_by_name(
+        real_pp16: Path, fake_verl_repo, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    verl = fake_verl_repo()
+    cfg = _paper_stage_cfg(tmp_path, real_pp16,
+                           env={"ACTOR_EP": 4, "ACTOR_CP": 1})
+    main, layout = _plans(cfg, verl, tmp_path)
+    with pytest.raises(rh.RehearsalError) as err:
+        _rehearsal_plan(cfg, verl, tmp_path, layout, main)
+    text = str(err.value)
+    assert "experts_per_ep_rank: run 1.0, rehearsal 2.0" in text
+    assert "context_parallel: run 8, rehearsal 1" in text
+    assert not Path(layout.rehearsal_layout().preflight_plan).exists()
+    # the small shape lists the same differences and plans
+    small = _paper_stage_cfg(tmp_path, real_pp16, shape="small")
+    shutil.rmtree(layout.rehearsal_model)
+    from hy3rl.model import build_tiny_model as tiny
+
+    tiny(layout.rehearsal_model, small.rehearsal.model)
+    doc = _rehearsal_plan(small, verl, tmp_path, layout, main)
+    keys = {d["key"] for d in doc["rehearsal"]["per_gpu"]["differ"]}
+    assert {"max_response_length", "context_parallel", "ppo_max_token_len_per_gpu"} <= keys
+
+
+def test_the_report_says_what_the_stage_was_and_its_peaks_beside_the_device(
+        tmp_path: Path) -> None:
+    """The report's rehearsal section from the records: the stage named with its sizes and
+    inventory check, the memory peaks beside one GPU's memory, the per-GPU figures of both
+    plans with a difference marked."""
+    from fixtures.common import make_config
+    from hy3rl.atomic import write_json_atomic
+    from hy3rl.report import build
+
+    cfg = make_config(run={"results_root": str(tmp_path / "results")},
+                      cluster={"gpu": True, "gpu_memory_gb": 96},
+                      rehearsal={"shape": "stage"})
+    layout = Layout.from_config(cfg)
+    peak = {"key": "actor/perf/max_memory_allocated_gb", "peak": 71.5, "step": 2,
+            "missing": []}
+    write_json_atomic(Path(layout.rehearsal_checks), {
+        "schema_version": 1, "ok": True, "started": "s", "finished": "f",
+        "checks": [{"name": n, "status": "pass", "detail": "ok"} for n in rh.CHECKS],
+        "memory": {"gpu_memory_gb": 96.0, "headroom": 0.9,
+                   "phases": {"update": {"max_memory_allocated_gb": peak}}},
+        "evaluation": {"backend": "vllm"}})
+    run = {"layers_per_pp_stage": 5.0, "rollout_kv_budget_gb": 25.05, "rollout_tp": 16}
+    write_json_atomic(Path(layout.rehearsal_layout().preflight_plan), {"rehearsal": {
+        "shape": "stage", "gpus_per_node": 8, "total_training_steps": 3, "kill_after": 2,
+        "reductions": [], "model": {"layers": 5, "real_layers": 80, "mtp_layers": 1,
+                                    "parameters": 19.86e9, "total_size": 39.7e9,
+                                    "inventory_check": {"against": "headers"}},
+        "per_gpu": {"run": run, "rehearsal": {**run, "rollout_tp": 1},
+                    "differ": [{"key": "rollout_tp", "run": 16, "rehearsal": 1}]}}})
+    import html
+
+    page = html.unescape(build(cfg, layout, {})["index.html"].decode())
+    assert ("one pipeline stage of the run's model (5 of its 80 layers + 1 MTP, 19.9B "
+            "parameters, 39.7 GB of random weights, its tensors checked against the real "
+            "checkpoint's headers)") in page
+    memory = page.split('id="rehearsal-memory"', 1)[1].split("</table>", 1)[0]
+    assert "max_memory_allocated_gb" in memory and "71.5" in memory and "96" in memory
+    per = page.split('id="rehearsal-per-gpu"', 1)[1].split("</table>", 1)[0]
+    assert "layers_per_pp_stage" in per and "25.05" in per
+    assert per.count("differs") == 1
