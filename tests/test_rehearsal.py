@@ -96,6 +96,7 @@ def test_reductions_list_every_value_that_differs() -> None:
 
 # verl@220e903's actor keys as the trainer double logs them (tests/fixtures/trainer_double.py)
 KEYS = {**{k: 0.5 for k in rh.STEP_KEYS}, "response_length/mean": 2001.0,
+        "response_length/max": 8192.0, "response_length/clip_ratio": 0.05,
         "actor/entropy": 0.45, "actor/pg_loss": -0.01, "actor/grad_norm": 0.3,
         "actor/perf/max_memory_allocated_gb": 60.0, "actor/perf/max_memory_reserved_gb": 64.0,
         "actor/perf/cpu_memory_used_gb": 120.0}
@@ -455,6 +456,32 @@ def test_empty_evaluation_samples_fail_the_generated_check() -> None:
     assert detail.status == "pass" and "mean 2.625 tokens, 1 empty" in detail.detail
 
 
+def test_responses_that_never_reached_the_limit_fail_the_full_length_check() -> None:
+    """The memory peaks of a rehearsal whose responses all ended early are not the run's
+    full-length peak: no step with a response cut at the limit fails, naming the figures."""
+    plan = {"ok": True, "rehearsal": {"reductions": []},
+            "effective": {"data.max_response_length": 8192}}
+    good = {c.name: c for c in rh.check_records(_records(plan=plan))}["full_length"]
+    assert (good.status, good.detail) == ("pass", (
+        "responses at max_response_length 8192 in step(s) [1, 2, 3] (response_length/"
+        "clip_ratio: step 1 0.05 (max 8192), step 2 0.05 (max 8192), step 3 0.05 (max 8192))"))
+    short = {"response_length/clip_ratio": 0.0, "response_length/max": 3000.0}
+    merged = [_line(m["step"], **short) if m["step"] else m for m in _records().merged]
+    assert _failed(_records(plan=plan, merged=merged)) == {"full_length": (
+        "no step's responses reached max_response_length 8192 (response_length/clip_ratio: "
+        "step 1 0 (max 3000), step 2 0 (max 3000), step 3 0 (max 3000)): the memory peaks "
+        "were measured below the run's full-length step")}
+    # one full step is enough (the peak is the largest step's); a missing figure fails
+    one = [_line(m["step"], **(short if m["step"] != 2 else {})) if m["step"] else m
+           for m in _records().merged]
+    assert "full_length" not in _failed(_records(plan=plan, merged=one))
+    gone = [{"step": m["step"], "data": {k: v for k, v in m["data"].items()
+                                         if k != "response_length/clip_ratio"}}
+            if m["step"] == 3 else m for m in _records().merged]
+    assert _failed(_records(plan=plan, merged=gone)) == {"full_length": (
+        "step 3: response_length/clip_ratio missing or not a finite number (None)")}
+
+
 @pytest.mark.parametrize(("key", "value", "says"), [
     ("actor/grad_norm", float("nan"), "step 2: actor/grad_norm = nan"),
     ("actor/pg_loss", float("inf"), "step 2: actor/pg_loss = inf"),
@@ -583,6 +610,26 @@ def test_the_doubles_memory_fault_fails_memory_headroom_as_read_back(tmp_path, m
         "the 96 GB GPU (80.5 GiB); phase update: actor/perf/max_memory_reserved_gb 100.0 GiB "
         "at step 3 is above 0.9 of the 96 GB GPU (80.5 GiB) (the largest data-parallel "
         "rank's peak, as verl logs it)"))
+
+
+def test_the_doubles_short_responses_fail_full_length_as_read_back(tmp_path, monkeypatch) -> None:
+    from fixtures.trainer_double import double_module
+
+    faults = tmp_path / "faults.json"
+    faults.write_text(json.dumps({"short_responses": True}))
+    monkeypatch.setenv("HY3RL_DOUBLE_FAULTS", str(faults))
+    mod = double_module()
+    lines = [{"step": s, "data": {**mod.metrics(s, 3), **mod.collapse(s), "timing_s/step": 1.0}}
+             for s in (1, 2, 3)]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(ln) + "\n" for ln in lines))
+    plan = {"ok": True, "rehearsal": {"reductions": []},
+            "effective": {"data.max_response_length": 8192}}
+    check = {c.name: c for c in rh.check_records(_records(
+        plan=plan, merged=rh.read_metrics(path)))}["full_length"]
+    assert check.status == "fail" and check.detail.startswith(
+        "no step's responses reached max_response_length 8192 (response_length/clip_ratio: "
+        "step 1 0 (max 3000)")
 
 
 def test_without_the_gpus_memory_the_headroom_check_is_not_run_naming_the_key() -> None:

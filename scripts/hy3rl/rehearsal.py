@@ -8,14 +8,18 @@ training partition, in ``train.runtime``, through the training launcher itself
 (:func:`hy3rl.train.run`: the same Ray bring-up, ``ray job submit``, attempt records,
 watchdog):
 
-1. :func:`derive`: the run's own config scaled to one node and a small Hy3 of the real layer
-   kinds (``rehearsal.model``, built by rule rehearsal_model): ``cluster.nodes`` 1,
-   ``rehearsal.env`` over ``train.env`` and ``rehearsal.verl_overrides`` over
-   ``train.verl_overrides``, :data:`TOTAL` steps saved at every step, the actor's learning
-   rate raised (``rehearsal.env`` ``ACTOR_LR``) so that the update shows in bf16 weights;
+1. :func:`derive`: the run's own config scaled to one node and the model of
+   ``rehearsal.shape`` (built by rule rehearsal_model): a small Hy3 of the real layer kinds
+   (``small``, ``rehearsal.model``) or one real pipeline stage of the run's model at the
+   run's per-GPU layout and lengths (``stage``, hy3rl.stage); ``cluster.nodes`` 1, the
+   shape's knobs (:data:`SHAPE_ENV`) and ``rehearsal.env`` over ``train.env``,
+   ``rehearsal.verl_overrides`` over ``train.verl_overrides``, :data:`TOTAL` steps saved at
+   every step, the actor's learning rate raised (``ACTOR_LR``) so that the update shows in
+   bf16 weights;
 2. :func:`plan` (rule rehearsal_plan): preflight itself on that config, verl's validators and
    every rule included, into ``rehearsal/preflight/``; the plan lists each reduction against
-   the run's own plan (``rehearsal.reductions``);
+   the run's own plan (``rehearsal.reductions``) and both plans' per-GPU figures
+   (``rehearsal.per_gpu``; a ``stage`` whose figures differ from the run's is refused);
 3. :func:`run` (rule rehearsal, one node): trains steps 1 and 2 with a save at each (the
    first attempt's trainer is launched with ``trainer.total_training_steps=2``, so verl's own
    schedule ends it there: the kill's step is the product's, never a race between a fast
@@ -71,6 +75,8 @@ REWARD_ERROR = re.compile(
 # The silent failures (issue 28): verl's keys at the pin for the generated length and the
 # actor's loss, gradient norm and entropy (``actor/loss`` is checked when a step logs it).
 LENGTH_KEY = "response_length/mean"
+CLIP_KEY = "response_length/clip_ratio"  # share of responses cut at max_response_length
+MAX_LENGTH_KEY = "response_length/max"
 FINITE_KEYS = ("actor/pg_loss", "actor/grad_norm", "actor/entropy")
 FINITE_OPTIONAL = ("actor/loss",)
 # The finish reasons vLLM reports for a finished request (None while unfinished, "abort").
@@ -78,7 +84,7 @@ FINISHED = ("stop", "length")
 PASS, FAIL, NOT_RUN = "pass", "fail", "not run"
 CHECKS = ("plan", "trained", "steps_logged", "checkpoints", "killed", "resumed", "reward",
           "evaluation", "generated", "finish_reasons", "finite", "updated", "resumed_data",
-          "resumed_optimizer", "reward_path", "memory_headroom", "phases")
+          "resumed_optimizer", "reward_path", "memory_headroom", "full_length", "phases")
 # Tensors the recipe never moves: the MoE expert bias at moe_router_bias_update_rate=0 (the
 # HF checkpoint's inner name ``mlp.expert_bias``, transformers' hy_v3 buffer
 # ``mlp.e_score_correction_bias``).
@@ -844,6 +850,7 @@ def check_records(rec: Records) -> list[Check]:
                              "reach the reward probe"}
     out.append(Check("reward_path", rp["status"], rp["detail"]))
     out.append(_check_memory(rec, by_step))
+    out.append(_check_full_length(rec, by_step))
 
     times = phase_times(rec)
     missing = [p for p in ("startup", "step", "save", "resume", "evaluation")
@@ -886,6 +893,37 @@ def _check_generated(rec: Records, by_step: Mapping[int, Mapping[str, Any]]) -> 
             problems.append(f"{evaluation}: the evaluation generated nothing")
     shown = ", ".join(f"step {s} {v:g}" for s, v in lengths.items() if v is not None)
     return Check.of("generated", problems, f"{LENGTH_KEY}: {shown}; {evaluation}")
+
+
+def _check_full_length(rec: Records, by_step: Mapping[int, Mapping[str, Any]]) -> Check:
+    """The memory peaks were met at full length: some training step's responses reached the
+    plan's ``data.max_response_length`` (verl's ``response_length/clip_ratio`` > 0: the share
+    of responses cut at the limit; ``response_length/max`` beside it). A model that ended
+    every response early measured smaller activations than the run's longest step; with
+    ``shape: stage`` the random weights of the real 120,832-token vocabulary end a response
+    by EOS with odds ~1/120,832 a token, so nearly every response runs to the limit."""
+    limit_f = finite_number(((rec.plan or {}).get("effective") or {}).get(
+        "data.max_response_length"))
+    limit = None if limit_f is None else int(limit_f)
+    problems, shown, full = [], [], []
+    for s in sorted(by_step):
+        clip = finite_number(by_step[s].get(CLIP_KEY))
+        top = finite_number(by_step[s].get(MAX_LENGTH_KEY))
+        if clip is None:
+            problems.append(f"step {s}: {CLIP_KEY} missing or not a finite number "
+                            f"({by_step[s].get(CLIP_KEY)!r})")
+            continue
+        shown.append(f"step {s} {clip:g} (max {top if top is None else f'{top:g}'})")
+        if clip > 0 or (limit is not None and top is not None and top >= limit):
+            full.append(s)
+    if not by_step:
+        problems.append("no training step logged")
+    elif not problems and not full:
+        problems.append(f"no step's responses reached max_response_length {limit} "
+                        f"({CLIP_KEY}: {', '.join(shown)}): the memory peaks were measured "
+                        "below the run's full-length step")
+    return Check.of("full_length", problems, f"responses at max_response_length {limit} in "
+                    f"step(s) {full} ({CLIP_KEY}: {', '.join(shown)})")
 
 
 def _check_finish_reasons(rec: Records) -> Check:
