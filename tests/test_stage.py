@@ -338,3 +338,51 @@ def test_the_report_says_what_the_stage_was_and_its_peaks_beside_the_device(
     per = page.split('id="rehearsal-per-gpu"', 1)[1].split("</table>", 1)[0]
     assert "layers_per_pp_stage" in per and "25.05" in per
     assert per.count("differs") == 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_snakemake_builds_the_stage_and_plans_its_rehearsal(tmp_path: Path) -> None:
+    """Through `snakemake --profile profiles/local` on the GPU DAG (the fake verl cloned
+    for real, local parquet, the tiny Hy3 built by rule tiny_model standing for the real
+    model): rule rehearsal_model builds the stage from the model and the run's plan, rule
+    rehearsal_plan plans it with per-GPU figures equal to the run's."""
+    import os
+    import sys
+
+    import yaml
+    from fixtures.gpu_dag import double_sources, snakemake, workflow_copy
+
+    cfg = {"run": {"name": "st"}, **double_sources(tmp_path),
+           "cluster": {"gpu": True, "nodes": 1, "gpus_per_node": 1, "cpus_per_node": 1,
+                       "gpu_memory_gb": 80},
+           "train": {"checkpoint_root": str(tmp_path / "ckpt"), "total_training_steps": 2},
+           "eval": {"select": None}, "preflight": {"waive": ["bridge"]},
+           "rehearsal": {"shape": "stage"}}
+    cfg["data"]["heldout"] = None
+    override = tmp_path / "override.yaml"
+    override.write_text(yaml.safe_dump(cfg))
+    snakefile = workflow_copy(tmp_path / "wf")
+    work = tmp_path / "work"
+    work.mkdir()
+    wf = snakefile.parent
+    env = {"PATH": str(Path(sys.executable).parent) + os.pathsep + os.environ["PATH"],
+           "WANDB_MODE": "offline"}
+    code, out = snakemake(snakefile, [  # the target first: --configfile takes the rest
+        "results/st/rehearsal/preflight/plan.json", "--profile",
+        str(wf / "profiles" / "local"), "--configfile", str(wf / "config" / "config.yaml"),
+        str(override)], work, env)
+    assert code == 0, out[-5000:]
+    res = work / "results" / "st"
+    record = json.loads((res / "rehearsal" / "model" / "stage-hy3.json").read_text())
+    model = json.loads((res / "rehearsal" / "model" / "config.json").read_text())
+    real = json.loads((work / "resources" / "tiny-hy3" / "config.json").read_text())
+    assert record["inventory_check"] == {"against": "headers", "tensors": record[
+        "inventory_check"]["tensors"], "problems": [], "problem_count": 0}
+    assert record["layers"] == real["num_hidden_layers"] // record["pipeline_stages"]
+    assert {k: model[k] for k in ("hidden_size", "num_experts", "vocab_size")} == {
+        k: real[k] for k in ("hidden_size", "num_experts", "vocab_size")}
+    plan = json.loads((res / "rehearsal" / "preflight" / "plan.json").read_text())
+    assert plan["ok"] and plan["rehearsal"]["shape"] == "stage"
+    assert plan["rehearsal"]["per_gpu"]["differ"] == []
+    assert plan["rehearsal"]["model"]["layers"] == record["layers"]
