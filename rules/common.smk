@@ -83,10 +83,22 @@ def model_manifest():
 
 def rehearsal_model_inputs():
     """Rule rehearsal_model's inputs: none for the small model; for ``rehearsal.shape:
-    stage`` the real model (its manifest) and the run's plan (its pipeline size)."""
+    stage`` the real model (its manifest) and the run's plan (its pipeline size), ancient:
+    preflight re-plans on many changes that leave the stage as it is (the rule's params
+    name train.env, where the pipeline size is set); a stage that no longer matches the
+    run's plan is refused by rule rehearsal_plan, naming the figure."""
     if CFG.rehearsal.shape != "stage":
         return {}
-    return {"manifest": model_manifest(), "plan": LAYOUT.preflight_plan}
+    return {"manifest": model_manifest(), "plan": ancient(LAYOUT.preflight_plan)}
+
+
+def rehearsal_model_triggers():
+    """What rebuilds the rehearsal's model: its sizes and shape; for a stage also the
+    run's knobs (train.env: ACTOR_PP decides the stage's layers)."""
+    keys = ["rehearsal.model", "rehearsal.shape"]
+    if CFG.rehearsal.shape == "stage":
+        keys.append("train.env")
+    return triggers(*keys)
 
 
 # ---- data ----

@@ -35,7 +35,7 @@ if rehearsal_enabled():
             mem_mb=4000 if CFG.rehearsal.shape == "small" else 16000,
             runtime=10 if CFG.rehearsal.shape == "small" else 120,
         params:
-            **triggers("rehearsal.model", "rehearsal.shape"),
+            **rehearsal_model_triggers(),
         script:
             "../scripts/adapters/rehearsal_model.py"
 
