@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -46,6 +47,8 @@ from hy3rl.checkpoint import (
     read_header,
 )
 from hy3rl.errors import StageError
+from hy3rl.preflight.rules import to_int
+from hy3rl.verl_log import finite_number
 
 log = logging.getLogger(__name__)
 
@@ -117,14 +120,12 @@ def inventory(cfg: Mapping[str, Any]) -> dict[str, Expected]:
     return expected_inventory(ms)
 
 
+def _nbytes(e: Expected) -> int:
+    return math.prod(e.shape) * DTYPE_SIZES[e.dtype]
+
+
 def stage_bytes(cfg: Mapping[str, Any]) -> int:
-    total = 0
-    for e in inventory(cfg).values():
-        count = 1
-        for s in e.shape:
-            count *= s
-        total += count * DTYPE_SIZES[e.dtype]
-    return total
+    return sum(_nbytes(e) for e in inventory(cfg).values())
 
 
 def real_name(name: str, layers: int, real_layers: int) -> str:
@@ -209,10 +210,7 @@ def _groups(inv: Mapping[str, Expected], shard_bytes: int) -> list[list[str]]:
     groups: list[list[str]] = [[]]
     size = 0
     for name, e in inv.items():
-        count = 1
-        for s in e.shape:
-            count *= s
-        n = count * DTYPE_SIZES[e.dtype]
+        n = _nbytes(e)
         if groups[-1] and size + n > shard_bytes:
             groups.append([])
             size = 0
@@ -256,7 +254,7 @@ def build_stage(real_dir: str | Path, out_dir: str | Path, *, pp: int, seed: int
             weight_map.update(dict.fromkeys(group, fname))
             del tensors
             log.info("stage: wrote %s (%d tensors)", fname, len(group))
-        params = sum(_numel(e.shape) for e in inv.values())
+        params = sum(math.prod(e.shape) for e in inv.values())
         (tmp / "model.safetensors.index.json").write_text(json.dumps({
             "metadata": {"total_parameters": params, "total_size": total},
             "weight_map": weight_map}, indent=2) + "\n")
@@ -291,28 +289,7 @@ def build_stage(real_dir: str | Path, out_dir: str | Path, *, pp: int, seed: int
     return record
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    count = 1
-    for s in shape:
-        count *= s
-    return count
-
-
 # --------------------------------------------------------------------------- per GPU
-
-
-def _int(v: Any, default: int | None = None) -> int | None:
-    try:
-        return int(float(v))
-    except (TypeError, ValueError):
-        return default
-
-
-def _float(v: Any) -> float | None:
-    try:
-        return float(v)
-    except (TypeError, ValueError):
-        return None
 
 
 # the per-GPU figures that must be equal between the run's plan and a stage rehearsal's
@@ -329,15 +306,16 @@ def per_gpu(model_cfg: Mapping[str, Any], eff: Mapping[str, Any], *,
     """The per-GPU shapes and lengths of a plan (``eff``: its effective verl values) for the
     model of ``model_cfg`` (its config.json) of ``model_bytes`` bytes."""
     a = "actor_rollout_ref.actor.megatron."
-    tp, pp = _int(eff.get(a + "tensor_model_parallel_size"), 1), _int(
+    tp, pp = to_int(eff.get(a + "tensor_model_parallel_size"), 1), to_int(
         eff.get(a + "pipeline_model_parallel_size"), 1)
-    cp, ep = _int(eff.get(a + "context_parallel_size"), 1), _int(
+    cp, ep = to_int(eff.get(a + "context_parallel_size"), 1), to_int(
         eff.get(a + "expert_model_parallel_size"), 1)
-    n, e = _int(model_cfg.get("num_hidden_layers")), _int(model_cfg.get("num_experts"))
-    nh, nkv = _int(model_cfg.get("num_attention_heads")), _int(
-        model_cfg.get("num_key_value_heads"))
-    rtp = _int(eff.get("actor_rollout_ref.rollout.tensor_model_parallel_size"), 1)
-    util = _float(eff.get("actor_rollout_ref.rollout.gpu_memory_utilization"))
+    n, e = to_int(model_cfg.get("num_hidden_layers"), None), to_int(
+        model_cfg.get("num_experts"), None)
+    nh, nkv = to_int(model_cfg.get("num_attention_heads"), None), to_int(
+        model_cfg.get("num_key_value_heads"), None)
+    rtp = to_int(eff.get("actor_rollout_ref.rollout.tensor_model_parallel_size"), 1)
+    util = finite_number(eff.get("actor_rollout_ref.rollout.gpu_memory_utilization"))
     weights = None if model_bytes is None else model_bytes / rtp / 1e9
     kv = None
     if weights is not None and gpu_memory_gb and util is not None:
@@ -354,15 +332,15 @@ def per_gpu(model_cfg: Mapping[str, Any], eff: Mapping[str, Any], *,
         "num_experts_per_tok": model_cfg.get("num_experts_per_tok"),
         "mtp_layers": int(model_cfg.get("num_nextn_predict_layers") or 0),
         "context_parallel": cp,
-        "max_prompt_length": _int(eff.get("data.max_prompt_length")),
-        "max_response_length": _int(eff.get("data.max_response_length")),
-        "ppo_max_token_len_per_gpu": _int(
-            eff.get("actor_rollout_ref.actor.ppo_max_token_len_per_gpu")),
-        "ref_log_prob_max_token_len_per_gpu": _int(
-            eff.get("actor_rollout_ref.ref.log_prob_max_token_len_per_gpu")),
-        "rollout_log_prob_max_token_len_per_gpu": _int(
-            eff.get("actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu")),
-        "rollout_max_model_len": _int(eff.get("actor_rollout_ref.rollout.max_model_len")),
+        "max_prompt_length": to_int(eff.get("data.max_prompt_length"), None),
+        "max_response_length": to_int(eff.get("data.max_response_length"), None),
+        "ppo_max_token_len_per_gpu": to_int(
+            eff.get("actor_rollout_ref.actor.ppo_max_token_len_per_gpu"), None),
+        "ref_log_prob_max_token_len_per_gpu": to_int(
+            eff.get("actor_rollout_ref.ref.log_prob_max_token_len_per_gpu"), None),
+        "rollout_log_prob_max_token_len_per_gpu": to_int(
+            eff.get("actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu"), None),
+        "rollout_max_model_len": to_int(eff.get("actor_rollout_ref.rollout.max_model_len"), None),
         "rollout_tp": rtp,
         "rollout_gpu_memory_utilization": util,
         "rollout_weights_gb": None if weights is None else round(weights, 2),
@@ -407,7 +385,7 @@ def run(cfg: Any, *, out: Path, plan: Path, threads: int = 1) -> dict[str, Any]:
         raise StageBuildError(f"{plan}: the run's plan has no effective values ({exc})") \
             from None
     key = "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size"
-    pp = _int(eff.get(key))
+    pp = to_int(eff.get(key), None)
     if pp is None or pp < 1:
         raise StageBuildError(f"{plan}: effective {key} = {eff.get(key)!r} is not a positive "
                               "integer")
