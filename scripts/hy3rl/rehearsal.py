@@ -196,11 +196,6 @@ def derive(cfg: Config, layout: Layout) -> Config:
     return rcfg
 
 
-def _effective(plan_path: str | Path) -> dict[str, Any] | None:
-    doc = read_record(plan_path)
-    return (doc or {}).get("effective") or None
-
-
 def stage_mem_util(cfg: Config, layout: Layout) -> float | None:
     """``shape: stage``: vLLM's memory fraction that leaves each GPU of the rehearsal the
     KV-cache budget each GPU of the run will have (hy3rl.stage.kv_matching_utilization),
@@ -209,7 +204,7 @@ def stage_mem_util(cfg: Config, layout: Layout) -> float | None:
     from hy3rl.preflight import model_bytes
     from hy3rl.stage import kv_matching_utilization
 
-    eff = _effective(layout.preflight_plan)
+    eff = (read_record(layout.preflight_plan) or {}).get("effective")
     run_bytes, _ = model_bytes(cfg)
     stage_index = read_record(Path(layout.rehearsal_model) / "model.safetensors.index.json")
     stage_total = ((stage_index or {}).get("metadata") or {}).get("total_size")
@@ -220,9 +215,7 @@ def stage_mem_util(cfg: Config, layout: Layout) -> float | None:
     tp = finite_number(eff.get("actor_rollout_ref.rollout.tensor_model_parallel_size"))
     if util is None or not tp:
         return None
-    rtp = int(SHAPE_ENV["stage"]["ROLLOUT_TP"])
-    if "ROLLOUT_TP" in cfg.rehearsal.env:
-        rtp = int(cfg.rehearsal.env["ROLLOUT_TP"])
+    rtp = int({**SHAPE_ENV["stage"], **cfg.rehearsal.env}["ROLLOUT_TP"])
     return kv_matching_utilization(run_util=util, run_bytes=int(run_bytes),
                                    run_rollout_tp=int(tp), stage_bytes_=int(stage_total),
                                    stage_rollout_tp=rtp, gpu_memory_gb=float(gmem))
