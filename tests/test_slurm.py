@@ -251,8 +251,13 @@ def test_paper_dry_run_shows_the_training_shape(tmp_path):
         assert "gpu" not in res  # never the plugin's per-job GPU total
     # the rehearsal: one node of the same shape, exclusive, its own time limit
     res = resources_line(out, "rehearsal")
-    assert (res["nodes"], res["gres"], res["runtime"]) == ("1", "gpu:h20:8", "90"), res
+    # paper.yaml: rehearsal.runtime_min 180 for the stage (its two loads of 39.7 GB, its
+    # three full-length steps)
+    assert (res["nodes"], res["gres"], res["runtime"]) == ("1", "gpu:h20:8", "180"), res
     assert res["slurm_extra"] == "--ntasks-per-node=1 --exclusive", res
+    # rehearsal.shape stage: the stage's random weights are written in a CPU job
+    res = resources_line(out, "rehearsal_model")
+    assert (res["runtime"], res["mem_mb"], "gres" in res) == ("120", "16000", False), res
     for line in re.findall(r"    resources: (.*)", out):
         assert "slurm_partition=hy3rl" in line, line
         assert "slurm_account=hy3rl-test" in line, line
