@@ -252,7 +252,8 @@ def monitor(tmp_path: Path, clock: Clock, *, schedule: wd.Schedule = PAPER,
             stall: wd.StallPolicy = STALL, **kw) -> wd.Monitor:
     saved = saved if saved is not None else set()
     left = left if left is not None else [math.inf]
-    model = wd.TimeModel.learn(kw.pop("allow", allow()), lines or [], kw.pop("startups", []))
+    model = wd.TimeModel.learn(kw.pop("allow", allow()), lines or [], kw.pop("startups", []),
+                               startup_marks=kw.pop("startup_marks", []))
     args = {"metrics": tmp_path / "attempt.metrics.jsonl", "schedule": schedule,
             "model": model, "stall": stall, "margin_s": 10 * MIN,
             "is_saved": lambda s: s in saved,
@@ -418,6 +419,85 @@ def test_startup_limit_and_a_learned_startup(tmp_path: Path) -> None:
     m2.start()
     clock.now += 10 ** 6
     assert m2.poll() is None  # disabled
+
+
+# verl@220e903's v1 trainer's startup lines as the driver log shows them (Ray's prefix)
+V1 = "(TaskRunnerV1 pid=4242) INFO:2026-12-05 10:00:00,000:"
+MARK_LINES = {"datasets": "Total training steps: 200", "workers": "create worker group "
+              "dict_keys(['actor_rollout'])", "actor_model": "actor and ref model engine "
+              "initialized", "rollout": "checkpoint engine manager initialized",
+              "checkpoint": "all initialize finished, ready to fit"}
+# a 100-min startup: minutes from the submission to each mark and to the first line
+MARKS_100 = {"datasets": 3 * MIN, "workers": 8 * MIN, "actor_model": 43 * MIN,
+             "rollout": 73 * MIN, "checkpoint": 90 * MIN, "validation": 100 * MIN}
+
+
+def test_startup_sub_phases_are_learned_from_their_marks(tmp_path: Path) -> None:
+    """Issue 29: a startup that hangs while Ray and vLLM go on printing was caught only by the
+    whole startup's limit (200 min from the submission). Each sub-phase between verl's
+    startup lines now has a limit of its own, learned from successful startups."""
+    model = wd.TimeModel.learn(allow(), [], [100 * MIN], startup_marks=[MARKS_100])
+    assert model.startup_parts == {"datasets": [3 * MIN], "workers": [5 * MIN],
+                                   "actor_model": [35 * MIN], "rollout": [30 * MIN],
+                                   "checkpoint": [17 * MIN], "validation": [10 * MIN]}
+    assert model.startup_part_limit("actor_model") == 70 * MIN  # 2 x 35
+    assert model.startup_part_limit("datasets") == 30 * MIN  # the stall floor
+    assert model.snapshot()["startup"]["parts"]["rollout"] == {
+        "s": 30 * MIN, "samples": 1, "limit_s": 60 * MIN}
+    # a mark missing (a quieter log level): the next one counts from the last seen
+    quiet = wd.TimeModel.learn(allow(), [], [100 * MIN], startup_marks=[{
+        k: v for k, v in MARKS_100.items() if k != "workers"}])
+    assert quiet.startup_parts["actor_model"] == [40 * MIN]
+    assert "workers" not in quiet.startup_parts and quiet.startup_part_limit("workers") is None
+    # the monitor: marks in the trainer's output; a hang in the model load that keeps
+    # printing is caught 70 min after its sub-phase began, not 200 min after the submission
+    clock = Clock()
+    log_path = tmp_path / "driver.log"
+    log_path.write_text("")
+    m = monitor(tmp_path, clock, startups=[100 * MIN], startup_marks=[MARKS_100],
+                logs=[log_path], silence_s=45 * MIN)
+    m.start()
+    t0 = clock.now
+
+    def say(path: Path, text: str) -> None:
+        with open(path, "a") as fh:
+            fh.write(text + "\n")
+
+    for name in ("datasets", "workers"):
+        clock.now = t0 + MARKS_100[name]
+        say(log_path, V1 + MARK_LINES[name])
+        assert m.poll() is None
+    assert m.startup_marks == {"datasets": 3 * MIN, "workers": 8 * MIN}
+    assert m.startup_part() == "actor_model"
+    while clock.now < t0 + 8 * MIN + 69 * MIN:
+        clock.now += MIN
+        say(log_path, "(raylet) NCCL WARN still waiting")  # output, not a mark
+        assert m.poll() is None, (clock.now - t0) / MIN
+    clock.now = t0 + 8 * MIN + 70 * MIN
+    req = m.poll()
+    assert req and req.outcome == "hung" and req.diagnose
+    assert "startup sub-phase actor_model for 70 min, its limit 70 min" in req.message
+    assert m.timing()["startup_marks"] == {"datasets": 3 * MIN, "workers": 8 * MIN}
+    # a healthy startup, each sub-phase 1.5 x as long: no hang; its marks and first line
+    # are recorded for the next attempt's model
+    clock2 = Clock()
+    log2 = tmp_path / "b.log"
+    log2.write_text("")
+    m2 = monitor(tmp_path / "b", clock2, startups=[100 * MIN], startup_marks=[MARKS_100],
+                 logs=[log2], silence_s=45 * MIN, metrics=tmp_path / "b.jsonl")
+    m2.start()
+    t0 = clock2.now
+    for name, at in MARKS_100.items():
+        while clock2.now < t0 + 1.5 * at:
+            clock2.now = min(t0 + 1.5 * at, clock2.now + MIN)
+            say(log2, "(WorkerDict pid=7) loading")  # a healthy startup prints
+            assert m2.poll() is None, (name, (clock2.now - t0) / MIN)
+        if name in MARK_LINES:
+            say(log2, V1 + MARK_LINES[name])
+        else:
+            write(m2.metrics, {"step": 0, "data": {"val-core/x": 0.8}})
+        assert m2.poll() is None
+    assert m2.timing()["startup_marks"] == {k: 1.5 * v for k, v in MARKS_100.items()}
 
 
 def test_after_the_final_step_a_shutdown_allowance(tmp_path: Path) -> None:

@@ -436,7 +436,8 @@ def allowances(wd: Any, plan: Mapping[str, Any]) -> Allowances:
                       validation_s=None if wd.validation_min is None else wd.validation_min * 60,
                       save_s=save_s, shutdown_s=wd.shutdown_min * 60,
                       startup_floor_s=wd.startup_floor_min * 60,
-                      startup_cap_s=wd.stall_cap_min * 60)
+                      startup_cap_s=wd.stall_cap_min * 60,
+                      stall_floor_s=wd.stall_floor_min * 60)
 
 
 def time_left(job_id: str | None) -> float | None:
@@ -960,9 +961,12 @@ class Job:
         records = [load_attempt(self.layout, k) for k in attempt_numbers(self.layout)
                    if k >= self.since()]
         timings = [r.get("timing") or {} for r in records]
+        ok = [t for t in timings if isinstance(t.get("startup_s"), (int, float))]
         return TimeModel.learn(
             allowances(self.train.watchdog, self.plan), run_metrics(self.layout),
-            [t["startup_s"] for t in timings if isinstance(t.get("startup_s"), (int, float))])
+            [t["startup_s"] for t in ok],
+            startup_marks=[t["startup_marks"] for t in ok
+                           if isinstance(t.get("startup_marks"), dict)])
 
     def restart_need(self) -> float | None:
         """Seconds a restart in this allocation needs before its first save: a startup,

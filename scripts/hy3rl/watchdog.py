@@ -110,6 +110,26 @@ SLOW_SAVE_FACTOR = 3.0  # a save reserved for when the next save is the job's la
 #   console logger "step:<N> - <key>:<value> - ..." on stdout
 #   (verl/utils/logger/aggregate_logger.py:27 and :51).
 SAVE_LINE = re.compile(r"Saving checkpoint to \S*?global_step_(\d+)\b")
+# The startup's boundaries as verl@220e903's v1 trainer logs them at INFO (trainer_base.py;
+# the module logger as for SAVE_LINE), in order: each names the sub-phase it ends. The
+# sub-phase after the last mark, the validation before training, ends at the attempt's first
+# metrics line. A startup's sub-phases are learned from successful startups only
+# (:meth:`TimeModel.startup_part_limit`), each with its own limit counted from the mark
+# before it, so that a startup hung while Ray, vLLM or NCCL go on printing is caught within
+# the sub-phase it hung in rather than by the whole startup's limit.
+STARTUP_MARKS: tuple[tuple[str, re.Pattern[str]], ...] = (
+    # l.591, after the datasets (l.581 "train and validate dataloader initialized")
+    ("datasets", re.compile(r"Total training steps: \d+")),
+    # l.221, once per resource pool: the Ray worker actors spawned
+    ("workers", re.compile(r"create worker group ")),
+    # l.234: the actor (Megatron) model loaded on every rank
+    ("actor_model", re.compile(r"actor and ref model engine initialized")),
+    # l.283: after the reward loop (l.256) and the vLLM servers (LLMServerManager.create)
+    ("rollout", re.compile(r"checkpoint engine manager initialized")),
+    # l.289: after _load_checkpoint (l.676 "Training from scratch" / l.690 "Resuming from")
+    ("checkpoint", re.compile(r"all initialize finished, ready to fit")),
+)
+FIRST_LINE_PART = "validation"  # from the last mark to the first metrics line
 LOG_READ_MAX = 1 << 20  # bytes of a log read per poll (the rest counts as activity unread)
 BYTES_EVERY_S = 60.0  # a checkpoint being written is walked at most this often
 
@@ -179,6 +199,7 @@ class Allowances:
     shutdown_s: float
     startup_floor_s: float
     startup_cap_s: float
+    stall_floor_s: float = 30 * 60.0  # a startup sub-phase's limit is never below it
 
 
 @dataclass
@@ -191,14 +212,46 @@ class TimeModel:
     validations: list[float] = field(default_factory=list)
     saves: list[float] = field(default_factory=list)
     startups: list[float] = field(default_factory=list)
+    # seconds of each startup sub-phase (STARTUP_MARKS, FIRST_LINE_PART) in successful
+    # startups
+    startup_parts: dict[str, list[float]] = field(default_factory=dict)
 
     @classmethod
     def learn(cls, allow: Allowances, lines: Iterable[Mapping[str, Any]],
-              startups: Iterable[float] = ()) -> TimeModel:
-        """``startups``: those that succeeded (their first line came), never a hung wait."""
+              startups: Iterable[float] = (), *,
+              startup_marks: Iterable[Mapping[str, float]] = ()) -> TimeModel:
+        """``startups``: those that succeeded (their first line came), never a hung wait;
+        ``startup_marks``: theirs, each the seconds from the submission to each mark seen
+        and to the first line (:meth:`Monitor.timing`'s ``startup_marks``)."""
         model = cls(allow, startups=[float(s) for s in startups])
+        for marks in startup_marks:
+            model.add_startup_marks(marks)
         model.add_lines(lines)
         return model
+
+    def add_startup_marks(self, marks: Mapping[str, float]) -> None:
+        """One successful startup's marks: each sub-phase's seconds, from the mark before it
+        (or the submission) to its own; a sub-phase whose mark is missing (another verl, a
+        quieter log level) is not learned, and the next one is counted from the last mark
+        seen."""
+        before = 0.0
+        for name in [n for n, _ in STARTUP_MARKS] + [FIRST_LINE_PART]:
+            at = marks.get(name)
+            if not isinstance(at, (int, float)) or isinstance(at, bool) or at < before:
+                continue
+            self.startup_parts.setdefault(name, []).append(float(at) - before)
+            before = float(at)
+
+    def startup_part_limit(self, name: str) -> float | None:
+        """The limit of startup sub-phase ``name``, counted from its start:
+        :data:`STARTUP_FACTOR` x the :data:`QUANTILE` of its successful durations, within
+        [``stall_floor_s``, ``startup_cap_s``]; None while it was never seen to succeed
+        (the whole startup's limit still holds)."""
+        seen = self.startup_parts.get(name)
+        if not seen:
+            return None
+        return min(self.allow.startup_cap_s,
+                   max(self.allow.stall_floor_s, STARTUP_FACTOR * quantile(seen, QUANTILE)))
 
     def add_lines(self, lines: Iterable[Mapping[str, Any]]) -> None:
         for rec in lines:
@@ -311,6 +364,10 @@ class TimeModel:
             out[name] = {"s": round(seconds, 1), "learned": learned,
                          "samples": len(getattr(self, f"{name}s"))}
         out["startup"]["limit_s"] = round(self.startup_limit(), 1)
+        out["startup"]["parts"] = {
+            name: {"s": round(quantile(seen, QUANTILE), 1), "samples": len(seen),
+                   "limit_s": round(self.startup_part_limit(name) or 0.0, 1)}
+            for name, seen in self.startup_parts.items()}
         out["shutdown"] = {"s": self.allow.shutdown_s, "learned": False, "samples": 0}
         return out
 
@@ -521,6 +578,9 @@ class Monitor:
     bytes_walked_at: float | None = None
     phase: str = "startup"
     startup_hung_s: float | None = None
+    # seconds from the submission to each startup mark seen (STARTUP_MARKS) and, once it
+    # came, to the first line (FIRST_LINE_PART)
+    startup_marks: dict[str, float] = field(default_factory=dict)
     kill_after: int | None = None  # the rehearsal: stop once this step's save is complete
 
 
@@ -575,6 +635,7 @@ class Monitor:
             self.save_bytes_at = None
             if self.first_line_at is None:
                 self.first_line_at = now
+                self.startup_marks[FIRST_LINE_PART] = round(now - self.started, 1)
             self.phase = ""
             self.enter("shutdown" if self.last_step >= self.schedule.last else "step", now)
         self.watch_logs(now)
@@ -601,7 +662,7 @@ class Monitor:
                 continue
             self.log_sizes[path] = size
             self.last_activity = now
-            if self.last_progress is None or self.phase == "shutdown":
+            if self.phase == "shutdown":
                 continue
             try:
                 with open(path, "rb") as fh:
@@ -609,10 +670,29 @@ class Monitor:
                     text = fh.read(size - fh.tell()).decode(errors="replace")
             except OSError:
                 continue
+            if self.last_progress is None:
+                self.watch_startup(text, now)
+                continue
             nxt = self.next_step()
             if self.phase == "step" and self.schedule.saves(nxt) and any(
                     int(m.group(1)) == nxt for m in SAVE_LINE.finditer(text)):
                 self.enter("save", now)
+
+    def watch_startup(self, text: str, now: float) -> None:
+        """A startup mark (:data:`STARTUP_MARKS`) in new output ends its sub-phase: the
+        seconds from the submission are recorded, the next sub-phase starts now."""
+        for name, pattern in STARTUP_MARKS:
+            if name not in self.startup_marks and pattern.search(text):
+                self.startup_marks[name] = round(now - self.started, 1)
+                self.phase_started = now
+                log.info("watchdog: startup: %s after %s", name, _minutes(now - self.started))
+
+    def startup_part(self) -> str:
+        """The startup sub-phase in progress: the one after the last mark seen."""
+        names = [n for n, _ in STARTUP_MARKS]
+        done = [i for i, n in enumerate(names) if n in self.startup_marks]
+        return names[done[-1] + 1] if done and done[-1] + 1 < len(names) else (
+            FIRST_LINE_PART if done else names[0])
 
     def watch_save(self, now: float) -> None:
         """The next step's ``global_step_<N>/`` appearing starts its save, bytes arriving in
@@ -670,12 +750,19 @@ class Monitor:
             limit, waited = self.model.startup_limit(), now - self.started
             if self.model.allow.startup_s <= 0:
                 return None
+            part = self.startup_part()
+            part_limit = self.model.startup_part_limit(part)
+            in_part = now - self.phase_started  # from the last mark, or the submission
             if quiet is not None and quiet >= self.silence_s:
                 why = (f"no output for {_minutes(quiet)}, silence limit "
                        f"{_minutes(self.silence_s)}; {_minutes(waited)} after the submission")
             elif waited >= limit:
                 why = (f"no metrics line {_minutes(waited)} after the submission; startup "
                        f"limit {_minutes(limit)}")
+            elif part_limit is not None and in_part >= part_limit:
+                why = (f"startup sub-phase {part} for {_minutes(in_part)}, its limit "
+                       f"{_minutes(part_limit)} (2 x its successful durations); "
+                       f"{_minutes(waited)} after the submission")
             else:
                 return None
             self.startup_hung_s = waited
@@ -778,6 +865,7 @@ class Monitor:
                 "startup_limit_s": round(self.model.startup_limit(), 1),
                 "startup_hung_s": (None if self.startup_hung_s is None
                                    else round(self.startup_hung_s, 1)),
+                "startup_marks": dict(self.startup_marks),
                 "phase": self.phase, "model": self.model.snapshot()}
 
 
