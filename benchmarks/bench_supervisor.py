@@ -67,6 +67,32 @@ SAVE_LINE = ("(TaskRunnerV1 pid=4242) INFO:2026-12-05 10:00:00,000:Saving checkp
              "/ckpt/global_step_{}")
 
 
+# verl@220e903's v1 trainer's startup lines (hy3rl.watchdog.STARTUP_MARKS), as the driver log
+# shows them, at the end of the sub-phase each names. The sub-phases' shares of a startup are
+# an assumption (no sub-phase figures of the paper run are published; the first run's
+# attempt records, timing.startup_marks, will give them): the Megatron load and the vLLM
+# servers most of it, the checkpoint load and the validation before training the rest.
+V1 = "(TaskRunnerV1 pid=4242) INFO:2026-12-05 10:00:00,000:"
+STARTUP_SHARES = (("datasets", 0.03, "Total training steps: 200"),
+                  ("workers", 0.05, "create worker group dict_keys(['actor_rollout'])"),
+                  ("actor_model", 0.35, "actor and ref model engine initialized"),
+                  ("rollout", 0.30, "checkpoint engine manager initialized"),
+                  ("checkpoint", 0.17, "all initialize finished, ready to fit"),
+                  ("validation", 0.10, None))  # ends at the first metrics line
+
+
+def startup_marks(length: float, noise: float, rng: random.Random) -> list[tuple[str, float,
+                                                                                  str | None]]:
+    """The sub-phases of a startup of ``length`` seconds: (name, seconds from the submission
+    to its end, its line), each share +-``noise`` (renormalised to the length)."""
+    ws = [w * rng.uniform(1 - noise, 1 + noise) for _, w, _ in STARTUP_SHARES]
+    k, at, out = length / sum(ws), 0.0, []
+    for (name, _, text), w in zip(STARTUP_SHARES, ws, strict=True):
+        at += w * k
+        out.append((name, at, text))
+    return out
+
+
 @dataclass
 class Profile:
     """The run's true durations (seconds): per step, per save, per validation; startups
@@ -77,6 +103,7 @@ class Profile:
     save: dict[int, float]
     startups: list[float]
     seed: int = 0
+    share_noise: float = 0.0  # each startup sub-phase's share +- this
 
     @classmethod
     def paper(cls) -> Profile:
@@ -90,7 +117,7 @@ class Profile:
         p = cls({s: 16 * MIN * rng.uniform(0.8, 1.2) for s in range(1, TOTAL + 1)},
                 {s: 8 * MIN * rng.uniform(0.8, 1.2) for s in range(1, TOTAL + 1)},
                 {s: 50 * MIN * rng.uniform(0.8, 1.2) for s in range(1, TOTAL + 1)},
-                [rng.uniform(75, 200) * MIN for _ in range(50)], seed)
+                [rng.uniform(75, 200) * MIN for _ in range(50)], seed, 0.2)
         if seed % 10 == 0:  # one run in ten: one save of 2.5 h
             p.save[rng.choice(range(SAVE_FREQ, TOTAL, SAVE_FREQ))] = 150 * MIN
         return p
@@ -177,9 +204,20 @@ def events(p: Profile, start_step: int, t0: float, startup: float, hang: Hang | 
         yield from gen
         return False
 
+    def startup_phase(t: float):
+        """Output through the startup, verl's line at the end of each sub-phase."""
+        begin = t
+        for _name, end, text in startup_marks(startup, p.share_noise, rng):
+            g = begin + rng.uniform(*LOG_GAP)
+            while g < t + end:
+                yield g, "log", "(startup) progress"
+                g += rng.uniform(*LOG_GAP)
+            if text:
+                yield t + end, "log", V1 + text
+            begin = t + end
+
     t = t0
-    if (yield from cut(phase(t, startup, "startup", start_step, None), t, startup,
-                       "startup", start_step)):
+    if (yield from cut(startup_phase(t), t, startup, "startup", start_step)):
         return
     t += startup
     yield t, "line", {"step": start_step, "data": {"val-core/x": 0.8}}
@@ -211,6 +249,8 @@ def run(p: Profile, tmp: Path, limit_s: float, poll_s: float, hang: Hang | None 
     rng = random.Random(p.seed * 7919 + 1)
     history: list[dict] = [line(p, s) for s in range(1, start + 1)]
     startups: list[float] = [p.startups[-1]] if start else []
+    marks: list[dict[str, float]] = (
+        [{n: at for n, at, _ in startup_marks(p.startups[-1], 0.0, rng)}] if start else [])
     saved = start
     hang_left = hang
     while saved < until and res.jobs < 40 and not (stop_on_hang and res.detections):
@@ -226,8 +266,8 @@ def run(p: Profile, tmp: Path, limit_s: float, poll_s: float, hang: Hang | None 
             driver.write_text("")
             done = {s for s in range(1, saved + 1) if PAPER.saves(s)}
             mon = wd.Monitor(
-                metrics=metrics, schedule=PAPER, model=wd.TimeModel.learn(ALLOW, history,
-                                                                         startups),
+                metrics=metrics, schedule=PAPER,
+                model=wd.TimeModel.learn(ALLOW, history, startups, startup_marks=marks),
                 stall=STALL, margin_s=MARGIN, is_saved=lambda s, done=done: s in done,
                 deadline=wd.Deadline(lambda end=job_end: end - clock.now, clock),
                 ckpt_dir=ckpt, start_step=saved, clock=clock, logs=[driver],
@@ -294,6 +334,7 @@ def run(p: Profile, tmp: Path, limit_s: float, poll_s: float, hang: Hang | None 
                     outcome = "finished"
             if mon.startup_s is not None:  # a successful startup; a hung one never counts
                 startups.append(mon.startup_s)
+                marks.append(mon.timing()["startup_marks"])
             if outcome in ("stopped", "killed"):
                 break
     res.saved = saved

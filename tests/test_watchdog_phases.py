@@ -105,20 +105,23 @@ def test_startup_hangs_learned_from_successful_startups_only(tmp_path: Path) -> 
     assert res.saved == 60  # the next startup succeeded
 
 
-@pytest.mark.parametrize("frac", [0.05, 0.5, 0.95])
-def test_a_startup_hang_that_keeps_printing_is_bounded_by_the_startups_own_limit(
-        tmp_path: Path, frac: float) -> None:
-    """The paper profile's startups (100 min, one learned): a startup hung while Ray and
-    vLLM go on printing is stopped at the startup's own limit, counted from the submission
-    and not reset by output: 2 x the 100 min seen, the floor (200 min, the slowest healthy
-    startup expected) being no higher; before, 270 min (1.5 x startup_min) wherever it hung.
-    The first startup that hangs so is stopped at 1.5 x its allowance (270 min)."""
+@pytest.mark.parametrize(("frac", "part", "stop_min"), [
+    (0.05, "workers", 3 + 30), (0.5, "rollout", 43 + 75), (0.95, "validation", 90 + 30)])
+def test_a_startup_hang_that_keeps_printing_is_caught_in_its_sub_phase(
+        tmp_path: Path, frac: float, part: str, stop_min: float) -> None:
+    """The paper profile's startups (100 min, one learned, its sub-phases at the shares of
+    bench_supervisor.STARTUP_SHARES): a startup hung while Ray and vLLM go on printing was
+    stopped at the whole startup's limit, 200 min after the submission wherever it hung.
+    Each sub-phase between verl's startup lines now has its own limit from its own start:
+    2 x its length, never below 1.25 x its share of startup_floor_min (200 min: a resume
+    slower than the startups seen) nor 30 min. The first startup, with nothing learned,
+    is still stopped at 1.5 x its allowance (270 min)."""
     res = sim.run(sim.Profile.paper(), tmp_path, DAY, MIN,
                   sim.Hang("startup", 0, frac, noisy=True, attempts=(1,)), start=40,
                   stop_on_hang=True)
     assert res.false_hangs == 0 and [p for p, _ in res.detections] == ["startup"]
-    assert 200 * MIN <= res.startup_hang_waits[0] <= 201 * MIN  # polled every minute
-    assert res.detections[0][1] <= (200 - 100 * frac) * MIN
+    assert stop_min * MIN <= res.startup_hang_waits[0] <= (stop_min + 1) * MIN
+    assert res.detections[0][1] <= (stop_min + 1 - 100 * frac) * MIN
     first = sim.run(sim.Profile.paper(), tmp_path / "first", DAY, MIN,
                     sim.Hang("startup", 0, frac, noisy=True, attempts=(1,)), stop_on_hang=True)
     assert 270 * MIN <= first.startup_hang_waits[0] <= 271 * MIN

@@ -83,6 +83,7 @@ QUANTILE = 0.9  # validations and startups: their estimate is this quantile of t
 SAVE_QUANTILE = 0.5  # saves: few per run (one slow save must not be the estimate)
 STARTUP_FACTOR = 2.0  # a startup's limit over its estimate (startups vary: 75-200 min)
 UNSEEN_FACTOR = 1.5  # a phase never seen: its limit over its allowance
+PART_SHARE_SLACK = 1.25  # a startup sub-phase's floor: its share of startup_floor_s, x this
 SLOW_SAVE_FACTOR = 3.0  # a save reserved for when the next save is the job's last
 # What verl@220e903 prints at the phase boundaries (read from its source; main_ppo runs the
 # v1 trainer, trainer.use_v1: true in verl/trainer/config/ppo_trainer.yaml):
@@ -215,6 +216,8 @@ class TimeModel:
     # seconds of each startup sub-phase (STARTUP_MARKS, FIRST_LINE_PART) in successful
     # startups
     startup_parts: dict[str, list[float]] = field(default_factory=dict)
+    # and each one's share of its startup (the seconds to the first line)
+    startup_shares: dict[str, list[float]] = field(default_factory=dict)
 
     @classmethod
     def learn(cls, allow: Allowances, lines: Iterable[Mapping[str, Any]],
@@ -235,23 +238,32 @@ class TimeModel:
         quieter log level) is not learned, and the next one is counted from the last mark
         seen."""
         before = 0.0
+        total = marks.get(FIRST_LINE_PART)
         for name in [n for n, _ in STARTUP_MARKS] + [FIRST_LINE_PART]:
             at = marks.get(name)
             if not isinstance(at, (int, float)) or isinstance(at, bool) or at < before:
                 continue
             self.startup_parts.setdefault(name, []).append(float(at) - before)
+            if isinstance(total, (int, float)) and total > 0:
+                self.startup_shares.setdefault(name, []).append((float(at) - before) / total)
             before = float(at)
 
     def startup_part_limit(self, name: str) -> float | None:
         """The limit of startup sub-phase ``name``, counted from its start:
-        :data:`STARTUP_FACTOR` x the :data:`QUANTILE` of its successful durations, within
-        [``stall_floor_s``, ``startup_cap_s``]; None while it was never seen to succeed
-        (the whole startup's limit still holds)."""
+        :data:`STARTUP_FACTOR` x the :data:`QUANTILE` of its successful durations, never below
+        its share of the slowest healthy startup expected (:data:`PART_SHARE_SLACK` x its
+        median share of the startups seen x ``startup_floor_s``: a resume slower than the
+        startups seen is no hang, as for the whole startup) nor ``stall_floor_s``, nor above
+        ``startup_cap_s``; None while it was never seen to succeed (the whole startup's
+        limit still holds)."""
         seen = self.startup_parts.get(name)
         if not seen:
             return None
+        shares = self.startup_shares.get(name) or [1.0]
+        floor = PART_SHARE_SLACK * statistics.median(shares) * self.allow.startup_floor_s
         return min(self.allow.startup_cap_s,
-                   max(self.allow.stall_floor_s, STARTUP_FACTOR * quantile(seen, QUANTILE)))
+                   max(self.allow.stall_floor_s, floor,
+                       STARTUP_FACTOR * quantile(seen, QUANTILE)))
 
     def add_lines(self, lines: Iterable[Mapping[str, Any]]) -> None:
         for rec in lines:
