@@ -358,6 +358,11 @@ HANG_CASES = {
     "startup, not the first (attempts 2-6)": [Hang("startup", attempts=(2, 3, 4, 5, 6))],
     "first startup": [Hang("startup", attempts=(1,))],
 }
+FRACS = (0.05, 0.5, 0.95)  # where in its phase a hang starts
+# and, for a startup, right after each mark (the paper profile's shares): a hang as its
+# sub-phase starts waits that sub-phase's whole limit, the worst case
+STARTS = tuple(round(sum(w for _, w, _ in STARTUP_SHARES[:k]) + 0.001, 3)
+               for k in range(1, len(STARTUP_SHARES)))
 SLOW_CASES = {"save step after one 2.5 h save (step 120)": [Hang("step", 120),
                                                               Hang("save", 120),
                                                               Hang("validation", 120)]}
@@ -387,7 +392,7 @@ def main() -> int:
             for noisy_hang in (False, True):
                 jobs = []
                 for h in hangs:
-                    for frac in (0.05, 0.5, 0.95):
+                    for frac in FRACS + (STARTS if h.phase == "startup" else ()):
                         hh = Hang(h.phase, h.step, frac, noisy_hang, h.attempts)
                         jobs.append(pool.submit(_slow if name in SLOW_CASES else _run,
                                                 ("paper", 0, limit, poll, hh)))
@@ -411,7 +416,7 @@ def main() -> int:
           f"(median / max) {hour_fmt(unused)}; {len(reserve)} reserving for a slow save as "
           f"the job's last, unused h {hour_fmt(reserve)}")
     print("  detection, minutes from the hang to the stop (max over the hang at 5/50/95 % of "
-          "its phase):")
+          "its phase;\n    a startup's also just after each of its marks):")
     print(f"    {'where the trainer hangs':<55} {'quiet':>7} {'printing':>9}")
     for name in {**HANG_CASES, **SLOW_CASES}:
         row = []
