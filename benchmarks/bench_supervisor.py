@@ -138,6 +138,7 @@ class Hang:
 @dataclass
 class Result:
     false_hangs: int = 0
+    false_why: list[str] = field(default_factory=list)  # the watchdog's message of each
     detections: list[tuple[str, float]] = field(default_factory=list)  # (phase, s)
     unused_s: list[float] = field(default_factory=list)  # per time-limit stop
     reserve_s: list[float] = field(default_factory=list)  # those reserving for a slow save
@@ -318,6 +319,7 @@ def run(p: Profile, tmp: Path, limit_s: float, poll_s: float, hang: Hang | None 
                 if req.outcome == "hung":
                     if onset is None:
                         res.false_hangs += 1
+                        res.false_why.append(req.message)
                     else:
                         res.detections.append((mon.phase or "startup", t - onset))
                         if req.step is None:

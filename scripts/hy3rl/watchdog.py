@@ -83,7 +83,9 @@ QUANTILE = 0.9  # validations and startups: their estimate is this quantile of t
 SAVE_QUANTILE = 0.5  # saves: few per run (one slow save must not be the estimate)
 STARTUP_FACTOR = 2.0  # a startup's limit over its estimate (startups vary: 75-200 min)
 UNSEEN_FACTOR = 1.5  # a phase never seen: its limit over its allowance
-PART_SHARE_SLACK = 1.25  # a startup sub-phase's floor: its share of startup_floor_s, x this
+# a startup sub-phase's floor: its largest share seen of startup_floor_s, x this (the share
+# of each sub-phase varies between startups: +-20 % either way is 1.5 from one to another)
+PART_SHARE_SLACK = 1.5
 SLOW_SAVE_FACTOR = 3.0  # a save reserved for when the next save is the job's last
 # What verl@220e903 prints at the phase boundaries (read from its source; main_ppo runs the
 # v1 trainer, trainer.use_v1: true in verl/trainer/config/ppo_trainer.yaml):
@@ -131,6 +133,7 @@ STARTUP_MARKS: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("checkpoint", re.compile(r"all initialize finished, ready to fit")),
 )
 FIRST_LINE_PART = "validation"  # from the last mark to the first metrics line
+POLL_KEY = "poll_s"  # in a startup's marks: the longest gap between two polls in it
 LOG_READ_MAX = 1 << 20  # bytes of a log read per poll (the rest counts as activity unread)
 BYTES_EVERY_S = 60.0  # a checkpoint being written is walked at most this often
 
@@ -236,23 +239,29 @@ class TimeModel:
         """One successful startup's marks: each sub-phase's seconds, from the mark before it
         (or the submission) to its own; a sub-phase whose mark is missing (another verl, a
         quieter log level) is not learned, and the next one is counted from the last mark
-        seen."""
+        seen. A mark is seen at the poll after it: ``marks["poll_s"]``, the longest gap
+        between two polls in that startup, bounds the error, so each sub-phase's share is
+        taken at its largest (its seconds + poll_s over the startup's - poll_s)."""
         before = 0.0
         total = marks.get(FIRST_LINE_PART)
+        poll = marks.get(POLL_KEY)
+        poll = float(poll) if isinstance(poll, (int, float)) and poll > 0 else 0.0
         for name in [n for n, _ in STARTUP_MARKS] + [FIRST_LINE_PART]:
             at = marks.get(name)
             if not isinstance(at, (int, float)) or isinstance(at, bool) or at < before:
                 continue
-            self.startup_parts.setdefault(name, []).append(float(at) - before)
+            seconds = float(at) - before
+            self.startup_parts.setdefault(name, []).append(seconds)
             if isinstance(total, (int, float)) and total > 0:
-                self.startup_shares.setdefault(name, []).append((float(at) - before) / total)
+                self.startup_shares.setdefault(name, []).append(
+                    min(1.0, (seconds + poll) / max(total - poll, seconds + poll)))
             before = float(at)
 
     def startup_part_limit(self, name: str) -> float | None:
         """The limit of startup sub-phase ``name``, counted from its start:
         :data:`STARTUP_FACTOR` x the :data:`QUANTILE` of its successful durations, never below
         its share of the slowest healthy startup expected (:data:`PART_SHARE_SLACK` x its
-        median share of the startups seen x ``startup_floor_s``: a resume slower than the
+        largest share of the startups seen x ``startup_floor_s``: a resume slower than the
         startups seen is no hang, as for the whole startup) nor ``stall_floor_s``, nor above
         ``startup_cap_s``; None while it was never seen to succeed (the whole startup's
         limit still holds)."""
@@ -260,7 +269,7 @@ class TimeModel:
         if not seen:
             return None
         shares = self.startup_shares.get(name) or [1.0]
-        floor = PART_SHARE_SLACK * statistics.median(shares) * self.allow.startup_floor_s
+        floor = PART_SHARE_SLACK * max(shares) * self.allow.startup_floor_s
         return min(self.allow.startup_cap_s,
                    max(self.allow.stall_floor_s, floor,
                        STARTUP_FACTOR * quantile(seen, QUANTILE)))
@@ -593,6 +602,7 @@ class Monitor:
     # seconds from the submission to each startup mark seen (STARTUP_MARKS) and, once it
     # came, to the first line (FIRST_LINE_PART)
     startup_marks: dict[str, float] = field(default_factory=dict)
+    polled_at: float | None = None
     kill_after: int | None = None  # the rehearsal: stop once this step's save is complete
 
 
@@ -629,6 +639,10 @@ class Monitor:
         now = self.clock()
         if self.started is None:
             self.start()
+        if self.first_line_at is None and self.polled_at is not None:  # in the startup
+            self.startup_marks[POLL_KEY] = round(max(
+                self.startup_marks.get(POLL_KEY, 0.0), now - self.polled_at), 1)
+        self.polled_at = now
         size = _size(self.metrics)
         if size == self.metrics_size:
             lines = self.lines  # unchanged: not parsed again
