@@ -519,6 +519,24 @@ def test_a_failed_commit_fails_naming_the_repo_without_the_token(released, hub_e
     assert not hub_env.repos["hy3rl-test/fresh"].files().keys() - {".gitattributes"}
 
 
+def test_a_commit_that_does_not_hold_the_release_is_refused(released, hub_env):
+    """The hub's commit lacks a file the release pushed: read back, refused by name."""
+    hub_cfg, folder, rec = released
+    hub_env.lose_in_commit = {"config.json"}
+    with pytest.raises(release.ReleaseError,
+                       match="release.hub.repo hy3rl-test/fresh .*does not hold the release "
+                             "as pushed: config.json missing"):
+        _upload(dataclasses.replace(hub_cfg, repo="hy3rl-test/fresh"), folder, rec)
+
+
+def test_an_upload_while_offline_is_refused_naming_the_repo(released, hub_env, monkeypatch):
+    hub_cfg, folder, rec = released
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(release.ReleaseError, match=f"release.hub.repo {HUB_REPO} .*"
+                                                   "HF_HUB_OFFLINE is set"):
+        _upload(hub_cfg, folder, rec)
+
+
 def test_an_upload_without_a_token_fails_naming_the_repo(released, hub_env, monkeypatch):
     hub_cfg, folder, rec = released
     monkeypatch.delenv("HF_TOKEN")

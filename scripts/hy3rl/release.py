@@ -672,14 +672,15 @@ def upload(hub: Any, tag: str, folder: Path, manifest: dict[str, dict[str, Any]]
     ``overwrite``).
 
     The repository is created when missing (``private``); a branch that is missing is
-    created from main. An existing repository of the other visibility, or a revision that
-    holds other files (other names or other content; the hub's own ``.gitattributes``
-    aside), is refused naming the repository, unless ``overwrite``. After the commit the
-    revision's files are read back and compared with ``manifest``. ``HF_TOKEN`` (``token_env``)
-    is sent and written nowhere (messages and log records are redacted); ``HF_ENDPOINT``
-    picks the hub. Why not ``upload_folder``: with hf_xet installed, huggingface_hub 1.33
-    commits a large folder in batches (``_upload_pipeline``), so an interruption would leave
-    a revision holding part of a release; ``create_commit`` makes one commit or none.
+    created from main. An existing repository of the other visibility is refused naming the
+    repository; so is a revision that holds other files (other names or other content; the
+    hub's own ``.gitattributes`` aside) unless ``overwrite``. After the commit the commit's
+    files are read back and compared with ``manifest`` (refused when they differ).
+    ``HF_TOKEN`` (``token_env``) is sent and written nowhere (messages and log records are
+    redacted); ``HF_ENDPOINT`` picks the hub. Why not ``upload_folder``: with hf_xet
+    installed, huggingface_hub 1.33 commits a large folder in batches
+    (``_upload_pipeline``), so an interruption would leave a revision holding part of a
+    release; ``create_commit`` makes one commit or none.
     Raises :class:`ReleaseError` naming the repository."""
     import httpx
     from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
