@@ -6,7 +6,9 @@ nothing that looks like a release."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 import shutil
 import struct
 from pathlib import Path
@@ -365,3 +367,220 @@ def test_the_card_names_a_hub_base_at_its_revision_with_the_base_license(run_cop
     assert (data.license, data.license_name, data.license_link) == \
         ("other", "hy3-license", "LICENSE")
     assert (dest / "LICENSE").read_text() == "the base's license text\n"
+
+
+# --------------------------------------------------------------------------- the upload
+
+TOKEN = "hf_releaseUploadTestToken0123456789"
+HUB_REPO = "hy3rl-test/rel-final"
+
+
+@pytest.fixture
+def hub_env(monkeypatch, tmp_path):
+    """The fake hub's endpoint and a token in the environment (no saved token: HF_HOME is
+    the test's)."""
+    from fixtures.hub import FakeHub, serve
+
+    with serve(FakeHub("hy3rl-test/none", {}, set())) as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        monkeypatch.setenv("HF_TOKEN", TOKEN)
+        monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+        yield hub
+
+
+def _hub_cfg(root: Path, base: Path, **hub):
+    return _cfg(root, base, hub={"repo": HUB_REPO, **hub})
+
+
+def _sha(data: bytes) -> str:
+    import hashlib
+
+    return hashlib.sha256(data).hexdigest()
+
+
+def _token_nowhere(*roots: Path) -> None:
+    for root in roots:
+        for f in root.rglob("*"):
+            if f.is_file():
+                assert TOKEN.encode() not in f.read_bytes(), f"the token is in {f}"
+
+
+def test_upload_records_the_commit_and_writes_no_token(run_copy, hub_env, tiny_hy3_dir,
+                                                       tmp_path, capsys):
+    _, layout, records = run_copy
+    cfg = _hub_cfg(tmp_path / "run", tiny_hy3_dir)
+    rec = release.build(cfg, layout, "final", records(), threads=2)
+    repo = hub_env.repos[HUB_REPO]
+    hub = rec["hub"]
+    assert (hub["repo"], hub["revision"], hub["private"]) == (HUB_REPO, "main", True)
+    assert hub["commit"] == repo.heads["main"] and hub["pushed"] == len(rec["files"]) == 10
+    assert hub["url"] == f"{hub_env.url}/{HUB_REPO}/commit/{hub['commit']}"
+    assert repo.private and hub["deleted"] == []
+    assert json.loads(Path(layout.release_record("final")).read_text())["hub"] == hub
+    # one commit on top of the hub's initial one, holding every file byte for byte
+    assert repo.commits[hub["commit"]].parent is not None
+    held = repo.files("main")
+    assert set(held) == set(rec["files"]) | {".gitattributes"}
+    assert {n: _sha(held[n]) for n in rec["files"]} == \
+        {n: f["sha256"] for n, f in rec["files"].items()}
+    # the token went to the hub with every write, and nowhere else
+    writes = [r for r in hub_env.requests if r.method == "POST"]
+    assert {r.path.rsplit("/", 2)[-2] for r in writes} >= {"preupload", "commit"}
+    assert all(r.authorization == f"Bearer {TOKEN}" for r in writes)
+    out = capsys.readouterr()
+    assert TOKEN not in out.out + out.err and hub["commit"] in out.out
+    _token_nowhere(tmp_path)
+
+
+def test_an_upload_target_with_other_content_is_refused_naming_the_repo(
+        run_copy, hub_env, tiny_hy3_dir, tmp_path):
+    """The repository holds another release: refused, by name; the verified directory stays,
+    no release.json claims it. With overwrite the same release goes on and replaces it."""
+    _, layout, records = run_copy
+    other = hub_env.make_repo(HUB_REPO, {"README.md": b"another model\n",
+                                         "model.safetensors": b"other weights"})
+    before = other.heads["main"]
+    cfg = _hub_cfg(tmp_path / "run", tiny_hy3_dir)
+    with pytest.raises(release.ReleaseError, match=f"release.hub.repo {HUB_REPO}") as exc:
+        release.build(cfg, layout, "final", records(), threads=2)
+    assert "model.safetensors (not in the release)" in str(exc.value)
+    assert "README.md (" in str(exc.value) and "release.hub.overwrite" in str(exc.value)
+    assert other.heads["main"] == before  # nothing pushed
+    dest = layout.release_model("final")
+    assert (dest / "README.md").is_file() and not Path(layout.release_record("final")).exists()
+    assert json.loads(Path(layout.release_checks("final")).read_text())["ok"] is True
+    rec = release.build(_hub_cfg(tmp_path / "run", tiny_hy3_dir, overwrite=True), layout,
+                        "final", records(), threads=2)
+    assert rec["hub"]["deleted"] == ["model.safetensors"]
+    assert rec["hub"]["commit"] == other.heads["main"] != before
+    held = other.files("main")
+    assert set(held) == set(rec["files"]) | {".gitattributes"}
+    assert all(_sha(held[n]) == f["sha256"] for n, f in rec["files"].items())
+    _token_nowhere(tmp_path)
+
+
+@pytest.fixture
+def released(run_copy, hub_env, tiny_hy3_dir, tmp_path):
+    """The final release built and pushed once: (cfg.release.hub, its directory, record)."""
+    _, layout, records = run_copy
+    cfg = _hub_cfg(tmp_path / "run", tiny_hy3_dir)
+    rec = release.build(cfg, layout, "final", records(), threads=2)
+    return cfg.release.hub, Path(rec["dir"]), rec
+
+
+def _upload(hub_cfg, folder: Path, rec: dict, tag: str = "final") -> dict:
+    return release.upload(hub_cfg, tag, folder, rec["files"], message="test")
+
+
+def test_pushing_the_same_release_again_is_accepted_and_pushes_nothing(released, hub_env):
+    hub_cfg, folder, rec = released
+    repo = hub_env.repos[HUB_REPO]
+    commits = len(repo.commits)
+    again = _upload(hub_cfg, folder, rec)
+    assert again["commit"] == rec["hub"]["commit"] and again["pushed"] == 0
+    assert len(repo.commits) == commits
+
+
+def test_a_changed_file_is_other_content(released, hub_env):
+    """The revision holds the release's names, one with other bytes: refused by name."""
+    hub_cfg, folder, rec = released
+    repo = hub_env.repos[HUB_REPO]
+    repo.commit("main", {**repo.files(), "config.json": b"{}"}, "edited on the hub")
+    with pytest.raises(release.ReleaseError, match="config.json \\(2 bytes"):
+        _upload(hub_cfg, folder, rec)
+
+
+def test_a_visibility_unlike_the_config_is_refused(run_copy, hub_env, tiny_hy3_dir, tmp_path,
+                                                   released):
+    hub_cfg, folder, rec = released
+    public = dataclasses.replace(hub_cfg, private=False)
+    with pytest.raises(release.ReleaseError,
+                       match=f"{HUB_REPO}.*exists and is private, release.hub.private is "
+                             "false"):
+        _upload(public, folder, rec)
+
+
+def test_a_new_branch_is_made_from_main(released, hub_env):
+    """revision v2: a new branch; it starts from main, which holds this same release."""
+    hub_cfg, folder, rec = released
+    repo = hub_env.repos[HUB_REPO]
+    got = _upload(dataclasses.replace(hub_cfg, revision="v2"), folder, rec)
+    assert got["revision"] == "v2" and repo.heads["v2"] == repo.heads["main"] == got["commit"]
+
+
+def test_a_failed_commit_fails_naming_the_repo_without_the_token(released, hub_env, tmp_path):
+    hub_cfg, folder, rec = released
+    hub_env.refuse_commit = (500, "storage is down ({auth})")  # a hub echoing the header
+    with pytest.raises(release.ReleaseError, match="release.hub.repo hy3rl-test/fresh") as exc:
+        _upload(dataclasses.replace(hub_cfg, repo="hy3rl-test/fresh"), folder, rec)
+    assert "the upload failed" in str(exc.value) and "storage is down" in str(exc.value)
+    assert TOKEN not in str(exc.value) and "(Bearer [REDACTED])" in str(exc.value)
+    assert not hub_env.repos["hy3rl-test/fresh"].files().keys() - {".gitattributes"}
+
+
+def test_a_commit_that_does_not_hold_the_release_is_refused(released, hub_env):
+    """The hub's commit lacks a file the release pushed: read back, refused by name."""
+    hub_cfg, folder, rec = released
+    hub_env.lose_in_commit = {"config.json"}
+    with pytest.raises(release.ReleaseError,
+                       match="release.hub.repo hy3rl-test/fresh .*does not hold the release "
+                             "as pushed: config.json missing"):
+        _upload(dataclasses.replace(hub_cfg, repo="hy3rl-test/fresh"), folder, rec)
+
+
+def test_an_upload_while_offline_is_refused_naming_the_repo(released, hub_env, monkeypatch):
+    hub_cfg, folder, rec = released
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(release.ReleaseError, match=f"release.hub.repo {HUB_REPO} .*"
+                                                   "HF_HUB_OFFLINE is set"):
+        _upload(hub_cfg, folder, rec)
+
+
+def test_an_upload_without_a_token_fails_naming_the_repo(released, hub_env, monkeypatch):
+    hub_cfg, folder, rec = released
+    monkeypatch.delenv("HF_TOKEN")
+    with pytest.raises(release.ReleaseError, match="release.hub.repo hy3rl-test/fresh.*401"):
+        _upload(dataclasses.replace(hub_cfg, repo="hy3rl-test/fresh"), folder, rec)
+    assert "hy3rl-test/fresh" not in hub_env.repos
+
+
+def test_a_token_that_would_reach_release_json_is_refused(run_copy, hub_env, tiny_hy3_dir,
+                                                          tmp_path, monkeypatch):
+    """HF_TOKEN pasted into the config (here: the repository's name): release.json is not
+    written."""
+    _, layout, records = run_copy
+    monkeypatch.setenv("HF_TOKEN", "hf_pastedTokenAsRepoName01")
+    cfg = _cfg(tmp_path / "run", tiny_hy3_dir, hub={"repo": "me/hf_pastedTokenAsRepoName01"})
+    with pytest.raises(release.ReleaseError, match="would contain HF_TOKEN"):
+        release.build(cfg, layout, "final", records(), threads=2)
+    assert not Path(layout.release_record("final")).exists()
+
+
+@pytest.mark.parametrize(("hub", "key"), [
+    ({"private": False}, "release.hub: 'repo' is a required property"),
+    ({"repo": "no-slash"}, "release.hub.repo: 'no-slash' does not match"),
+    ({"repo": "me/a--b"}, "release.hub.repo: 'me/a--b' is not a hub repository id"),
+    ({"repo": "me/{run}"}, "release.hub.repo: 'me/{run}' has a brace"),
+    ({"repo": "me/x", "revision": "a..b"}, "release.hub.revision: 'a..b' is not a branch"),
+    ({"repo": "me/x", "overwrite": "yes"}, "release.hub.overwrite: 'yes' is not of type"),
+])
+def test_a_bad_hub_config_is_refused_by_key(hub, key):
+    from hy3rl.config import ConfigError
+
+    with pytest.raises(ConfigError, match=re.escape(key)):
+        make_config(release={"hub": hub})
+
+
+def test_two_tags_to_one_revision_are_refused_naming_release_hub():
+    cfg = make_config(cluster={"gpu": True}, eval={"steps": [2]},
+                      release={"hub": {"repo": "me/x"}})
+    with pytest.raises(release.ReleaseError, match="release.hub: releases selected, final"):
+        release.release_tags(cfg)
+    per_tag = make_config(cluster={"gpu": True}, eval={"steps": [2]},
+                          release={"hub": {"repo": "me/x-{tag}"}})
+    assert release.release_tags(per_tag) == ["selected", "final"]
+    assert per_tag.release.hub.at("final") == ("me/x-final", "main")
+    one = make_config(cluster={"gpu": True}, eval={"steps": [2]},
+                      release={"tags": ["final"], "hub": {"repo": "me/x"}})
+    assert release.release_tags(one) == ["final"]

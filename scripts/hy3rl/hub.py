@@ -404,7 +404,7 @@ def run(source: str, revision: str | None, dest: str | Path, *, manifest: str | 
     token = os.environ.get(token_env) or None
     # Removes the token; keeps the commit and git blob ids (40-hex, allowed once known).
     redactor = Redactor([token] if token else [], [revision or ""])
-    with _redacted_logs(redactor):
+    with redacted_logs(redactor):
         return _Download(source, revision, Path(dest), Path(manifest), token, threads,
                          progress, redactor).run()
 
@@ -423,9 +423,10 @@ class _RedactFilter(logging.Filter):
 
 
 @contextlib.contextmanager
-def _redacted_logs(redactor: Redactor) -> Iterator[None]:
-    """While the download runs, every record reaching the root logger's handlers loses the
-    token, whichever library logs it (httpcore's DEBUG records carry response headers)."""
+def redacted_logs(redactor: Redactor) -> Iterator[None]:
+    """While a transfer runs (this module's download, hy3rl.release's upload), every record
+    reaching the root logger's handlers loses the token, whichever library logs it
+    (httpcore's DEBUG records carry response headers)."""
     if not redactor.secrets:
         yield
         return
@@ -817,7 +818,7 @@ class _Download:
                 log.warning("%s holds %d files that are not in %s@%s (verify reports them): "
                             "%s", self.dest, len(extra), self.repo_id, sha, ", ".join(extra))
             m = Manifest(Source("hub", self.repo_id, self.revision, sha,
-                                _without_userinfo(self.endpoint)),
+                                without_userinfo(self.endpoint)),
                          str(self.dest), utc_now(), files)
             text = json.dumps(m.to_dict(), indent=2) + "\n"
             if self.token and self.token in text:
@@ -827,7 +828,7 @@ class _Download:
         return m
 
 
-def _without_userinfo(url: str) -> str:
+def without_userinfo(url: str) -> str:
     """``url`` without a ``user:password@`` part (a mirror's credentials stay out of files)."""
     from urllib.parse import urlsplit, urlunsplit
 

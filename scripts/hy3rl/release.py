@@ -26,6 +26,11 @@ Every check goes to ``release/<tag>/checks.json`` (hy3rl.checkpoint's report sha
 when none failed is the temporary directory renamed to ``<release.dir>/<run>/<tag>`` and
 ``release/<tag>/release.json`` written; otherwise the temporary directory is removed and
 :class:`ReleaseFailed` names each failed check: nothing that looks like a release is left.
+
+With ``release.hub`` set, the release in place is then pushed to the hub (:func:`upload`:
+one commit, refused naming the repository when its revision holds other files, unless
+``overwrite``), and release.json records the commit; a failed or refused upload leaves the
+verified directory in place and writes no release.json (the rule fails naming the repository).
 """
 
 from __future__ import annotations
@@ -55,6 +60,8 @@ BASE_FILES = re.compile(r"^(tokenizer.*|special_tokens_map\.json|added_tokens\.j
                         r"|merges\.txt|chat_template\.(jinja|json)|generation_config\.json"
                         r"|LICEN[CS]E.*|NOTICE.*)$")
 CARD = "README.md"
+# Files the hub writes into a new repository itself: not content of another release.
+HUB_OWN_FILES = frozenset({".gitattributes"})
 SHOWN = 5  # tensors or tokens named in one problem line
 
 
@@ -100,9 +107,9 @@ def release_tags(cfg: Any) -> list[str]:
     if not cfg.cluster.gpu:
         return []
     selectable = selects(cfg)
-    if cfg.release.tags is None:  # the default: what the DAG evaluates, nothing refused
-        return [tag for tag, evaluated in (("selected", selectable),
-                                           ("final", bool(cfg.eval.final))) if evaluated]
+    if cfg.release.tags is None:  # the default: what the DAG evaluates
+        return _one_target_each(cfg, [tag for tag, evaluated in (
+            ("selected", selectable), ("final", bool(cfg.eval.final))) if evaluated])
     for tag in cfg.release.tags:
         if tag == "selected" and not selectable:
             raise ReleaseError("release.tags: 'selected' needs eval.select and data.heldout "
@@ -111,7 +118,19 @@ def release_tags(cfg: Any) -> list[str]:
         if tag == "final" and not cfg.eval.final:
             raise ReleaseError("release.tags: 'final' needs eval.final true (a release must "
                                "be the evaluated model); remove it or set eval.final")
-    return list(cfg.release.tags)
+    return _one_target_each(cfg, list(cfg.release.tags))
+
+
+def _one_target_each(cfg: Any, tags: list[str]) -> list[str]:
+    """``tags``, refused (naming release.hub) when several would be pushed to one
+    repository's revision: the second would find the first's files there."""
+    hub = cfg.release.hub
+    if hub is not None and len(tags) > 1 and not hub.per_tag:
+        raise ReleaseError(f"release.hub: releases {', '.join(tags)} would all be pushed to "
+                           f"{hub.repo} at revision {hub.revision}: put {{tag}} in "
+                           "release.hub.repo or release.hub.revision (a repository or branch "
+                           "a tag), or release one tag (release.tags)")
+    return tags
 
 
 def evaluated_tag(tag: str, selected: Path | None) -> str:
@@ -614,6 +633,141 @@ def write_card(folder: Path, cfg: Any, tag: str, eval_tag: str, step: int | None
                      f"{path.name}: metadata does not read back")
 
 
+# --------------------------------------------------------------------------- the upload
+
+
+def _remote_problems(folder: Path, manifest: dict[str, dict[str, Any]],
+                     siblings: list[Any]) -> tuple[list[str], dict[str, str]]:
+    """The hub's files (``ModelInfo.siblings`` with metadata) against the release's: the
+    files the release does not have, and those of the release whose content differs (name
+    -> how). The hub gives an LFS file's sha256 (compared with the manifest's) and a regular
+    file's git blob id (compared with the local file's)."""
+    from hy3rl.hub import file_digest
+
+    other, changed = [], {}
+    for s in siblings:
+        name = s.rfilename
+        if name in HUB_OWN_FILES:
+            continue
+        mine = manifest.get(name)
+        if mine is None:
+            other.append(name)
+        elif s.size is not None and int(s.size) != mine["size"]:
+            changed[name] = f"{s.size} bytes, the release's {mine['size']}"
+        elif s.lfs is not None:
+            if s.lfs.sha256.lower() != mine["sha256"]:
+                changed[name] = f"sha256 {s.lfs.sha256}, the release's {mine['sha256']}"
+        elif not s.blob_id or str(s.blob_id).lower() != file_digest(folder / name, "git_blob"):
+            changed[name] = f"git blob {s.blob_id}, unlike the release's"
+    return sorted(other), dict(sorted(changed.items()))
+
+
+def upload(hub: Any, tag: str, folder: Path, manifest: dict[str, dict[str, Any]], *,
+           message: str, token_env: str = "HF_TOKEN") -> dict[str, Any]:
+    """Push the release ``folder`` (its files: ``manifest``) to ``release.hub``'s repository
+    and revision of ``tag`` in one commit, and return the record release.json keeps:
+    ``repo``, ``revision``, ``commit`` (the commit the revision then points at), ``url``,
+    ``private``, ``endpoint``, ``pushed`` (files the commit carried; 0 when the revision
+    already held the release), ``deleted`` (files of the revision the release lacks, with
+    ``overwrite``).
+
+    The repository is created when missing (``private``); a branch that is missing is
+    created from main. An existing repository of the other visibility is refused naming the
+    repository; so is a revision that holds other files (other names or other content; the
+    hub's own ``.gitattributes`` aside) unless ``overwrite``. After the commit the commit's
+    files are read back and compared with ``manifest`` (refused when they differ).
+    ``HF_TOKEN`` (``token_env``) is sent and written nowhere (messages and log records are
+    redacted); ``HF_ENDPOINT`` picks the hub. Why not ``upload_folder``: with hf_xet
+    installed, huggingface_hub 1.33 commits a large folder in batches
+    (``_upload_pipeline``), so an interruption would leave a revision holding part of a
+    release; ``create_commit`` makes one commit or none.
+    Raises :class:`ReleaseError` naming the repository."""
+    import httpx
+    from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
+
+    from hy3rl.hub import hub_endpoint, hub_offline, redacted_logs, without_userinfo
+    from hy3rl.redact import Redactor
+
+    repo, revision = hub.at(tag)
+    endpoint = hub_endpoint()
+    where = f"release.hub.repo {repo} (revision {revision}, {without_userinfo(endpoint)})"
+    if hub_offline():
+        raise ReleaseError(f"{where}: HF_HUB_OFFLINE is set, the release cannot be uploaded; "
+                           "unset it, or set release.hub to null")
+    token = os.environ.get(token_env) or None
+    redactor = Redactor([token] if token else [])
+    with redacted_logs(redactor):
+        try:
+            return _push(hub, repo, revision, folder, manifest, message, endpoint, token,
+                         where)
+        except (HfHubHTTPError, OfflineModeIsEnabled, httpx.HTTPError, ConnectionError,
+                ValueError) as exc:
+            said = " ".join(redactor.text(str(exc)).split())
+            raise ReleaseError(f"{where}: the upload failed ({type(exc).__name__}: "
+                               f"{_shorten(said)}); the release directory {folder} is "
+                               "verified and stays, release.json is not written") from None
+
+
+def _push(hub: Any, repo: str, revision: str, folder: Path,
+          manifest: dict[str, dict[str, Any]], message: str, endpoint: str,
+          token: str | None, where: str) -> dict[str, Any]:
+    from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi
+    from huggingface_hub.errors import RevisionNotFoundError
+
+    from hy3rl.hub import without_userinfo
+
+    api = HfApi(endpoint=endpoint, token=token)
+    api.create_repo(repo, private=hub.private, exist_ok=True)
+    try:
+        info = api.model_info(repo, revision=revision, files_metadata=True)
+    except RevisionNotFoundError:  # a new branch: from main, whose files count as its own
+        api.create_branch(repo, branch=revision, exist_ok=True)
+        info = api.model_info(repo, revision=revision, files_metadata=True)
+    if info.private is not None and bool(info.private) != hub.private:
+        raise ReleaseError(f"{where}: the repository exists and is "
+                           f"{'private' if info.private else 'public'}, release.hub.private "
+                           f"is {str(hub.private).lower()}: refusing to push (change its "
+                           "visibility on the hub, or release.hub.private)")
+    other, changed = _remote_problems(folder, manifest, info.siblings or [])
+    if (other or changed) and not hub.overwrite:
+        shown = "; ".join([f"{n} (not in the release)" for n in other]
+                          + [f"{n} ({how})" for n, how in changed.items()])
+        raise ReleaseError(
+            f"{where}: the repository exists and holds other files than this release at "
+            f"{info.sha}: {len(other) + len(changed)} of them: {_shorten(shown)}. Refusing "
+            "to push over them: set release.hub.overwrite: true to replace them, or choose "
+            "another release.hub.repo or revision")
+    same = {s.rfilename for s in info.siblings or []} - set(changed)
+    todo = sorted(set(manifest) - same)
+    if not todo and not other:
+        commit, url, pushed = str(info.sha), None, 0  # the revision holds this release
+    else:
+        ops: list[Any] = [CommitOperationAdd(path_in_repo=n, path_or_fileobj=str(folder / n))
+                          for n in todo]
+        ops += [CommitOperationDelete(path_in_repo=n) for n in other]
+        done = api.create_commit(repo, ops, commit_message=message, revision=revision,
+                                 parent_commit=info.sha)
+        commit, url, pushed = str(done.oid), done.commit_url, len(todo)
+    after = api.model_info(repo, revision=commit, files_metadata=True)
+    extra, wrong = _remote_problems(folder, manifest, after.siblings or [])
+    missing = sorted(set(manifest) - {s.rfilename for s in after.siblings or []})
+    if extra or wrong or missing or str(after.sha) != commit:
+        raise ReleaseError(f"{where}: commit {commit} does not hold the release as pushed: "
+                           + _shorten("; ".join([f"{n} missing" for n in missing]
+                                                + [f"{n} ({how})" for n, how in wrong.items()]
+                                                + [f"{n} extra" for n in extra]
+                                                + [f"the hub resolves it to {after.sha}"]
+                                                * (str(after.sha) != commit))))
+    return {"repo": repo, "revision": revision, "commit": commit,
+            "url": url or f"{without_userinfo(endpoint)}/{repo}/commit/{commit}",
+            "private": hub.private, "endpoint": without_userinfo(endpoint),
+            "pushed": pushed, "deleted": other}
+
+
+def _shorten(text: str, limit: int = 600) -> str:
+    return text if len(text) <= limit else text[:limit] + " ..."
+
+
 # --------------------------------------------------------------------------- the stage
 
 
@@ -670,18 +824,31 @@ def build(cfg: Any, layout: Any, tag: str, rec: Records, *, threads: int) -> dic
                                                    checks_path)
                                 + f"; nothing was released to {dest}")
         old = dest.parent / f".{dest.name}.old-{os.getpid()}"
+        # The record of an earlier release never stands for the directory replacing it.
+        Path(layout.release_record(tag)).unlink(missing_ok=True)
         if dest.exists():
             os.replace(dest, old)
         os.replace(staging, dest)
         shutil.rmtree(old, ignore_errors=True)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+    print(f"release {tag}: {eval_tag} (step {step}) -> {dest}", flush=True)
+    hub = None
+    if cfg.release.hub is not None:  # only a release in place, every check passed
+        hub = upload(cfg.release.hub, tag, dest, manifest,
+                     message=f"{cfg.run.name} {tag}: {eval_tag} (step {step}), released by "
+                             "hy3rl with every check passed")
+        print(f"release {tag}: pushed {hub['pushed']} files to {hub['repo']} "
+              f"({hub['revision']}): commit {hub['commit']}", flush=True)
     record = {"schema_version": 1, "created": utc_now(), **extra,
               "samples_meta": str(samples_meta), "origin": origin, "files": manifest,
               "generated": answers, "checks": str(checks_path), "counts": doc["counts"],
-              "seconds": round(time.monotonic() - t0, 2)}
+              "hub": hub, "seconds": round(time.monotonic() - t0, 2)}
+    token = os.environ.get("HF_TOKEN")
+    if token and token in json.dumps(record):
+        raise ReleaseError(f"{layout.release_record(tag)}: refusing to write it: it would "
+                           "contain HF_TOKEN")
     write_json_atomic(Path(layout.release_record(tag)), record)
-    print(f"release {tag}: {eval_tag} (step {step}) -> {dest}", flush=True)
     return record
 
 

@@ -470,6 +470,42 @@ class Report:
 
 
 @dataclass(frozen=True)
+class ReleaseHub:
+    """``release.hub``: where a release is pushed (hy3rl.release.upload); ``{tag}`` in
+    ``repo`` or ``revision`` is the release tag."""
+
+    repo: str
+    private: bool
+    revision: str
+    overwrite: bool
+
+    def __post_init__(self) -> None:
+        from huggingface_hub.errors import HFValidationError
+        from huggingface_hub.utils import validate_repo_id
+
+        for key, value in (("repo", self.repo), ("revision", self.revision)):
+            if set(value.replace("{tag}", "")) & set("{}"):
+                raise ConfigError(f"release.hub.{key}: {value!r} has a brace that is not "
+                                  "part of {tag}")
+        try:
+            validate_repo_id(self.repo.replace("{tag}", "selected"))
+        except HFValidationError as exc:
+            raise ConfigError(f"release.hub.repo: {self.repo!r} is not a hub repository id "
+                              f"\"owner/name\" ({exc})") from None
+        if ".." in self.revision or self.revision.endswith(("/", ".lock")):
+            raise ConfigError(f"release.hub.revision: {self.revision!r} is not a branch name")
+
+    def at(self, tag: str) -> tuple[str, str]:
+        """(repository, revision) of release ``tag``."""
+        return self.repo.replace("{tag}", tag), self.revision.replace("{tag}", tag)
+
+    @property
+    def per_tag(self) -> bool:
+        """Each tag has its own repository or branch (``{tag}`` in one of them)."""
+        return "{tag}" in self.repo + self.revision
+
+
+@dataclass(frozen=True)
 class Release:
     dir: str
     tags: list[str] | None  # None (unset): what the DAG evaluates (hy3rl.release.release_tags)
@@ -477,6 +513,7 @@ class Release:
     max_tokens: int
     threads: int
     runtime_min: int
+    hub: ReleaseHub | None  # None: no upload
 
 
 @dataclass(frozen=True)
