@@ -679,6 +679,13 @@ def release_targets():
     return [LAYOUT.release_record(tag) for tag in tags]
 
 
+def release_page_targets():
+    """`all`'s release targets: every release record, and the page that shows them
+    (report/releases.html, written once every release passed)."""
+    targets = release_targets()
+    return [*targets, LAYOUT.releases_page] if targets else []
+
+
 def release_inputs(wildcards):
     """The records a release reads: the evaluation summary (after every generation, so the
     tag's samples.meta.json with its weights' hashes is there), the selection for

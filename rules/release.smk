@@ -10,7 +10,7 @@
 
 if gpu_enabled():
 
-    STAGE_TARGETS.append(release_targets)
+    STAGE_TARGETS.append(release_page_targets)
 
     rule release_model:
         input:
@@ -29,8 +29,27 @@ if gpu_enabled():
         script:
             "../scripts/adapters/release_model.py"
 
-    # The target users type: every release of release.tags.
-    rule release:
+    # report/releases.html: every release with its checks, linked from the report (which
+    # runs beside the releases, so it cannot show them itself); hy3rl.report.releases.
+    rule release_page:
         input:
             release_targets(),
+        output:
+            LAYOUT.releases_page,
+        log:
+            LAYOUT.log("release/page"),
+        localrule: True
+        threads: 1
+        resources:
+            mem_mb=1000,
+            runtime=10,
+        params:
+            **triggers("run.name", "release.tags", "report.redact_env"),
+        script:
+            "../scripts/adapters/release_page.py"
+
+    # The target users type: every release of release.tags, and their page.
+    rule release:
+        input:
+            release_page_targets(),
         localrule: True

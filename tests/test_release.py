@@ -65,7 +65,7 @@ def run_template(tmp_path_factory, tiny_hy3_dir) -> Path:
                  zip(rows, ("base", "selected", "final"), (None, 2, 3), strict=True)]
     selected = {"rule": {"set": "dapo_heldout", "key": "math_dapo avg@1", "tie": "earliest step"},
                 "selected": {"tag": "step2", "step": 2, "value": 0.75,
-                             "reason": "highest value 0.75"},
+                             "reason": "highest value 0.75", "missing": []},
                 "test": {"rows": test_rows}, "verdict": "selected and final do not differ."}
     files = {layout.eval_summary: {"tags": ["base", "step2", "final"], "rows": rows},
              layout.eval_selected: selected,
@@ -584,3 +584,79 @@ def test_two_tags_to_one_revision_are_refused_naming_release_hub():
     one = make_config(cluster={"gpu": True}, eval={"steps": [2]},
                       release={"tags": ["final"], "hub": {"repo": "me/x"}})
     assert release.release_tags(one) == ["final"]
+
+
+def _page(run_copy, tags=("selected", "final")) -> Path:
+    """Release ``tags`` through the rule's entry point, then write their page."""
+    from hy3rl.report import releases
+
+    cfg, layout, _ = run_copy
+    inputs = {"val": layout.data_val, "summary": layout.eval_summary, "plan": layout.train_plan,
+              "train_done": layout.train_done, "selected": layout.eval_selected}
+    for tag in tags:
+        release.run(cfg, tag, inputs=inputs, out=Path(layout.release_record(tag)), threads=2)
+    out = Path(layout.releases_page)
+    releases.run(cfg, list(tags), layout=layout, out=out, env={})
+    return out
+
+
+def test_the_releases_page_shows_each_release_with_its_checks_and_the_report_links_it(
+        run_copy):
+    """report/releases.html (rule release_page): each release's directory, its checks with
+    their details, file hashes and greedy answers; the report links it, saying when it was
+    not written yet."""
+    from hy3rl import report
+
+    cfg, layout, _ = run_copy
+    before = report.build(cfg, layout, {})["index.html"].decode()
+    assert 'href="releases.html"' in before and "Not written yet" in before
+    page = _page(run_copy).read_text()
+    for tag in ("selected", "final"):
+        rec = json.loads(Path(layout.release_record(tag)).read_text())
+        assert f'id="release-{tag}"' in page and rec["dir"] in page
+        for name, meta in rec["files"].items():
+            assert f"<code>{name}</code>" in page and meta["sha256"] in page
+        assert rec["generated"][0]["response"][:20].replace("<", "&lt;") in page
+    assert page.count('<td class="status-pass">pass</td>') == 2 * 9
+    assert "step 2 (evaluated as <code>step2</code>)" in page
+    assert "not uploaded" in page and 'href="index.html"' in page
+    after = report.build(cfg, layout, {})["index.html"].decode()
+    assert 'href="releases.html"' in after and "Not written yet" not in after
+
+
+def test_the_releases_page_refuses_records_that_disagree(run_copy):
+    """The page claims no more than the records hold: checks.json of a later refused attempt,
+    checks of another release, a released file gone or truncated: each refused naming the
+    file, and no page written."""
+    from hy3rl.report import releases
+
+    cfg, layout, _ = run_copy
+    out = _page(run_copy, ("final",))
+    out.unlink()
+    checks = Path(layout.release_checks("final"))
+    good = checks.read_text()
+
+    def refused(match: str) -> None:
+        with pytest.raises(releases.ReleasePageError, match=match):
+            releases.run(cfg, ["final"], layout=layout, out=out, env={})
+        assert not out.exists()
+
+    doc = json.loads(good)
+    doc["ok"] = False
+    next(c for c in doc["checks"] if c["name"] == "inventory")["status"] = "fail"
+    checks.write_text(json.dumps(doc))
+    refused(r"checks\.json: a refused release attempt of final \(failed: inventory\)")
+    doc = json.loads(good)
+    doc["counts"]["pass"] -= 1
+    checks.write_text(json.dumps(doc))
+    refused(r"checks\.json: counts .* differ from .*release\.json")
+    checks.write_text(good)
+    dest = layout.release_model("final")
+    shard = dest / "model-00002-of-00003.safetensors"
+    with open(shard, "r+b") as fh:
+        fh.truncate(shard.stat().st_size - 1)
+    refused(r"model-00002-of-00003\.safetensors: \d+ bytes, recorded \d+")
+    (dest / "README.md").unlink()
+    refused(r"README\.md: missing")
+    Path(layout.release_record("final")).unlink()
+    refused(r"release\.json: missing \(release final\)")

@@ -305,5 +305,11 @@ def test_each_change_is_one_invocation_that_does_the_right_thing(tmp_path: Path,
                                if k.endswith(".safetensors")}, (meta["weights"], rel["files"])
     assert rel["step"] == 2 and "superseded-" not in rel["source"], rel
     assert ModelCard.load(Path(rel["dir"]) / "README.md").data.eval_results
+    # ... and shown with its checks on the releases' page, which the report links
+    assert _ran(out, "release_page"), out[-3000:]
+    page = (run.res / "report" / "releases.html").read_text()
+    assert 'id="release-final"' in page and rel["dir"] in page
+    assert page.count('<td class="status-pass">pass</td>') == 9
+    assert 'href="releases.html"' in (run.res / "report" / "index.html").read_text()
     code, out = run("-n")
     assert code == 0 and "Nothing to be done" in out, out[-3000:]

@@ -87,7 +87,7 @@ def test_paper_config_dry_run_with_slurm_profile(tmp_path: Path, tiny_hy3_dir: P
     for rule in ["deps", "data", "model", "check_checkpoint", "check_bridge", "preflight",
                  "rehearsal_model", "rehearsal_runtime", "rehearsal_plan", "rehearsal", "train",
                  "eval_checkpoint", "eval_generate", "eval_score", "eval_metrics", "eval_select",
-                 "evaluate", "release_model", "report"]:
+                 "evaluate", "release_model", "release_page", "report"]:
         assert f"rule {rule}:" in out or f"localrule {rule}:" in out, f"{rule} not in DAG"
     assert "rule tiny_model:" not in out  # model.source is an existing checkpoint
     # Both checkpoint checks gate preflight (and so the 128-GPU job).

@@ -418,6 +418,12 @@ class Layout:
     def report_html(self) -> str:
         return self.report_file("index.html")
 
+    @property
+    def releases_page(self) -> str:
+        """``report/releases.html``: rule release_page's output (GPU runs), beside the
+        report's files but not one of them (the report does not wait for the releases)."""
+        return f"{self.report_dir}/releases.html"
+
 
 # The embedded default's model.source: rule tiny_model builds it here (outside results/,
 # shared by runs); any other local model.source is an existing checkpoint used in place.

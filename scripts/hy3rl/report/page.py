@@ -610,6 +610,23 @@ def provenance_rows(found: Found, env: Mapping[str, str]) -> list[dict[str, Any]
 # ---- every table, the resolved config and the page ----
 
 
+def releases_link(found: Found) -> dict[str, Any] | None:
+    """The releases' page (report/releases.html, rule release_page) as the report links it:
+    the tags, and whether the page existed when the report was written (the report runs
+    beside the releases, not after them); None without releases."""
+    from hy3rl.release import ReleaseError, release_tags
+
+    try:
+        tags = release_tags(found.cfg)
+    except ReleaseError as exc:
+        return {"tags": [], "why": str(exc), "href": "", "exists": False}
+    if not tags:
+        return None
+    page = Path(found.layout.releases_page)
+    return {"tags": tags, "why": "", "href": page.name, "exists": page.is_file(),
+            "records": [found.layout.release_record(t) for t in tags]}
+
+
 def render(found: Found, redact: Redactor, env: Mapping[str, str], figs: Mapping[str, bytes],
            panel_keys: list[str], selection: Mapping[str, Any] | None = None
            ) -> dict[str, bytes]:
@@ -684,6 +701,7 @@ def render(found: Found, redact: Redactor, env: Mapping[str, str], figs: Mapping
         at_k=at_k_rows,
         rehearsal=rehearsal_view(found),
         selection=selection,
+        releases=releases_link(found),
         sel=selection_tables(found, selection),
         sel_cand_header=SELECT_CAND_HEADER,
         sel_test_header=SELECT_TEST_HEADER,
