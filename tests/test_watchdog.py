@@ -514,6 +514,24 @@ def test_startup_sub_phases_are_learned_from_their_marks(tmp_path: Path) -> None
                                             wd.POLL_KEY: MIN}
 
 
+def test_startup_lines_that_come_with_the_first_metrics_line_are_recorded(
+        tmp_path: Path) -> None:
+    """A fast startup: verl's startup lines and the first metrics line within one poll
+    (the real Ray launch test found the marks lost: the line ended the startup first)."""
+    clock = Clock()
+    log_path = tmp_path / "driver.log"
+    log_path.write_text("")
+    m = monitor(tmp_path, clock, logs=[log_path], silence_s=45 * MIN)
+    m.start()
+    assert m.poll() is None
+    clock.now += 2 * MIN
+    log_path.write_text("".join(V1 + MARK_LINES[n] + "\n" for n in MARK_LINES))
+    write(m.metrics, {"step": 0, "data": {"val-core/x": 0.8}})
+    assert m.poll() is None and m.phase == "step"
+    assert m.startup_marks == {**{n: 2 * MIN for n in [*MARK_LINES, "validation"]},
+                               wd.POLL_KEY: 2 * MIN}
+
+
 def test_after_the_final_step_a_shutdown_allowance(tmp_path: Path) -> None:
     clock, saved = Clock(), {4}
     sched = wd.Schedule(2, -1, 4)

@@ -643,6 +643,8 @@ class Monitor:
             self.startup_marks[POLL_KEY] = round(max(
                 self.startup_marks.get(POLL_KEY, 0.0), now - self.polled_at), 1)
         self.polled_at = now
+        if self.last_progress is None:  # startup lines that came with the first metrics line
+            self.watch_logs(now)        # end their sub-phases before it ends the startup
         size = _size(self.metrics)
         if size == self.metrics_size:
             lines = self.lines  # unchanged: not parsed again
