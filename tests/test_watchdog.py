@@ -532,6 +532,48 @@ def test_startup_lines_that_come_with_the_first_metrics_line_are_recorded(
                                wd.POLL_KEY: 2 * MIN}
 
 
+def test_startup_lines_that_come_after_the_first_metrics_line_are_dated_before_it(
+        tmp_path: Path) -> None:
+    """The driver's log comes through Ray's stream and can lag the metrics file: verl's last
+    startup line read a poll after the first metrics line (the real Ray launch test, under
+    CI's load) happened before it, and is recorded at the line's time, in order; once the
+    next metrics line came, late lines are no longer taken for marks."""
+    clock = Clock()
+    log_path = tmp_path / "driver.log"
+    log_path.write_text("")
+    m = monitor(tmp_path, clock, logs=[log_path], silence_s=45 * MIN)
+    m.start()
+    assert m.poll() is None
+    clock.now += 2 * MIN
+    with open(log_path, "a") as fh:
+        fh.write("".join(V1 + MARK_LINES[n] + "\n" for n in list(MARK_LINES)[:4]))
+    write(m.metrics, {"step": 0, "data": {"val-core/x": 0.8}})
+    assert m.poll() is None and m.phase == "step"
+    clock.now += MIN
+    with open(log_path, "a") as fh:
+        fh.write(V1 + MARK_LINES["checkpoint"] + "\n")
+    started = m.phase_started
+    assert m.poll() is None and m.phase_started == started  # the step's start untouched
+    marks = m.timing()["startup_marks"]
+    assert list(marks) == [*MARK_LINES, "validation", wd.POLL_KEY], marks
+    assert marks["checkpoint"] == marks["validation"] == 2 * MIN
+    # another attempt: the next metrics line came first; a late line is no mark any more
+    clock2 = Clock()
+    log2 = tmp_path / "b.log"
+    log2.write_text("")
+    m2 = monitor(tmp_path / "b", clock2, logs=[log2], silence_s=45 * MIN,
+                 metrics=tmp_path / "b.jsonl")
+    m2.start()
+    clock2.now += 2 * MIN
+    write(m2.metrics, {"step": 0, "data": {"val-core/x": 0.8}})
+    assert m2.poll() is None
+    clock2.now += 20 * MIN
+    write(m2.metrics, line(1, STEP))
+    with open(log2, "a") as fh:
+        fh.write(V1 + MARK_LINES["checkpoint"] + "\n")
+    assert m2.poll() is None and "checkpoint" not in m2.startup_marks
+
+
 def test_after_the_final_step_a_shutdown_allowance(tmp_path: Path) -> None:
     clock, saved = Clock(), {4}
     sched = wd.Schedule(2, -1, 4)

@@ -584,6 +584,7 @@ class Monitor:
     silence_s: float | None = None
     started: float | None = None
     first_line_at: float | None = None
+    first_lines: int = 0  # metrics lines when the first came (late startup marks: below)
     last_progress: float | None = None
     last_activity: float | None = None
     phase_started: float | None = None
@@ -663,6 +664,7 @@ class Monitor:
             self.save_bytes_at = None
             if self.first_line_at is None:
                 self.first_line_at = now
+                self.first_lines = len(lines)
                 self.startup_marks[FIRST_LINE_PART] = round(now - self.started, 1)
             self.phase = ""
             self.enter("shutdown" if self.last_step >= self.schedule.last else "step", now)
@@ -701,19 +703,32 @@ class Monitor:
             if self.last_progress is None:
                 self.watch_startup(text, now)
                 continue
+            if self.seen == self.first_lines and any(
+                    n not in self.startup_marks for n, _ in STARTUP_MARKS):
+                # the driver's log can lag the metrics file (Ray streams it): a startup line
+                # that arrives after the first metrics line was printed before it
+                self.watch_startup(text, self.first_line_at, late=True)
             nxt = self.next_step()
             if self.phase == "step" and self.schedule.saves(nxt) and any(
                     int(m.group(1)) == nxt for m in SAVE_LINE.finditer(text)):
                 self.enter("save", now)
 
-    def watch_startup(self, text: str, now: float) -> None:
+    def watch_startup(self, text: str, now: float, late: bool = False) -> None:
         """A startup mark (:data:`STARTUP_MARKS`) in new output ends its sub-phase: the
-        seconds from the submission are recorded, the next sub-phase starts now."""
+        seconds from the submission are recorded, the next sub-phase starts now. ``late``:
+        the output came after the first metrics line (``now`` is that line's time, which the
+        mark preceded); the startup is over, no sub-phase starts."""
         for name, pattern in STARTUP_MARKS:
             if name not in self.startup_marks and pattern.search(text):
                 self.startup_marks[name] = round(now - self.started, 1)
-                self.phase_started = now
-                log.info("watchdog: startup: %s after %s", name, _minutes(now - self.started))
+                if not late:
+                    self.phase_started = now
+                log.info("watchdog: startup: %s after %s%s", name, _minutes(now - self.started),
+                         " (its line came after the first metrics line)" if late else "")
+        if late:  # in the startup's order (POLL_KEY last)
+            order = [n for n, _ in STARTUP_MARKS] + [FIRST_LINE_PART, POLL_KEY]
+            self.startup_marks = {n: self.startup_marks[n] for n in order
+                                  if n in self.startup_marks}
 
     def startup_part(self) -> str:
         """The startup sub-phase in progress: the one after the last mark seen."""
