@@ -706,13 +706,36 @@ def release_inputs(wildcards):
         inputs["selected"] = LAYOUT.eval_selected
     if rehearsal_enabled():
         inputs["rehearsal"] = ancient(LAYOUT.rehearsal_record)
+    if CFG.eval.backend == "vllm":  # the generates check's engine: Ray's runtime env
+        inputs["runtime_env"] = ancient(LAYOUT.deps_runtime_env)
     return inputs
 
 
 def release_job_resources():
-    """A job of one node's share: copying, comparing and hashing the weights
-    (release.runtime_min), and the transformers load of the generates check."""
+    """Copying, comparing and hashing the weights (release.runtime_min) and the generates
+    check's load of the release: with transformers one small job; with vLLM the
+    evaluation's job shape (eval.vllm's nodes x GPUs; hy3rl.evaluate.run starts its engine
+    there, Ray over the nodes when more than one)."""
+    if CFG.eval.backend == "vllm":
+        v = CFG.eval.vllm
+        return gpu_job_resources(v.nodes, v.gpus_per_node, CFG.release.runtime_min)
     return {"mem_mb": 16000, "runtime": CFG.release.runtime_min}
+
+
+def release_trigger_keys():
+    """The config a release re-runs for: release, and the generates check's backend
+    settings."""
+    return (
+        "release",
+        "eval.vllm" if CFG.eval.backend == "vllm" else "eval.transformers",
+    )
+
+
+def release_threads():
+    """release.threads; with vLLM a whole node's CPUs (as eval_generate)."""
+    if CFG.eval.backend == "vllm":
+        return CFG.cluster.cpus_per_node
+    return CFG.release.threads
 
 
 # ---- report ----

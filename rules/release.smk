@@ -21,11 +21,11 @@ if gpu_enabled():
             LAYOUT.log("release/{rtag}"),
         wildcard_constraints:
             rtag="selected|final",
-        threads: CFG.release.threads
+        threads: release_threads()
         resources:
             **release_job_resources(),
         params:
-            **triggers("release", "eval.transformers"),
+            **triggers(*release_trigger_keys()),
         script:
             "../scripts/adapters/release_model.py"
 

@@ -287,6 +287,40 @@ def test_a_model_that_does_not_load_fails_generates(run_copy):
     assert "does not load or generate" in _problems(failed["generates"])
 
 
+def test_with_vllm_the_generates_check_runs_the_evaluations_vllm_path(run_copy, tiny_hy3_dir):
+    """eval.backend vllm: the release directory goes through hy3rl.evaluate.run's vLLM path
+    (greedy, release.problems, release.max_tokens), its files beside the checks, never in the
+    release. vLLM does not import here: `not run` with the reason, never a pass; the other
+    checks pass and the release is made (a not-run check is no failure)."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here: this test is of the machine without it")
+    cfg, layout, records = run_copy
+    root = Path(cfg.release.dir).parent
+    vcfg = make_config(
+        run={"name": RUN, "results_root": str(root / "results")},
+        train={"checkpoint_root": str(root / "ckpt")}, cluster={"gpu": True},
+        model={"source": str(tiny_hy3_dir)},
+        eval={"backend": "vllm", "num_problems": 1, "n_samples": 1, "max_tokens": 2,
+              "steps": [2], "vllm": {"nodes": 1, "gpus_per_node": 1,
+                                     "tensor_parallel_size": 1}},
+        release={"dir": cfg.release.dir, "max_tokens": 4, "threads": 2})
+    rec = release.build(vcfg, layout, "final", records(), threads=2)
+    doc = json.loads(Path(layout.release_checks("final")).read_text())
+    gen = next(c for c in doc["checks"] if c["name"] == "generates")
+    assert gen["status"] == "not run" and "vllm is not importable here" in gen["details"], gen
+    assert rec["generated"] == [] and doc["counts"]["not run"] == 1
+    work = Path(layout.release_checks("final")).parent / "generates"
+    meta = json.loads((work / "samples.meta.json").read_text())
+    assert meta["status"] == "not run" and meta["backend"] == "vllm"
+    assert (meta["sampling"]["temperature"], meta["sampling"]["n_samples"],
+            meta["sampling"]["max_tokens"], meta["num_problems"]) == (0.0, 1, 4, 2), meta
+    assert meta["backend_settings"]["engine"]["model"].endswith(".final.partial-"
+                                                               f"{__import__('os').getpid()}")
+    assert not any(p.name.startswith("samples") for p in Path(rec["dir"]).iterdir())
+
+
 def test_a_card_whose_metadata_breaks_fails_card(run_copy, monkeypatch):
     """A template that corrupts the front matter: the card check reads it back and fails."""
     monkeypatch.setattr(release, "CARD_TEMPLATE",

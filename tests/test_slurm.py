@@ -258,6 +258,11 @@ def test_paper_dry_run_shows_the_training_shape(tmp_path):
     # rehearsal.shape stage: the stage's random weights are written in a CPU job
     res = resources_line(out, "rehearsal_model")
     assert (res["runtime"], res["mem_mb"], "gres" in res) == ("120", "16000", False), res
+    # a release (eval.backend vllm): the evaluation's shape (2 x 8 H20: TP16), where its
+    # generates check loads it with vLLM; release.runtime_min
+    res = resources_line(out, "release_model")
+    assert (res["nodes"], res["gres"], res["runtime"], res["cpus_per_task"]) == (
+        "2", "gpu:h20:8", "240", "96"), res
     for line in re.findall(r"    resources: (.*)", out):
         assert "slurm_partition=hy3rl" in line, line
         assert "slurm_account=hy3rl-test" in line, line

@@ -14,8 +14,9 @@ license files, into a temporary directory beside the destination, and checks it:
   tensor named;
 - ``fixed_tensors``: the expert bias (hy3rl.rehearsal.FIXED_TENSOR) bit-identical to the
   base when the plan's moe_router_bias_update_rate is 0, and trained tensors changed;
-- ``generates``: loaded from its own directory with the evaluation's transformers backend,
-  it answers ``release.problems`` problems greedily (recorded);
+- ``generates``: loaded from its own directory with the evaluation's backend (transformers
+  in this process; vLLM through hy3rl.evaluate.run, on the evaluation's nodes), it answers
+  ``release.problems`` problems greedily (recorded); ``not run`` where vLLM is not there;
 - ``card``: the model card (README.md with Hugging Face metadata) written from the records
   parses with ``huggingface_hub.ModelCard`` and its metadata round-trips;
 - ``evaluated``: the weight files' sha256 (every file of the directory is hashed: the
@@ -88,6 +89,7 @@ class Records:
     data_summary: Path | None = None  # data/summary.json (data hashes)
     rehearsal: Path | None = None  # rehearsal/rehearsal.json
     report: Path | None = None  # report/index.html (linked from the card)
+    runtime_env: Path | None = None  # deps/runtime_env.yaml (vLLM on several nodes: Ray's)
 
 
 def _read_json(path: Path, what: str) -> Any:
@@ -316,9 +318,57 @@ def check_fixed(base_dir: Path, rel_dir: Path, base: dict[str, ck.TensorInfo],
     return ck._check(name, problems, summary, summary)
 
 
-def check_generates(folder: Path, val: Path, cfg: Any) -> tuple[ck.CheckResult, list[dict]]:
-    """The release, loaded from its own directory with the evaluation's transformers backend
-    (eval.transformers), answers ``release.problems`` problems of ``val`` greedily."""
+def _answers_check(answers: list[dict], how: str, max_tokens: int) -> ck.CheckResult:
+    """``generates`` from the greedy answers: each problem must have got a token."""
+    bad = [f"problem {a['problem_id']}: no token generated" for a in answers
+           if not a["num_tokens"]]
+    if not answers:
+        bad.append("no answer at all")
+    return ck._check("generates", bad, f"loaded from {how}, {len(answers)} greedy answers of "
+                     f"at most {max_tokens} tokens", "generated nothing")
+
+
+def generates_vllm(folder: Path, val: Path, cfg: Any, work: Path,
+                   runtime_env: Path | None) -> tuple[ck.CheckResult, list[dict]]:
+    """``generates`` with ``eval.backend: vllm``: the release directory loaded by the
+    evaluation's own vLLM path (hy3rl.evaluate.run: its engine settings, and Ray over the
+    job's nodes when ``eval.vllm.nodes`` > 1), greedy, ``release.problems`` problems of at most
+    ``release.max_tokens`` tokens; its samples and meta in ``work`` (never in the release).
+    ``not run`` (never a pass) where vLLM does not import."""
+    from dataclasses import replace
+
+    from hy3rl import evaluate
+
+    rc = cfg.release
+    ev = replace(cfg.eval, temperature=0.0, top_p=1.0, n_samples=1, max_tokens=rc.max_tokens,
+                 num_problems=rc.problems)
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    samples, meta = work / "samples.jsonl", work / "samples.meta.json"
+    try:
+        evaluate.run(ev, tag=f"release-{folder.name}", model=folder, val=val, samples=samples,
+                     meta=meta, runtime_env=runtime_env, ray_dir=work / "ray",
+                     cpus_per_node=cfg.cluster.cpus_per_node, runtime=cfg.train.runtime,
+                     ray=cfg.train.ray)
+        truth = {p.problem_id: p.ground_truth for p in evaluate.load_problems(val, rc.problems)}
+        records = [json.loads(x) for x in samples.read_text().splitlines() if x.strip()]
+    except evaluate.EvalNotRun as exc:
+        return ck.CheckResult("generates", "not run", f"not run: {exc} (vLLM, eval.backend; "
+                              f"{meta})"), []
+    except Exception as exc:  # a model that does not load or run: the check's failure
+        msg = f"{folder}: does not load or generate with vLLM: {type(exc).__name__}: {exc}"
+        return ck.CheckResult("generates", "fail", msg, [msg]), []
+    answers = [{"problem_id": r["problem_id"], "ground_truth": truth.get(r["problem_id"]),
+                "response": r["response"], "num_tokens": r["num_tokens"],
+                "finish_reason": r["finish_reason"]} for r in records]
+    return _answers_check(answers, f"{folder} with vLLM ({meta})", rc.max_tokens), answers
+
+
+def check_generates(folder: Path, val: Path, cfg: Any, *, work: Path | None = None,
+                    runtime_env: Path | None = None) -> tuple[ck.CheckResult, list[dict]]:
+    """The release, loaded from its own directory with the evaluation's backend, answers
+    ``release.problems`` problems of ``val`` greedily: transformers (eval.transformers) in
+    this process; vLLM by :func:`generates_vllm` (its files in ``work``)."""
     from hy3rl.evaluate import (
         Sampling,
         TransformersBackend,
@@ -328,10 +378,10 @@ def check_generates(folder: Path, val: Path, cfg: Any) -> tuple[ck.CheckResult, 
     )
 
     name = "generates"
-    if cfg.eval.backend != "transformers":
-        return ck.CheckResult(name, "not run", "not run: eval.backend is vllm and no vLLM load "
-                              "of a release is built yet (the transformers backend holds one "
-                              "device)"), []
+    if cfg.eval.backend == "vllm":
+        if work is None:
+            raise ReleaseError("the generates check with vLLM needs a work directory")
+        return generates_vllm(folder, val, cfg, work, runtime_env)
     rc = cfg.release
     sampling = Sampling(preset="greedy", temperature=0.0, top_p=1.0, n_samples=1,
                         max_tokens=rc.max_tokens, seed=cfg.eval.seed, num_problems=rc.problems)
@@ -348,11 +398,7 @@ def check_generates(folder: Path, val: Path, cfg: Any) -> tuple[ck.CheckResult, 
     answers = [{"problem_id": r.problem_id, "ground_truth": truth[r.problem_id],
                 "response": r.response, "num_tokens": r.num_tokens,
                 "finish_reason": r.finish_reason} for r in records]
-    empty = [a["problem_id"] for a in answers if not a["num_tokens"]]
-    bad = [f"problem {p}: no token generated" for p in empty]
-    return ck._check(name, bad, f"loaded from {folder} ({be.settings()}), {len(answers)} "
-                     f"greedy answers of at most {rc.max_tokens} tokens",
-                     "generated nothing"), answers
+    return _answers_check(answers, f"{folder} ({be.settings()})", rc.max_tokens), answers
 
 
 def file_manifest(folder: Path, threads: int) -> dict[str, dict[str, Any]]:
@@ -808,7 +854,9 @@ def build(cfg: Any, layout: Any, tag: str, rec: Records, *, threads: int) -> dic
         results.insert(0, check_tokenizer(source, base))
         results.append(check_inventory(base_st.tensors, st.tensors, base))
         results.append(check_fixed(base, staging, base_st.tensors, st.tensors, rate, why))
-        gen, answers = check_generates(staging, rec.val, cfg)
+        gen, answers = check_generates(
+            staging, rec.val, cfg, work=checks_path.parent / "generates",
+            runtime_env=rec.runtime_env)
         results.append(gen)
         results.append(write_card(staging, cfg, tag, eval_tag, step, rec, base))
         manifest = file_manifest(staging, threads)  # every file's sha256, for release.json
@@ -869,5 +917,6 @@ def run(cfg: Any, tag: str, *, inputs: Any, out: Path, threads: int) -> dict[str
     rec = Records(val=Path(inputs["val"]), summary=Path(inputs["summary"]),
                   plan=opt("plan"), selected=opt("selected"), train_done=opt("train_done"),
                   lock=opt("lock"), data_summary=opt("data_summary"),
-                  rehearsal=opt("rehearsal"), report=Path(layout.report_html))
+                  rehearsal=opt("rehearsal"), report=Path(layout.report_html),
+                  runtime_env=opt("runtime_env"))
     return build(cfg, layout, tag, rec, threads=threads)
