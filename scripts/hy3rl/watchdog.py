@@ -584,7 +584,6 @@ class Monitor:
     silence_s: float | None = None
     started: float | None = None
     first_line_at: float | None = None
-    first_lines: int = 0  # metrics lines when the first came (late startup marks: below)
     last_progress: float | None = None
     last_activity: float | None = None
     phase_started: float | None = None
@@ -664,7 +663,6 @@ class Monitor:
             self.save_bytes_at = None
             if self.first_line_at is None:
                 self.first_line_at = now
-                self.first_lines = len(lines)
                 self.startup_marks[FIRST_LINE_PART] = round(now - self.started, 1)
             self.phase = ""
             self.enter("shutdown" if self.last_step >= self.schedule.last else "step", now)
@@ -703,10 +701,10 @@ class Monitor:
             if self.last_progress is None:
                 self.watch_startup(text, now)
                 continue
-            if self.seen == self.first_lines and any(
-                    n not in self.startup_marks for n, _ in STARTUP_MARKS):
+            if any(n not in self.startup_marks for n, _ in STARTUP_MARKS):
                 # the driver's log can lag the metrics file (Ray streams it): a startup line
-                # that arrives after the first metrics line was printed before it
+                # that arrives after the first metrics line was printed before it (verl
+                # prints each once, before fitting)
                 self.watch_startup(text, self.first_line_at, late=True)
             nxt = self.next_step()
             if self.phase == "step" and self.schedule.saves(nxt) and any(
