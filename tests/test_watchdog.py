@@ -514,20 +514,28 @@ def test_startup_sub_phases_are_learned_from_their_marks(tmp_path: Path) -> None
                                             wd.POLL_KEY: MIN}
 
 
-def test_startup_lines_that_come_with_the_first_metrics_line_are_recorded(
-        tmp_path: Path) -> None:
-    """A fast startup: verl's startup lines and the first metrics line within one poll
-    (the real Ray launch test found the marks lost: the line ended the startup first)."""
+def first_line_after(tmp_path: Path, marks: list[str]) -> tuple[Clock, Path, wd.Monitor]:
+    """A monitor whose trainer, 2 min after the submission, printed verl's startup lines
+    ``marks`` and wrote its first metrics line, both seen by one poll."""
     clock = Clock()
     log_path = tmp_path / "driver.log"
+    tmp_path.mkdir(exist_ok=True)
     log_path.write_text("")
     m = monitor(tmp_path, clock, logs=[log_path], silence_s=45 * MIN)
     m.start()
     assert m.poll() is None
     clock.now += 2 * MIN
-    log_path.write_text("".join(V1 + MARK_LINES[n] + "\n" for n in MARK_LINES))
+    log_path.write_text("".join(V1 + MARK_LINES[n] + "\n" for n in marks))
     write(m.metrics, {"step": 0, "data": {"val-core/x": 0.8}})
     assert m.poll() is None and m.phase == "step"
+    return clock, log_path, m
+
+
+def test_startup_lines_that_come_with_the_first_metrics_line_are_recorded(
+        tmp_path: Path) -> None:
+    """A fast startup: verl's startup lines and the first metrics line within one poll
+    (the real Ray launch test found the marks lost: the line ended the startup first)."""
+    _, _, m = first_line_after(tmp_path, list(MARK_LINES))
     assert m.startup_marks == {**{n: 2 * MIN for n in [*MARK_LINES, "validation"]},
                                wd.POLL_KEY: 2 * MIN}
 
@@ -538,17 +546,7 @@ def test_startup_lines_that_come_after_the_first_metrics_line_are_dated_before_i
     startup line read a poll after the first metrics line (the real Ray launch test, under
     CI's load) happened before it (verl prints each once, before fitting), and is recorded
     at the line's time, in order, however late it comes."""
-    clock = Clock()
-    log_path = tmp_path / "driver.log"
-    log_path.write_text("")
-    m = monitor(tmp_path, clock, logs=[log_path], silence_s=45 * MIN)
-    m.start()
-    assert m.poll() is None
-    clock.now += 2 * MIN
-    with open(log_path, "a") as fh:
-        fh.write("".join(V1 + MARK_LINES[n] + "\n" for n in list(MARK_LINES)[:4]))
-    write(m.metrics, {"step": 0, "data": {"val-core/x": 0.8}})
-    assert m.poll() is None and m.phase == "step"
+    clock, log_path, m = first_line_after(tmp_path, list(MARK_LINES)[:4])
     clock.now += MIN
     with open(log_path, "a") as fh:
         fh.write(V1 + MARK_LINES["checkpoint"] + "\n")
@@ -558,15 +556,7 @@ def test_startup_lines_that_come_after_the_first_metrics_line_are_dated_before_i
     assert list(marks) == [*MARK_LINES, "validation", wd.POLL_KEY], marks
     assert marks["checkpoint"] == marks["validation"] == 2 * MIN
     # another attempt: the next metrics line came first; still dated at the first line
-    clock2 = Clock()
-    log2 = tmp_path / "b.log"
-    log2.write_text("")
-    m2 = monitor(tmp_path / "b", clock2, logs=[log2], silence_s=45 * MIN,
-                 metrics=tmp_path / "b.jsonl")
-    m2.start()
-    clock2.now += 2 * MIN
-    write(m2.metrics, {"step": 0, "data": {"val-core/x": 0.8}})
-    assert m2.poll() is None
+    clock2, log2, m2 = first_line_after(tmp_path / "b", [])
     clock2.now += 20 * MIN
     write(m2.metrics, line(1, STEP))
     with open(log2, "a") as fh:
