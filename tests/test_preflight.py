@@ -23,6 +23,7 @@ from hy3rl import cli
 from hy3rl import config as cfgmod
 from hy3rl import preflight as pf
 from hy3rl.layout import Layout
+from hy3rl.preflight import rules
 from hy3rl.settings import Config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -683,6 +684,9 @@ def _set(cfg: dict, env: dict | None = None, over: dict | None = None, **train) 
 BUFFER_LEN = "++reward.reward_kwargs.overlong_buffer_cfg.len"  # as config/*.yaml set it
 
 ERROR_CASES = {
+    "hf_weights": (lambda c: _set(c, over={
+        "actor_rollout_ref.actor.megatron.use_dist_checkpointing": True}),
+        "add hf_model to actor_rollout_ref.actor.checkpoint.save_contents"),
     "gpus": (lambda c: _set(c, over={"trainer.nnodes": 4}),
              "verl's trainer.nnodes x trainer.n_gpus_per_node = 4 x 8 = 32 but the allocation "
              "is cluster.nodes x cluster.gpus_per_node = 16 x 8 = 128"),
@@ -1469,6 +1473,37 @@ def test_an_evaluation_step_that_is_not_a_save_step_is_refused(verl, tmp_path):
                                       "(trainer.save_freq = 20")
     assert plan.selection["key"] == "math_dapo avg@32" and plan.selection["tie"] == \
         "earliest step"
+
+
+def test_a_run_whose_checkpoints_hold_no_hf_weights_is_refused_when_they_are_read(verl,
+                                                                                  tmp_path):
+    """hf_weights: evaluating checkpoints and releasing read each checkpoint's HF weights.
+    Megatron dist checkpointing without hf_model in save_contents writes none: refused before
+    the allocation, naming both keys; hf_model, or nothing reading them, passes."""
+    cfg = paper_cfg(tmp_path)  # eval.steps, eval.final, the releases; strategy megatron
+    assert rule(plan_for(cfg, verl, tmp_path, "default"), "hf_weights").status == "pass"
+    cfg["train"]["verl_overrides"][rules.DIST_CKPT] = True
+    res = rule(plan_for(cfg, verl, tmp_path, "dist"), "hf_weights")
+    assert res.status == "error", res
+    assert res.messages[0].startswith("eval.steps [")
+    assert ("eval.final, release.tags ['selected', 'final'] read each checkpoint's Hugging "
+            "Face weights") in res.messages[0]
+    assert (f"{rules.SAVE_CONTENTS} = ['model', 'optimizer', 'extra'] and {rules.DIST_CKPT} "
+            "= true") in res.messages[0]
+    cfg["train"]["verl_overrides"][rules.SAVE_CONTENTS] = ["model", "optimizer", "extra",
+                                                           "hf_model"]
+    assert rule(plan_for(cfg, verl, tmp_path, "hf"), "hf_weights").status == "pass"
+    cfg["train"]["verl_overrides"][rules.SAVE_CONTENTS] = ["model", "optimizer", "extra"]
+    cfg["eval"].update(steps=[], final=False, select=None)
+    cfg["release"] = {"tags": []}
+    assert rule(plan_for(cfg, verl, tmp_path, "none"), "hf_weights").status == "pass"
+
+
+def test_which_verl_settings_write_hf_weights():
+    w = rules.writes_hf_weights
+    assert w("megatron", ["model"], False) and not w("megatron", ["model"], True)
+    assert w("megatron", ["model", "hf_model"], True) and w("fsdp", ["hf_model"], False)
+    assert not w("fsdp", ["model", "optimizer"], False)
 
 
 # --------------------------------------------------------------------------- run identity

@@ -65,6 +65,9 @@ RULES: dict[str, str] = {
                        "identity (retention removed none still needed)",
     "eval_steps_saved": "every eval.steps step is a step verl saves (a multiple of save_freq, "
                         "a segment's end or the last step)",
+    "hf_weights": "what reads a checkpoint's Hugging Face weights (eval.steps, eval.final, "
+                  "release) gets them: verl writes them (hf_model in save_contents, or model "
+                  "without Megatron dist checkpointing)",
     "selection": "eval.select names the held-out set (data.heldout), which shares no problem "
                  "with the test set (data.val) nor the training set, and its k fits",
     "resume_schedule": "a resume or extension only with a constant learning-rate schedule "
@@ -693,6 +696,55 @@ def _eval_steps_saved(r: _Rules, cfg: Config, eff: Mapping[str, Any], gpu: bool)
                 "multiples of the save frequency")
 
 
+SAVE_CONTENTS = "actor_rollout_ref.actor.checkpoint.save_contents"
+DIST_CKPT = "actor_rollout_ref.actor.megatron.use_dist_checkpointing"
+
+
+def writes_hf_weights(strategy: Any, contents: list[str], dist: bool) -> bool:
+    """Whether verl@220e903 writes a checkpoint's HF weights (``<global_step_N>/actor/model/
+    huggingface/``): the Megatron manager with ``hf_model`` in ``save_contents``, or ``model``
+    without dist checkpointing (megatron_checkpoint_manager.py ``should_save_hf_model``);
+    the FSDP manager only with ``hf_model``."""
+    if "hf_model" in contents:
+        return True
+    return strategy == "megatron" and "model" in contents and not dist
+
+
+def _hf_weights(r: _Rules, cfg: Config, eff: Mapping[str, Any], composed: Any,
+                gpu: bool) -> None:
+    """hf_weights: the evaluation of checkpoints and the releases read each checkpoint's HF
+    weights; a run whose verl settings write none would train for days and then have nothing
+    to evaluate or release."""
+    from hy3rl.release import ReleaseError, release_tags
+
+    if not gpu or composed is None:
+        return
+    readers = []
+    if cfg.eval.steps:
+        readers.append(f"eval.steps {cfg.eval.steps}")
+    if cfg.eval.final:
+        readers.append("eval.final")
+    try:
+        tags = release_tags(cfg)
+    except ReleaseError:  # refused by name while the DAG is built
+        tags = []
+    if tags:
+        readers.append(f"release.tags {tags}")
+    raw = eff.get(SAVE_CONTENTS) or []
+    contents = ([c.strip(" '\"") for c in raw.strip("[] ").split(",") if c.strip()]
+                if isinstance(raw, str) else [str(c) for c in raw])
+    strategy = eff.get("actor_rollout_ref.actor.strategy")
+    dist = truthy(select(composed, DIST_CKPT))
+    if not readers or writes_hf_weights(strategy, contents, dist):
+        return
+    r.error("hf_weights", f"{', '.join(readers)} read each checkpoint's Hugging Face weights "
+            "(<checkpoint>/global_step_N/actor/model/huggingface/), but verl writes none with "
+            f"{SAVE_CONTENTS} = {contents} and {DIST_CKPT} = {str(dist).lower()} (strategy "
+            f"{strategy}: it writes them with hf_model in save_contents"
+            + (", or model without dist checkpointing" if strategy == "megatron" else "")
+            + f"); add hf_model to {SAVE_CONTENTS}")
+
+
 def _selection(r: _Rules, cfg: Config, files: Mapping[str, Path | None] | None) -> None:
     from hy3rl.preflight import heldout
 
@@ -952,6 +1004,7 @@ def check_rules(cfg: Config, res: Resolution, eff: Mapping[str, Any],
         r.error("eval_steps_kept", f"eval.steps {beyond}: beyond train.total_training_steps "
                 f"= {cfg.train.total_training_steps}, no such checkpoint will exist")
     _eval_steps_saved(r, cfg, eff, s.gpu)
+    _hf_weights(r, cfg, eff, res.composed, s.gpu)
     _selection(r, cfg, data_files)
     _ref_kl_zero(r, eff)
     _val_on_resume(r, eff, facts, s)
