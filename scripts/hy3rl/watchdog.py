@@ -133,6 +133,7 @@ STARTUP_MARKS: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("checkpoint", re.compile(r"all initialize finished, ready to fit")),
 )
 FIRST_LINE_PART = "validation"  # from the last mark to the first metrics line
+STARTUP_PARTS = (*(n for n, _ in STARTUP_MARKS), FIRST_LINE_PART)  # in the startup's order
 POLL_KEY = "poll_s"  # in a startup's marks: the longest gap between two polls in it
 LOG_READ_MAX = 1 << 20  # bytes of a log read per poll (the rest counts as activity unread)
 BYTES_EVERY_S = 60.0  # a checkpoint being written is walked at most this often
@@ -246,7 +247,7 @@ class TimeModel:
         total = marks.get(FIRST_LINE_PART)
         poll = marks.get(POLL_KEY)
         poll = float(poll) if isinstance(poll, (int, float)) and poll > 0 else 0.0
-        for name in [n for n, _ in STARTUP_MARKS] + [FIRST_LINE_PART]:
+        for name in STARTUP_PARTS:
             at = marks.get(name)
             if not isinstance(at, (int, float)) or isinstance(at, bool) or at < before:
                 continue
@@ -701,7 +702,7 @@ class Monitor:
             if self.last_progress is None:
                 self.watch_startup(text, now)
                 continue
-            if any(n not in self.startup_marks for n, _ in STARTUP_MARKS):
+            if any(n not in self.startup_marks for n in STARTUP_PARTS[:-1]):
                 # the driver's log can lag the metrics file (Ray streams it): a startup line
                 # that arrives after the first metrics line was printed before it (verl
                 # prints each once, before fitting)
@@ -724,16 +725,13 @@ class Monitor:
                 log.info("watchdog: startup: %s after %s%s", name, _minutes(now - self.started),
                          " (its line came after the first metrics line)" if late else "")
         if late:  # in the startup's order (POLL_KEY last)
-            order = [n for n, _ in STARTUP_MARKS] + [FIRST_LINE_PART, POLL_KEY]
-            self.startup_marks = {n: self.startup_marks[n] for n in order
+            self.startup_marks = {n: self.startup_marks[n] for n in (*STARTUP_PARTS, POLL_KEY)
                                   if n in self.startup_marks}
 
     def startup_part(self) -> str:
         """The startup sub-phase in progress: the one after the last mark seen."""
-        names = [n for n, _ in STARTUP_MARKS]
-        done = [i for i, n in enumerate(names) if n in self.startup_marks]
-        return names[done[-1] + 1] if done and done[-1] + 1 < len(names) else (
-            FIRST_LINE_PART if done else names[0])
+        done = [i for i, n in enumerate(STARTUP_PARTS[:-1]) if n in self.startup_marks]
+        return STARTUP_PARTS[done[-1] + 1] if done else STARTUP_PARTS[0]
 
     def watch_save(self, now: float) -> None:
         """The next step's ``global_step_<N>/`` appearing starts its save, bytes arriving in
