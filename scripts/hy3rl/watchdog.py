@@ -800,7 +800,7 @@ class Monitor:
                        f"limit {_minutes(limit)}")
             elif part_limit is not None and in_part >= part_limit:
                 why = (f"startup sub-phase {part} for {_minutes(in_part)}, its limit "
-                       f"{_minutes(part_limit)} (2 x its successful durations); "
+                       f"{_minutes(part_limit)} (from its successful startups); "
                        f"{_minutes(waited)} after the submission")
             else:
                 return None
