@@ -647,6 +647,11 @@ def test_redactor_rules():
     assert r.text("--password=hunter2hunter") == "--password=[REDACTED]"
     assert r.text("ppo_max_token_len_per_gpu: 30720") == "ppo_max_token_len_per_gpu: 30720"
     assert r.text("false and /root stay") == "false and /root stay"
+    # a secret name inside a run of key characters (the key starts where the run starts),
+    # and after a long run with none (base64 in a page: scanned once, not quadratically)
+    assert r.text("env:x.run-1.hf_token_b=abcdefgh") == "env:x.run-1.hf_token_b=[REDACTED]"
+    assert r.text("QUJD" * 20000 + " api_key: 'abcdefgh'") == "QUJD" * 20000 + \
+        " api_key: '[REDACTED]'"
     assert r({"api_key": "abcdefgh", "total_num_tokens": 5, "tokenizer": "resources/t"}) == {
         "api_key": "[REDACTED]", "total_num_tokens": 5, "tokenizer": "resources/t"}
 

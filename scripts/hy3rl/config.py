@@ -29,10 +29,15 @@ class ConfigError(ValueError):
     """A configuration value is wrong; the message names every offending key path."""
 
 
+# libyaml's safe loader where PyYAML was built with it (the wheels are): the same documents,
+# parsed in C (the pure-Python parser took seconds for the schema in every rule's job)
+_SafeLoader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
 def _load_yaml(path: Path) -> Any:
     try:
         with open(path) as fh:
-            return yaml.safe_load(fh)
+            return yaml.load(fh, Loader=_SafeLoader)
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
 
@@ -46,6 +51,21 @@ def _registry(schema_dir: Path) -> Registry:
         contents.pop("$schema", None)
         resources.append((path.name, Resource(contents, specification=DRAFT202012)))
     return Registry().with_resources(resources)
+
+
+_SCHEMAS: dict[tuple, tuple[Any, Registry]] = {}
+
+
+def _schema(schema_dir: Path) -> tuple[Any, Registry]:
+    """The root schema and the registry of every section's schema, read once a process
+    while the files stay the same (name, size and mtime of each): a rule's job validates
+    its config more than once. Neither is modified by validation (defaults are copied)."""
+    stamp = (str(schema_dir), *((p.name, p.stat().st_size, p.stat().st_mtime_ns)
+                                for p in sorted(schema_dir.glob("*.schema.yaml"))))
+    if stamp not in _SCHEMAS:
+        _SCHEMAS.clear()
+        _SCHEMAS[stamp] = (_load_yaml(schema_dir / ROOT_SCHEMA), _registry(schema_dir))
+    return _SCHEMAS[stamp]
 
 
 def _with_defaults(validator_class):
@@ -77,8 +97,7 @@ def key_path(parts) -> str:
 def validate(config: Mapping[str, Any], schema_dir: Path = SCHEMA_DIR) -> dict[str, Any]:
     """Return a deep copy of ``config`` with defaults filled in; raise ConfigError otherwise."""
     data = copy.deepcopy(dict(config))
-    schema = _load_yaml(schema_dir / ROOT_SCHEMA)
-    registry = _registry(schema_dir)
+    schema, registry = _schema(schema_dir)
     # Fill defaults (repeat: defaults may create objects whose own defaults need filling).
     for _ in range(8):
         before = json.dumps(data, sort_keys=True, default=str)

@@ -24,7 +24,12 @@ _TOKEN_PATTERNS = (
     re.compile(r"\bwandb_v\d+_[A-Za-z0-9_]{16,}"),  # newer W&B keys
 )
 # KEY=value / "key": value in free text (logs, exit reasons, Hydra overrides, YAML).
+# The key starts where a run of key characters starts (the lookbehind): the same matches
+# as without it (a key found inside a run is also found from the run's start, further
+# left), but a long run with no secret name in it (base64, a hash list) is scanned once,
+# not once from each of its characters (quadratic: seconds a report).
 _KV = re.compile(
+    r"(?<![A-Za-z0-9_.\-])"
     r"(?P<key>[A-Za-z0-9_.\-]*(?i:token|secret|password|passwd|api[_-]?key|credential)"
     r"[A-Za-z0-9_]*)(?P<sep>['\"]?\s*[=:]\s*['\"]?)(?P<val>[^\s'\",}<&]{4,})"
 )
