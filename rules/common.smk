@@ -691,7 +691,9 @@ def release_inputs(wildcards):
     tag's samples.meta.json with its weights' hashes is there), the selection for
     `selected`, the problems it answers, and, ancient (a rewrite that changes nothing
     releases nothing again), the plan (the recipe, the bias update rate), train/done.json
-    (the final step), the deps lock, the data summary and the rehearsal record for the card.
+    (the final step), the deps lock, the data summary and the rehearsal record for the card,
+    and the report, copied beside the card (ancient: a report rendered again releases
+    nothing again; the release waits for a report this invocation renders).
     """
     inputs = {
         "val": LAYOUT.data_val,
@@ -701,6 +703,7 @@ def release_inputs(wildcards):
         "lock": ancient(LAYOUT.deps_lock),
         "data_summary": ancient(LAYOUT.data_summary),
         "model_manifest": ancient(model_manifest()),
+        "report": ancient(LAYOUT.report_html),
     }
     if selection_enabled():
         inputs["selected"] = LAYOUT.eval_selected

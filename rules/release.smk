@@ -4,8 +4,8 @@
 # its evaluation loaded, with a model card written from the records (hy3rl.release,
 # docs/formats/release.md). Its output is release/<tag>/release.json, written only when
 # every check passed; release/<tag>/checks.json holds the checks, passed or not. It runs
-# beside the report, not before it (a refused release never withholds the report). The
-# input functions are in rules/common.smk (release section).
+# after the report, whose copy goes beside the card (a refused release never withholds the
+# report). The input functions are in rules/common.smk (release section).
 
 
 if gpu_enabled():

@@ -18,7 +18,7 @@ from fixtures.checkpoint import rewrite_checkpoint
 from fixtures.common import make_config
 from fixtures.eval import make_val_parquet
 from hy3rl import evaluate, release
-from hy3rl.layout import Layout
+from hy3rl.layout import REPORT_FILES, Layout
 
 RUN = "rel"
 TRAINED = "model.layers.1.mlp.experts.0.up_proj.weight"
@@ -77,7 +77,21 @@ def run_template(tmp_path_factory, tiny_hy3_dir) -> Path:
     for path, doc in files.items():
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(doc))
+    _report(layout, [("base", ""), ("step2", "2"), ("final", "3")])
     return root
+
+
+def _report(layout: Layout, shown: list[tuple[str, str]]) -> None:
+    """The report's files as rule report leaves them, showing the evaluations ``shown`` (tag,
+    step) in eval_headline.csv (the real report's rendering and copy run through the
+    workflow in tests/test_rerun_identity.py)."""
+    folder = Path(layout.report_html).parent
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, _ in REPORT_FILES:
+        (folder / name).write_bytes(f"{name} of run {RUN}\n".encode())
+    (folder / "eval_headline.csv").write_text(
+        "tag,step,grader,avg@n\n" + "".join(f"{t},{s},math_dapo (primary),0.5\n"
+                                             for t, s in shown))
 
 
 @pytest.fixture
@@ -92,7 +106,7 @@ def run_copy(run_template, tmp_path, tiny_hy3_dir):
         return release.Records(
             val=Path(layout.data_val), summary=Path(layout.eval_summary),
             plan=Path(layout.train_plan), selected=Path(layout.eval_selected),
-            train_done=Path(layout.train_done))
+            train_done=Path(layout.train_done), report=Path(layout.report_html))
 
     return cfg, layout, records
 
@@ -134,8 +148,8 @@ def test_good_release_passes_every_check_and_its_card_parses(run_copy, tiny_hy3_
     doc = json.loads(Path(layout.release_checks("selected")).read_text())
     assert {c["name"]: c["status"] for c in doc["checks"]} == {
         n: "pass" for n in ("tokenizer", "index", "headers", "index_vs_shards", "inventory",
-                            "fixed_tensors", "generates", "card", "evaluated")}
-    assert doc["size"]["files"] == len(rec["files"]) == 10
+                            "fixed_tensors", "generates", "report", "card", "evaluated")}
+    assert doc["size"]["files"] == len(rec["files"]) == 10 + len(REPORT_FILES)
     assert rec["evaluated_tag"] == "step2" and rec["step"] == 2
     # evaluate.run recorded the sha256 of each weight file it loaded; they are the release's
     meta = json.loads(Path(layout.eval_samples_meta("step2")).read_text())
@@ -147,7 +161,12 @@ def test_good_release_passes_every_check_and_its_card_parses(run_copy, tiny_hy3_
     assert rec["origin"]["tokenizer.json"] == str(tiny_hy3_dir.resolve() / "tokenizer.json")
     assert "global_step_2" in rec["origin"]["model-00001-of-00003.safetensors"]
     assert "tiny-hy3.json" not in rec["files"] and "README.md" in rec["files"]
-    assert set(rec["files"]) == {p.name for p in dest.iterdir()}
+    assert set(rec["files"]) == {p.relative_to(dest).as_posix() for p in dest.rglob("*")
+                                  if p.is_file()}
+    # the run's report beside the card, byte for byte, linked from it
+    for name, _ in REPORT_FILES:
+        assert (dest / "report" / name).read_bytes() == (
+            Path(layout.report_html).parent / name).read_bytes()
     assert [a["problem_id"] for a in rec["generated"]] == ["0", "1"]
     assert all(1 <= a["num_tokens"] <= 4 for a in rec["generated"])
     fixed = next(c for c in doc["checks"] if c["name"] == "fixed_tensors")
@@ -161,7 +180,27 @@ def test_good_release_passes_every_check_and_its_card_parses(run_copy, tiny_hy3_
     assert "| selected | step2 | 2 | 0.5000 | [0.0000, 0.7000] |" in card.text
     assert "| final | final | 3 | 0.7500 |" in card.text
     assert "abc123" in card.text and "algorithm.adv_estimator" in card.text
+    assert "[report/index.html](report/index.html)" in card.text
     assert not list(dest.parent.glob(".selected*"))
+
+
+def test_a_report_rendered_before_the_evaluation_fails_report_by_file(run_copy):
+    """The report copied beside the card must show the released evaluation: one rendered
+    before it (no row of the tag), or showing the tag at another step, is refused; so is a
+    report missing one of its files."""
+    _, layout, _ = run_copy
+    _report(layout, [("base", ""), ("step2", "2")])
+    failed = _refused(run_copy, "final")
+    assert set(failed) == {"report"}, failed
+    assert "eval_headline.csv: no row of final" in _problems(failed["report"])
+    _report(layout, [("base", ""), ("step2", "2"), ("final", "2")])
+    assert "final is at step ['2'], the release at 3" in _problems(
+        _refused(run_copy, "final")["report"])
+    _report(layout, [("final", "3")])
+    (Path(layout.report_html).parent / "fig_eval_curves.png").unlink()
+    failed = _refused(run_copy, "final")
+    assert set(failed) == {"report"}, failed
+    assert "lacks fig_eval_curves.png" in _problems(failed["report"])
 
 
 def test_release_replaces_an_earlier_one_whole(run_copy):
@@ -171,7 +210,8 @@ def test_release_replaces_an_earlier_one_whole(run_copy):
     dest.mkdir(parents=True)
     (dest / "stale.bin").write_text("old")
     inputs = {"val": layout.data_val, "summary": layout.eval_summary,
-              "plan": layout.train_plan, "train_done": layout.train_done}
+              "plan": layout.train_plan, "train_done": layout.train_done,
+              "report": layout.report_html}
     rec = release.run(cfg, "final", inputs=inputs, out=Path(layout.release_record("final")),
                       threads=2)
     assert json.loads(Path(layout.release_record("final")).read_text()) == rec
@@ -448,14 +488,15 @@ def test_upload_records_the_commit_and_writes_no_token(run_copy, hub_env, tiny_h
     repo = hub_env.repos[HUB_REPO]
     hub = rec["hub"]
     assert (hub["repo"], hub["revision"], hub["private"]) == (HUB_REPO, "main", True)
-    assert hub["commit"] == repo.heads["main"] and hub["pushed"] == len(rec["files"]) == 10
+    # 10 model files and the report's 15 beside the card (report/...)
+    assert hub["commit"] == repo.heads["main"] and hub["pushed"] == len(rec["files"]) == 25
     assert hub["url"] == f"{hub_env.url}/{HUB_REPO}/commit/{hub['commit']}"
     assert repo.private and hub["deleted"] == []
     assert json.loads(Path(layout.release_record("final")).read_text())["hub"] == hub
     # one commit on top of the hub's initial one, holding every file byte for byte
     assert repo.commits[hub["commit"]].parent is not None
     held = repo.files("main")
-    assert set(held) == set(rec["files"]) | {".gitattributes"}
+    assert set(held) == set(rec["files"]) | {".gitattributes"} and "report/index.html" in held
     assert {n: _sha(held[n]) for n in rec["files"]} == \
         {n: f["sha256"] for n, f in rec["files"].items()}
     # the token went to the hub with every write, and nowhere else
@@ -489,7 +530,7 @@ def test_an_upload_target_with_other_content_is_refused_naming_the_repo(
     assert rec["hub"]["deleted"] == ["model.safetensors"]
     assert rec["hub"]["commit"] == other.heads["main"] != before
     held = other.files("main")
-    assert set(held) == set(rec["files"]) | {".gitattributes"}
+    assert set(held) == set(rec["files"]) | {".gitattributes"} and "report/index.html" in held
     assert all(_sha(held[n]) == f["sha256"] for n, f in rec["files"].items())
     _token_nowhere(tmp_path)
 
@@ -626,7 +667,8 @@ def _page(run_copy, tags=("selected", "final")) -> Path:
 
     cfg, layout, _ = run_copy
     inputs = {"val": layout.data_val, "summary": layout.eval_summary, "plan": layout.train_plan,
-              "train_done": layout.train_done, "selected": layout.eval_selected}
+              "train_done": layout.train_done, "selected": layout.eval_selected,
+              "report": layout.report_html}
     for tag in tags:
         release.run(cfg, tag, inputs=inputs, out=Path(layout.release_record(tag)), threads=2)
     out = Path(layout.releases_page)
@@ -651,7 +693,7 @@ def test_the_releases_page_shows_each_release_with_its_checks_and_the_report_lin
         for name, meta in rec["files"].items():
             assert f"<code>{name}</code>" in page and meta["sha256"] in page
         assert rec["generated"][0]["response"][:20].replace("<", "&lt;") in page
-    assert page.count('<td class="status-pass">pass</td>') == 2 * 9
+    assert page.count('<td class="status-pass">pass</td>') == 2 * 10
     assert "step 2 (evaluated as <code>step2</code>)" in page
     assert "not uploaded" in page and 'href="index.html"' in page
     after = report.build(cfg, layout, {})["index.html"].decode()

@@ -298,18 +298,22 @@ def test_each_change_is_one_invocation_that_does_the_right_thing(tmp_path: Path,
     assert checks["ok"], checks
     assert {c["name"]: c["status"] for c in checks["checks"]} == {n: "pass" for n in (
         "tokenizer", "index", "headers", "index_vs_shards", "inventory", "fixed_tensors",
-        "generates", "card", "evaluated")}, checks["checks"]
+        "generates", "report", "card", "evaluated")}, checks["checks"]
     meta = json.loads((run.res / "eval" / rel["evaluated_tag"] / "samples.meta.json")
                       .read_text())
     assert meta["weights"] == {k: v["sha256"] for k, v in rel["files"].items()
                                if k.endswith(".safetensors")}, (meta["weights"], rel["files"])
     assert rel["step"] == 2 and "superseded-" not in rel["source"], rel
     assert ModelCard.load(Path(rel["dir"]) / "README.md").data.eval_results
+    # ... with the run's report beside its card, as rendered in this invocation (it shows
+    # the final evaluation at step 2 of the new lineage)
+    assert (Path(rel["dir"]) / "report" / "index.html").read_bytes() == (
+        run.res / "report" / "index.html").read_bytes()
     # ... and shown with its checks on the releases' page, which the report links
     assert _ran(out, "release_page"), out[-3000:]
     page = (run.res / "report" / "releases.html").read_text()
     assert 'id="release-final"' in page and rel["dir"] in page
-    assert page.count('<td class="status-pass">pass</td>') == 9
+    assert page.count('<td class="status-pass">pass</td>') == 10
     assert 'href="releases.html"' in (run.res / "report" / "index.html").read_text()
     code, out = run("-n")
     assert code == 0 and "Nothing to be done" in out, out[-3000:]

@@ -17,6 +17,9 @@ license files, into a temporary directory beside the destination, and checks it:
 - ``generates``: loaded from its own directory with the evaluation's backend (transformers
   in this process; vLLM through hy3rl.evaluate.run, on the evaluation's nodes), it answers
   ``release.problems`` problems greedily (recorded); ``not run`` where vLLM is not there;
+- ``report``: the run's report (every file of rule report) is copied into ``report/`` beside
+  the card, byte for byte, and shows the released evaluation (its eval_headline.csv has the
+  tag's rows at the tag's step);
 - ``card``: the model card (README.md with Hugging Face metadata) written from the records
   parses with ``huggingface_hub.ModelCard`` and its metadata round-trips;
 - ``evaluated``: the weight files' sha256 (every file of the directory is hashed: the
@@ -401,6 +404,54 @@ def check_generates(folder: Path, val: Path, cfg: Any, *, work: Path | None = No
     return _answers_check(answers, f"{folder} ({be.settings()})", rc.max_tokens), answers
 
 
+REPORT_DIR = "report"  # the report's copy inside a release
+
+
+def copy_report(report_html: Path | None, folder: Path, eval_tag: str,
+                step: int | None) -> ck.CheckResult:
+    """Copy the run's report (``report_html``'s folder: every file of rule report,
+    hy3rl.layout.REPORT_FILES) into ``folder``/report/ and check the copy: every file there,
+    equal to its source byte for byte, and a report that shows this release's evaluation
+    (its ``eval_headline.csv`` has rows of ``eval_tag`` at ``step``; a report rendered
+    before that evaluation does not)."""
+    import csv
+    import filecmp
+
+    from hy3rl.layout import REPORT_FILES
+
+    name = "report"
+    if report_html is None:
+        msg = "no report given: the release copies the run's report beside its card"
+        return ck.CheckResult(name, "fail", msg, [msg])
+    src = Path(report_html).parent
+    missing = [n for n, _ in REPORT_FILES if not (src / n).is_file()]
+    if missing:
+        msg = (f"{src}: the run's report lacks {', '.join(missing)}: render it (snakemake "
+               "report) before the release")
+        return ck.CheckResult(name, "fail", msg, [msg])
+    dst = folder / REPORT_DIR
+    dst.mkdir(parents=True, exist_ok=True)
+    problems = []
+    for n, _ in REPORT_FILES:
+        shutil.copyfile(src / n, dst / n)
+        if not filecmp.cmp(src / n, dst / n, shallow=False):
+            problems.append(f"{dst / n}: differs from {src / n} after the copy")
+    headline = src / "eval_headline.csv"
+    with open(headline, newline="") as fh:
+        rows = [r for r in csv.DictReader(fh) if r.get("tag") == eval_tag]
+    want = "" if step is None else str(step)
+    if not rows:
+        problems.append(f"{headline}: no row of {eval_tag}: the report was rendered before "
+                        f"this evaluation; render it again (snakemake report)")
+    elif any(r.get("step", "") != want for r in rows):
+        problems.append(f"{headline}: {eval_tag} is at step "
+                        f"{sorted({r.get('step') for r in rows})}, the release at {want}")
+    if problems:
+        return ck.CheckResult(name, "fail", "; ".join(problems), problems)
+    return ck.CheckResult(name, "pass", f"{REPORT_DIR}/ ({len(REPORT_FILES)} files, copied "
+                          f"from {src}) shows {eval_tag} (step {want or 'n/a'})", [])
+
+
 def file_manifest(folder: Path, threads: int) -> dict[str, dict[str, Any]]:
     """Every file of ``folder``: size and sha256 (hy3rl.hub.hash_files)."""
     from hy3rl.hub import hash_files, list_files
@@ -622,7 +673,9 @@ def provenance_lines(rec: Records, cfg: Any) -> list[str]:
     lines.append(f"Model: {cfg.model.source}" + (f" at revision {cfg.model.revision}"
                                                   if cfg.model.revision else "") + ".")
     if rec.report is not None:
-        lines.append(f"Report: {rec.report} (the run's HTML report).")
+        lines.append(f"Report: [{REPORT_DIR}/index.html]({REPORT_DIR}/index.html), the run's "
+                     f"HTML report as rendered for this release, copied beside this card from "
+                     f"{rec.report} (its links into the run's results resolve there only).")
     return lines
 
 
@@ -858,6 +911,7 @@ def build(cfg: Any, layout: Any, tag: str, rec: Records, *, threads: int) -> dic
             staging, rec.val, cfg, work=checks_path.parent / "generates",
             runtime_env=rec.runtime_env)
         results.append(gen)
+        results.append(copy_report(rec.report, staging, eval_tag, step))
         results.append(write_card(staging, cfg, tag, eval_tag, step, rec, base))
         manifest = file_manifest(staging, threads)  # every file's sha256, for release.json
         results.append(check_evaluated(manifest, samples_meta))
@@ -917,6 +971,6 @@ def run(cfg: Any, tag: str, *, inputs: Any, out: Path, threads: int) -> dict[str
     rec = Records(val=Path(inputs["val"]), summary=Path(inputs["summary"]),
                   plan=opt("plan"), selected=opt("selected"), train_done=opt("train_done"),
                   lock=opt("lock"), data_summary=opt("data_summary"),
-                  rehearsal=opt("rehearsal"), report=Path(layout.report_html),
+                  rehearsal=opt("rehearsal"), report=opt("report"),
                   runtime_env=opt("runtime_env"))
     return build(cfg, layout, tag, rec, threads=threads)
