@@ -203,6 +203,23 @@ def test_a_report_rendered_before_the_evaluation_fails_report_by_file(run_copy):
     assert "lacks fig_eval_curves.png" in _problems(failed["report"])
 
 
+def test_a_report_copy_unlike_its_source_fails_report_by_file(run_copy, monkeypatch):
+    """A copy that does not hold the report's bytes (a truncating filesystem) is caught by
+    reading it back, naming the file."""
+    real = shutil.copyfile
+
+    def truncating(src, dst, *args, **kwargs):
+        out = real(src, dst, *args, **kwargs)
+        if Path(src).name == "index.html":
+            Path(dst).write_bytes(Path(src).read_bytes()[:5])
+        return out
+
+    monkeypatch.setattr(release.shutil, "copyfile", truncating)
+    failed = _refused(run_copy, "final")
+    assert set(failed) == {"report"}, failed
+    assert "report/index.html: differs from" in _problems(failed["report"])
+
+
 def test_release_replaces_an_earlier_one_whole(run_copy):
     """Through the rule's entry point (release.run, the rule's named inputs)."""
     cfg, layout, _ = run_copy
