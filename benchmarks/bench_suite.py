@@ -115,7 +115,8 @@ def print_cpu(sampler: CpuSampler, wall: float, top: int) -> None:
     total = sum(s for _, s in rows.values())
     busy = sum(sampler.busy) / len(sampler.busy) if sampler.busy else float("nan")
     print(f"CPU: {total:.0f} CPU-seconds sampled in {wall:.0f} s on {os.cpu_count()} cores "
-          f"(machine busy {busy:.0f} % on average, every 10 s); a floor (see --help)")
+          f"(machine busy {busy:.0f} % on average, every 10 s); a floor: a process shorter "
+          f"than {sampler.every:g} s is missed, one that ends loses its last interval")
     for name, (n, s) in sorted(rows.items(), key=lambda kv: -kv[1][1])[:top]:
         print(f"  {s:8.0f} s {100 * s / max(total, 1e-9):5.1f} %  {n:5d} processes  {name}")
 
