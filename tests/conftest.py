@@ -18,37 +18,52 @@ pytest_plugins = sorted(
 ) + ["suite_timing"]
 
 # Tests that start real clusters share the machine's daemons and ports. Under pytest-xdist
-# (`-n 2`, pyproject.toml) they run in two scopes, each on one worker, one test after
+# (`-n 3`, pyproject.toml) they run in three scopes, each on one worker, one test after
 # another (ClusterScope below; xdist's own `--dist loadgroup` cannot group under pytest 9,
 # whose node ids ignore the group suffix it sets):
-# - "slurm": the tests of the real SLURM test cluster (its 2 x 2 fake GPUs, the Ray clusters
-#   inside its jobs, ports derived from SLURM job ids in train.ray's default range);
+# - "slurm" and "slurm-b": the tests of the real SLURM test cluster in two lanes, each
+#   lane's jobs on a partition of its own (tests/slurm_cluster.py PARTITIONS: n1+n2 and
+#   n3+n4, 2 fake GPUs each), so neither lane's jobs wait for the other's; the Ray clusters
+#   inside their jobs take ports derived from SLURM job ids in train.ray's default range
+#   (one job id per job, so two lanes never share them). A test that names its nodes (n1,
+#   n2) belongs to lane "slurm"; lane "slurm-b" gets its partition from the fixture
+#   `slurm_lane`;
 # - "ray": the tests that start Ray on this machine outside SLURM; their Ray ports lie in
 #   fixtures.trainer_double.LOCAL_RAY_PORTS, disjoint from the SLURM jobs' range and the
-#   SLURM daemons' ports, and nothing they stop reaches the other scope's processes
+#   SLURM daemons' ports, and nothing they stop reaches another scope's processes
 #   (everything is stopped by its HY3RL_RAY_SCOPE or its own submission id).
-# The two scopes run at the same time, on the two workers, while the unit tests fill in
+# The three scopes run at the same time, on three workers, while the unit tests fill in
 # around them; they are the longest stretches of the suite, so they come first. The
 # scheduler runs in the controller, which sees node ids only: the cluster tests are named
 # here by file or by test, and every worker's collection checks that each test marked slurm
 # or ray (or using the cluster fixture) is in its scope.
 CLUSTER_MARKS = ("slurm", "ray")
-SLURM_FILES = {"tests/test_eval_slurm.py", "tests/test_train_slurm.py"}
+SLURM_FILES = {"tests/test_train_slurm.py"}
 SLURM_TESTS = {
-    "tests/test_preflight.py::test_preflight_errors_stop_the_workflow_on_the_slurm_cluster",
     "tests/test_slurm.py::test_a_cluster_that_cannot_start_is_retried_once_then_fails_with_its_log_tail",
     "tests/test_slurm.py::test_cluster_state_is_discoverable_and_joined",
     "tests/test_slurm.py::test_cpu_rule_and_two_node_gpu_probe_run_as_sbatch_jobs",
     "tests/test_slurm.py::test_failed_cancelled_and_timed_out_jobs_are_reported_then_rerun",
 }
+# Lane "slurm-b": chosen so that the two lanes take about as long (the durations that
+# every run prints); none of these names a node.
+SLURM_B_FILES = {"tests/test_eval_slurm.py"}
+SLURM_B_TESTS = {
+    "tests/test_preflight.py::test_preflight_errors_stop_the_workflow_on_the_slurm_cluster",
+    "tests/test_train_slurm.py::test_time_limit_every_job_ends_right_after_a_save",
+    "tests/test_train_slurm.py::test_slow_first_save_and_validation_no_false_hang_real_hangs_caught",
+}
 RAY_FILES = {"tests/test_rerun_identity.py", "tests/test_train_ray.py"}
 RAY_TESTS = {"tests/test_nodelogs.py::test_real_ray_stack_processes_and_logs"}
+SLURM_SCOPES = ("slurm", "slurm-b")
 
 
 def cluster_scope(nodeid: str) -> str | None:
-    """"slurm", "ray", or None (a unit of its own)."""
+    """"slurm", "slurm-b", "ray", or None (a unit of its own)."""
     test = nodeid.split("[")[0]
     path = test.split("::")[0]
+    if path in SLURM_B_FILES or test in SLURM_B_TESTS:
+        return "slurm-b"
     if path in SLURM_FILES or test in SLURM_TESTS:
         return "slurm"
     if path in RAY_FILES or test in RAY_TESTS:
@@ -68,7 +83,7 @@ def _out_of_scope(item) -> bool:
     scope = cluster_scope(item.nodeid)
     if scope is None:
         return slurm or any(item.get_closest_marker(m) for m in CLUSTER_MARKS)
-    return slurm and scope != "slurm"
+    return slurm and scope not in SLURM_SCOPES
 
 
 def pytest_collection_modifyitems(config, items):
@@ -86,7 +101,7 @@ def pytest_xdist_make_scheduler(config, log):
 
     class ClusterScope(LoadScopeScheduling):
         """Each test its own unit of work, but the tests of each cluster scope one unit
-        together (the two largest units: xdist's loadscope reorder gives them one worker
+        together (the three largest units: xdist's loadscope reorder gives them one worker
         each first)."""
 
         def _split_scope(self, nodeid: str) -> str:

@@ -1,6 +1,9 @@
-"""A real SLURM cluster on this machine, for the tests: munge, slurmctld and two logical
-compute nodes (``slurmd -N n1``, ``slurmd -N n2``), each with 2 fake GPUs declared
-through gres (character devices made with ``mknod``), one partition, no accounting.
+"""A real SLURM cluster on this machine, for the tests: munge, slurmctld and four logical
+compute nodes (``slurmd -N n1`` ... ``slurmd -N n4``), each with 2 fake GPUs declared
+through gres (character devices made with ``mknod``), no accounting. The nodes form two
+partitions of two nodes each, one per lane of the suite (:data:`PARTITIONS`): two pytest
+workers run their SLURM tests at the same time, each lane's jobs on its own two nodes, so
+that neither queues behind the other.
 
 Everything but ``/etc/slurm/{slurm.conf,gres.conf}`` lives in a temporary state
 directory; the SLURM clients find the configuration at its default path (jobs run with
@@ -45,9 +48,13 @@ USERS_LOCK = LOCK_DIR / "hy3rl-slurm.users"  # shared by every session using the
 MARKER = "# hy3rl-test-cluster state="
 STATE_ENV = "HY3RL_SLURM_STATE"  # set in every daemon's environment (see _alive)
 
-PARTITION = "hy3rl"
+PARTITION = "hy3rl"  # the default partition (lane "slurm")
 ACCOUNT = "hy3rl-test"
-NODES = ("n1", "n2")
+# One partition of two nodes per lane of SLURM tests (tests/conftest.py, cluster_scope):
+# lane "slurm" submits to the default partition, lane "slurm-b" to the second one.
+PARTITIONS = {PARTITION: ("n1", "n2"), "hy3rl-b": ("n3", "n4")}
+LANE_PARTITIONS = {"slurm": PARTITION, "slurm-b": "hy3rl-b"}
+NODES = tuple(n for nodes in PARTITIONS.values() for n in nodes)
 GPU_TYPE = "fake"
 GPUS_PER_NODE = 2
 CPUS_PER_NODE = 2
@@ -75,6 +82,8 @@ class ClusterInfo:
     partition: str = PARTITION
     account: str = ACCOUNT
     nodes: list[str] = field(default_factory=lambda: list(NODES))
+    partitions: dict[str, list[str]] = field(
+        default_factory=lambda: {p: list(n) for p, n in PARTITIONS.items()})
     gpu_type: str = GPU_TYPE
     gpus_per_node: int = GPUS_PER_NODE
     gres_per_node: str = f"gpu:{GPU_TYPE}:{GPUS_PER_NODE}"
@@ -111,7 +120,11 @@ class ClusterInfo:
 
     @classmethod
     def load(cls, state_dir: str | Path) -> ClusterInfo:
-        return cls(**json.loads((Path(state_dir) / "cluster.json").read_text()))
+        doc = json.loads((Path(state_dir) / "cluster.json").read_text())
+        # A cluster started by an earlier version of this file had one partition.
+        doc.setdefault("partitions", {doc.get("partition", PARTITION):
+                                      doc.get("nodes", list(NODES))})
+        return cls(**doc)
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -302,10 +315,12 @@ def render_slurm_conf(info: ClusterInfo) -> str:
             f"Port={info.slurmd_ports[n]} CPUs={info.cpus_per_node} "
             f"RealMemory={info.real_memory_mb} Gres={info.gres_per_node} State=UNKNOWN"
         )
-    lines.append(
-        f"PartitionName={info.partition} Nodes={','.join(info.nodes)} Default=YES "
-        "MaxTime=INFINITE State=UP OverSubscribe=NO"
-    )
+    for name, nodes in info.partitions.items():
+        default = "YES" if name == info.partition else "NO"
+        lines.append(
+            f"PartitionName={name} Nodes={','.join(nodes)} Default={default} "
+            "MaxTime=INFINITE State=UP OverSubscribe=NO"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -522,7 +537,7 @@ def _stop_locked(info: ClusterInfo, keep_state: bool = False) -> None:
     """Cancel the jobs, stop every daemon by its pid, restore CONF_DIR, remove the state
     dir (kept when ``keep_state``, e.g. after a failed start, for its logs)."""
     if info.pids.get("slurmctld") and _alive(info, "slurmctld"):
-        _run(["scancel", "--full", f"--partition={info.partition}"], check=False)
+        _run(["scancel", "--full", f"--partition={','.join(info.partitions)}"], check=False)
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline:
             out = _run(["squeue", "-h", "-t", "RUNNING,COMPLETING,CONFIGURING", "-o", "%i"],

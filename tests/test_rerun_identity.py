@@ -40,7 +40,7 @@ from pathlib import Path
 import pytest
 import yaml
 from fixtures.gpu_dag import attempt, double_sources, mtimes, snakemake, workflow_copy
-from fixtures.trainer_double import LOCAL_RAY_PORTS, leftover_ray
+from fixtures.trainer_double import LOCAL_RAY_PORTS, TEST_WATCHDOG, leftover_ray
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow,
               # one scenario of many invocations (about 10 minutes alone; each invocation
@@ -59,7 +59,7 @@ def _base(tmp: Path) -> dict:
         "train": {
             "checkpoint_root": str(tmp / "ckpt"), "total_training_steps": 2,
             "checkpoint_keep": 2, "prune_interval_s": 1, "restarts_per_job": 0,
-            "max_submissions": 1,
+            "max_submissions": 1, "watchdog": dict(TEST_WATCHDOG),
             "ray": {"register_timeout_s": 120, "head_timeout_s": 120, **LOCAL_RAY_PORTS},
         },
         # no held-out set and no selection: what re-runs is decided the same way for both

@@ -214,7 +214,7 @@ def test_cluster_state_is_discoverable_and_joined(slurm_cluster):
     assert info is not None and info.state_dir == slurm_cluster.state_dir
     conf = (Path(slurm_cluster.conf_dir) / "slurm.conf").read_text()
     assert conf.startswith(f"{cluster_mod.MARKER}{slurm_cluster.state_dir}\n")
-    assert set(cluster_mod.node_states()) == {"n1", "n2"}
+    assert set(cluster_mod.node_states()) == {"n1", "n2", "n3", "n4"}
     proc = subprocess.run([sys.executable, str(REPO_ROOT / "tests" / "slurm_cluster.py"),
                            "status"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
