@@ -5,8 +5,9 @@ the quick loop within 3).
 Runs pytest as CI does (``.venv/bin/pytest`` from the repository root, plus ``ARGS``) with
 ``HY3RL_SUITE_TIMING`` set, so that tests/suite_timing.py writes every test's seconds and
 marks; then prints the wall time, the seconds per mark (``slurm``, ``ray``, ``slow``, the
-unmarked ``unit`` tier), the count of tests by outcome and the slowest tests, each against
-its target. ``--from FILE`` reads such a file instead of running the suite.
+unmarked ``unit`` tier) and per cluster scope (tests/conftest.py), the count of tests by
+outcome and the slowest tests, each against its target. ``--from FILE`` reads such a file
+instead of running the suite.
 
 ``--cpu`` also samples every process on the machine while the suite runs (psutil, every
 0.5 s) and prints the CPU-seconds by kind of process (Ray's daemons, Snakemake, each rule's
@@ -171,6 +172,11 @@ def main(argv: list[str] | None = None) -> int:
     print("seconds per mark (setup + call + teardown; a test counts under each of its marks):")
     for mark, row in sorted(doc["per_mark"].items()):
         print(f"  {mark:>6}: {row['seconds']:8.1f} s in {row['tests']:4d} tests")
+    if doc.get("per_scope"):
+        print("seconds per cluster scope (each on one worker, its tests in order; the lanes "
+              "should stay about even):")
+        for scope, row in sorted(doc["per_scope"].items()):
+            print(f"  {scope:>7}: {row['seconds']:8.1f} s in {row['tests']:4d} tests")
     print(f"slowest {ns.top}:")
     for nodeid, row in sorted(tests.items(), key=lambda kv: -kv[1]["seconds"])[:ns.top]:
         print(f"  {row['seconds']:7.1f} s  {nodeid}  [{','.join(row['marks']) or 'unit'}]")

@@ -1,7 +1,10 @@
 """The suite's own timing, for every run (a pytest plugin loaded by tests/conftest.py).
 
 At the end of a run it prints the seconds spent per mark (``slurm``, ``ray``, ``slow``, and
-the unmarked unit tier), each test's setup + call + teardown summed, beside the wall time;
+the unmarked unit tier), each test's setup + call + teardown summed, beside the wall time,
+and per cluster scope (``slurm``, ``slurm-b``, ``ray``: each runs on one worker, its tests
+one after another, so the longest is a floor of the wall time and the lanes should stay
+about even; tests/conftest.py says which test runs where);
 pytest's own ``--durations`` (set in .ci/run) lists the slowest. With
 ``HY3RL_SUITE_TIMING=<file>`` it also writes every test's seconds and marks there as JSON,
 which ``benchmarks/bench_suite.py`` reads. Nothing here times a test against a target.
@@ -45,6 +48,17 @@ class SuiteTiming:
                 out[mark]["seconds"] += row["seconds"]
         return dict(out)
 
+    def per_scope(self) -> dict[str, dict[str, float]]:
+        """cluster scope -> {"tests", "seconds"}; ``other`` for the tests of no scope."""
+        from conftest import cluster_scope
+
+        out: dict[str, dict[str, float]] = defaultdict(lambda: {"tests": 0, "seconds": 0.0})
+        for nodeid, row in self.tests.items():
+            scope = cluster_scope(nodeid) or "other"
+            out[scope]["tests"] += 1
+            out[scope]["seconds"] += row["seconds"]
+        return dict(out)
+
 
 def pytest_configure(config: pytest.Config) -> None:
     if not hasattr(config, "workerinput"):  # the controller (or a run without xdist)
@@ -70,7 +84,12 @@ class _Plugin:
         total = sum(r["seconds"] for r in self.timing.tests.values())
         tr.write_line(f"{'all':>6}: {total:8.1f} s in {len(self.timing.tests):4d} tests; "
                       f"wall {wall:.1f} s")
+        scopes = self.timing.per_scope()
+        tr.write_line("per cluster scope (each on one worker, in order): " + ", ".join(
+            f"{name} {row['seconds']:.1f} s in {row['tests']} tests"
+            for name, row in sorted(scopes.items())))
         out = os.environ.get("HY3RL_SUITE_TIMING")
         if out:
             Path(out).write_text(json.dumps({"wall_s": round(wall, 1), "per_mark": marks,
+                                             "per_scope": scopes,
                                              "tests": self.timing.tests}, indent=1) + "\n")
