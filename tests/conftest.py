@@ -24,10 +24,10 @@ pytest_plugins = sorted(
 # - "slurm" and "slurm-b": the tests of the real SLURM test cluster in two lanes, each
 #   lane's jobs on a partition of its own (tests/slurm_cluster.py PARTITIONS: n1+n2 and
 #   n3+n4, 2 fake GPUs each), so neither lane's jobs wait for the other's; the Ray clusters
-#   inside their jobs take ports derived from SLURM job ids in train.ray's default range
-#   (one job id per job, so two lanes never share them). A test that names its nodes (n1,
-#   n2) belongs to lane "slurm"; lane "slurm-b" gets its partition from the fixture
-#   `slurm_lane`;
+#   inside their jobs take ports derived from SLURM job ids, each lane in a range of its
+#   own (fixtures.slurm.LANE_RAY_PORTS: the blocks of two jobs running at once on this one
+#   host can meet otherwise). A test that names its nodes (n1, n2) belongs to lane "slurm";
+#   lane "slurm-b" gets its partition from the fixture `slurm_lane`;
 # - "ray": the tests that start Ray on this machine outside SLURM; their Ray ports lie in
 #   fixtures.trainer_double.LOCAL_RAY_PORTS, disjoint from the SLURM jobs' range and the
 #   SLURM daemons' ports, and nothing they stop reaches another scope's processes
