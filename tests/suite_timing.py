@@ -85,9 +85,10 @@ class _Plugin:
         tr.write_line(f"{'all':>6}: {total:8.1f} s in {len(self.timing.tests):4d} tests; "
                       f"wall {wall:.1f} s")
         scopes = self.timing.per_scope()
-        tr.write_line("per cluster scope (each on one worker, in order): " + ", ".join(
-            f"{name} {row['seconds']:.1f} s in {row['tests']} tests"
-            for name, row in sorted(scopes.items())))
+        if scopes:
+            tr.write_line("per cluster scope (each on one worker, in order): " + ", ".join(
+                f"{name} {row['seconds']:.1f} s in {row['tests']} tests"
+                for name, row in sorted(scopes.items())))
         out = os.environ.get("HY3RL_SUITE_TIMING")
         if out:
             Path(out).write_text(json.dumps({"wall_s": round(wall, 1), "per_mark": marks,
