@@ -39,26 +39,24 @@ class SuiteTiming:
         elif report.skipped and row["outcome"] == "passed":
             row["outcome"] = "skipped"
 
+    def _tally(self, groups) -> dict[str, dict[str, float]]:
+        """group -> {"tests", "seconds"}; ``groups(nodeid, row)`` names each test's groups."""
+        out: dict[str, dict[str, float]] = defaultdict(lambda: {"tests": 0, "seconds": 0.0})
+        for nodeid, row in self.tests.items():
+            for group in groups(nodeid, row):
+                out[group]["tests"] += 1
+                out[group]["seconds"] += row["seconds"]
+        return dict(out)
+
     def per_mark(self) -> dict[str, dict[str, float]]:
         """mark -> {"tests", "seconds"}; ``unit`` for the tests without any of MARKS."""
-        out: dict[str, dict[str, float]] = defaultdict(lambda: {"tests": 0, "seconds": 0.0})
-        for row in self.tests.values():
-            for mark in row["marks"] or ["unit"]:
-                out[mark]["tests"] += 1
-                out[mark]["seconds"] += row["seconds"]
-        return dict(out)
+        return self._tally(lambda _nodeid, row: row["marks"] or ["unit"])
 
     def per_scope(self) -> dict[str, dict[str, float]]:
         """cluster scope -> {"tests", "seconds"}; ``other`` for the tests of no scope."""
         from conftest import cluster_scope
 
-        out: dict[str, dict[str, float]] = defaultdict(lambda: {"tests": 0, "seconds": 0.0})
-        for nodeid, row in self.tests.items():
-            scope = cluster_scope(nodeid) or "other"
-            out[scope]["tests"] += 1
-            out[scope]["seconds"] += row["seconds"]
-        return dict(out)
-
+        return self._tally(lambda nodeid, _row: [cluster_scope(nodeid) or "other"])
 
 def pytest_configure(config: pytest.Config) -> None:
     if not hasattr(config, "workerinput"):  # the controller (or a run without xdist)
