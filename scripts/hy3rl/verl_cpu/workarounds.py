@@ -48,6 +48,13 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         '("trtllm", "async"): "verl.workers.rollout.trtllm_rollout.trtllm_rollout.ServerAdapter"',
         "the hybrid worker finds its rollout adapter only among vllm, sglang and trtllm",
         "hy3rl.verl_cpu.rollout adds ('hf', 'async') to _ROLLOUT_REGISTRY"),
+    Workaround(
+        "pin_memory", "verl/workers/engine/fsdp/transformer_impl.py",
+        "offload_policy = CPUOffloadPolicy(pin_memory=True)",
+        "the reference model (forward only) is always wrapped with a pinned-memory offload "
+        "policy; pinning needs an accelerator",
+        "torch's CPUOffloadPolicy pins nothing in verl's processes on the CPU path (apply()): "
+        "the parameters already live on the host"),
 )
 
 
@@ -62,9 +69,25 @@ def _dedup_backend(backend):
     return ",".join(f"{d}:{b}" for d, b in seen.items())
 
 
+def _unpinned_offload() -> None:
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    if getattr(CPUOffloadPolicy.__init__, "_hy3rl_cpu", False):
+        return
+    original = CPUOffloadPolicy.__init__
+
+    def __init__(self, pin_memory: bool = True, *args, **kwargs):
+        original(self, False, *args, **kwargs)
+
+    __init__._hy3rl_cpu = True
+    CPUOffloadPolicy.__init__ = __init__
+
+
 def apply() -> None:
     """The workarounds that are code (idempotent)."""
     import torch.distributed as dist
+
+    _unpinned_offload()
 
     if getattr(dist.init_process_group, "_hy3rl_cpu", False):
         return
