@@ -24,8 +24,7 @@ from hy3rl.verl_cpu.workarounds import WORKAROUNDS  # noqa: F401  (re-exported)
 
 # The environment verl's processes need on the CPU path: the plugin hook itself, the platform,
 # and the engine registry's device (verl/workers/engine/base.py get_engine_cls honours
-# VERL_ENGINE_DEVICE: FSDP is registered for cuda/npu only,
-# verl/workers/engine/fsdp/transformer_impl.py @EngineRegistry.register(..., device=["cuda", "npu"])).
+# VERL_ENGINE_DEVICE; FSDP is registered for cuda/npu only: workarounds.WORKAROUNDS).
 ENV = {
     "VERL_USE_EXTERNAL_MODULES": "hy3rl.verl_cpu",
     "VERL_PLATFORM": "cpu",
@@ -39,8 +38,11 @@ def _register() -> None:
     the ``hf`` rollout become known to verl's registries. Outside verl it does nothing."""
     if os.environ.get("VERL_PLATFORM", "").strip().lower() != "cpu":
         return
-    from hy3rl.verl_cpu import platform  # noqa: F401  (registers itself)
-    from hy3rl.verl_cpu import rollout, workarounds
+    from hy3rl.verl_cpu import (
+        platform,  # noqa: F401  (registers itself)
+        rollout,
+        workarounds,
+    )
 
     workarounds.apply()
     rollout.register()
