@@ -27,6 +27,11 @@ def gpu_enabled():
     return CFG.cluster.gpu
 
 
+def training_enabled():
+    """Whether the run trains: on GPUs, or on the CPU path (train.cpu, hy3rl.verl_cpu)."""
+    return CFG.trains
+
+
 def all_inputs():
     """Targets of `rule all`, by stage; the GPU stages only when cluster.gpu is true."""
     targets = [LAYOUT.deps_lock, LAYOUT.deps_runtime_env, LAYOUT.data_summary]
@@ -247,7 +252,7 @@ def train_adopted():
     outputs). Files read, nothing written."""
     from hy3rl.train import adoption
 
-    if not gpu_enabled():
+    if not training_enabled():
         return {}
     out = {}
     final = adoption(LAYOUT, "final", config, TRAIN_CONTENT)
@@ -301,7 +306,7 @@ def train_adopt_inputs(wildcards):
 def train_targets():
     """The `all` targets of the train stage when cluster.gpu is true: done.json and the
     keys records of the final job and of every segment (missing after a keys change)."""
-    if not gpu_enabled():
+    if not training_enabled():
         return []
     segments = train_keys_digest(final=False)
     return [
@@ -313,9 +318,18 @@ def train_targets():
 
 def train_job_resources():
     """The training job: cluster.nodes x cluster.gpus_per_node, cluster.train_time_min;
-    its slurm_extra is train_slurm_extra, evaluated before each submission."""
+    its slurm_extra is train_slurm_extra, evaluated before each submission. On the CPU
+    path (train.cpu): one node, no GPU."""
     c = CFG.cluster
-    res = gpu_job_resources(c.nodes, c.gpus_per_node, c.train_time_min)
+    if c.gpu:
+        res = gpu_job_resources(c.nodes, c.gpus_per_node, c.train_time_min)
+    else:
+        res = {
+            "nodes": 1,
+            "cpus_per_task": c.cpus_per_node,
+            "mem_mb": c.mem_mb_per_node,
+            "runtime": int(c.train_time_min),
+        }
     res["slurm_extra"] = train_slurm_extra
     return res
 
@@ -585,7 +599,7 @@ def eval_request_inputs(wildcards):
     nothing."""
     from hy3rl.layout import split_tag
 
-    if gpu_enabled() and split_tag(wildcards.tag)[0] != "base":
+    if training_enabled() and split_tag(wildcards.tag)[0] != "base":
         return {"plan": ancient(LAYOUT.train_plan)}
     return {}
 
@@ -781,11 +795,11 @@ onstart:
     # the controller was killed), and watch the attempt records for train.notify_command.
     # Jobs' own Snakemake runs with --no-hooks.
     # The evaluation steps' waits read train/state.json: whether this invocation trains.
-    training = gpu_enabled() and any(
+    training = training_enabled() and any(
         job.rule.name in ("train", "train_segment")
         for job in workflow.dag.needrun_jobs()
     )
-    if gpu_enabled():
+    if training_enabled():
         from hy3rl.evalckpt import write_train_state
 
         write_train_state(

@@ -41,7 +41,7 @@ rule eval_request:
         "../scripts/adapters/eval_request.py"
 
 
-if gpu_enabled():
+if training_enabled():
 
     # Waits, on the submit host, until step N's checkpoint is complete under this run's
     # identity (or fails when training ended or was given up before it: hy3rl.evalckpt).

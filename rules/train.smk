@@ -1,7 +1,7 @@
 # Stage `train`: one multi-node SLURM job (or one machine with profiles/local) that starts
 # Ray over its nodes, submits the rendered verl launch with `ray job submit`, and resumes
-# from verl's own checkpoints (hy3rl.train.run; docs/formats/train.md). Only when
-# cluster.gpu is true.
+# from verl's own checkpoints (hy3rl.train.run; docs/formats/train.md). Only when the
+# run trains: cluster.gpu, or the CPU path (train.cpu, one host, real verl on FSDP2/gloo).
 #
 # The checkpoint directory is NOT an output (Snakemake deletes outputs before a job and
 # after a failure): the job takes it from the layout (Layout.checkpoint_dir, the path
@@ -37,7 +37,7 @@
 STAGE_TARGETS.append(train_targets)
 
 
-if gpu_enabled():
+if training_enabled():
 
     # Preflight's plan and launch, copied once preflight succeeded: the training jobs'
     # (ancient) inputs, which a failed preflight never deletes (hy3rl.train.stage_launch).
@@ -59,7 +59,7 @@ if gpu_enabled():
             "../scripts/adapters/train_launch.py"
 
 
-if gpu_enabled() and train_segment_ends():
+if training_enabled() and train_segment_ends():
 
     rule train_segment:
         input:
@@ -78,7 +78,7 @@ if gpu_enabled() and train_segment_ends():
             "../scripts/adapters/train_segment.py"
 
 
-if gpu_enabled():
+if training_enabled():
 
     rule train:
         input:
@@ -95,7 +95,7 @@ if gpu_enabled():
             "../scripts/adapters/train.py"
 
 
-if gpu_enabled() and train_adopted():
+if training_enabled() and train_adopted():
 
     # The keys record of a training job whose sentinel was written under the current
     # training keys before their record existed (hy3rl.train.adopt: origin adopted, after

@@ -83,12 +83,66 @@ def write_tracker(ckpt_dir: Path, step: int) -> None:
     write_text_atomic(ckpt_dir / TRACKER, str(step))
 
 
+FSDP_CONFIG = "fsdp_config.json"
+FSDP_SHARD = re.compile(r"^(model|optim|extra_state)_world_size_(\d+)_rank_(\d+)\.pt$")
+
+
+def is_fsdp(step_dir: Path) -> bool:
+    """Whether ``global_step_<N>`` is in verl's FSDP layout (the CPU path's engine):
+    ``actor/{model,optim,extra_state}_world_size_W_rank_R.pt``, ``actor/fsdp_config.json``,
+    ``actor/huggingface/``; else Megatron's (``actor/ckpt_contents.json``, ``dist_ckpt``)."""
+    actor = step_dir / "actor"
+    if (actor / MANIFEST).exists():
+        return False
+    return (actor / FSDP_CONFIG).exists() or (
+        actor.is_dir() and any(FSDP_SHARD.match(p.name) for p in actor.iterdir()))
+
+
+def _check_fsdp(step_dir: Path) -> tuple[bool, str]:
+    """verl's FSDP checkpoint manager (verl/utils/checkpoint/fsdp_checkpoint_manager.py at
+    the pin) writes no manifest: each rank its shards (``torch.save``), rank 0 the HF config
+    and ``fsdp_config.json``, then (with hf_model) the HF weights; the trainer writes
+    ``data.pt`` after the whole actor save returned. Complete: every rank's shards of the
+    world size their names give, each a whole torch archive, and ``fsdp_config.json``."""
+    actor = step_dir / "actor"
+    shards: dict[str, dict[int, Path]] = {}
+    sizes = set()
+    for p in actor.iterdir() if actor.is_dir() else []:
+        m = FSDP_SHARD.match(p.name)
+        if m:
+            shards.setdefault(m.group(1), {})[int(m.group(3))] = p
+            sizes.add(int(m.group(2)))
+    if not shards.get("model"):
+        return False, "no actor/model_world_size_*_rank_*.pt (actor save did not finish)"
+    if len(sizes) != 1:
+        return False, f"actor shards of several world sizes {sorted(sizes)}"
+    world = sizes.pop()
+    for kind, ranks in sorted(shards.items()):
+        missing = sorted(set(range(world)) - set(ranks))
+        if missing:
+            return False, f"no actor/{kind}_world_size_{world}_rank_{missing[0]}.pt"
+        for _rank, path in sorted(ranks.items()):
+            if not zipfile.is_zipfile(path):
+                return False, f"actor/{path.name} is not a whole torch archive"
+    try:
+        json.loads((actor / FSDP_CONFIG).read_text())
+    except (OSError, ValueError) as exc:
+        return False, f"actor/{FSDP_CONFIG} missing or unreadable: {exc}"
+    return True, ""
+
+
 def check_complete(step_dir: Path, step: int) -> tuple[bool, str]:
     """Whether ``global_step_<step>`` holds a finished verl save, and why not.
 
-    verl (220e903) saves the actor (rank 0 writes ``actor/ckpt_contents.json`` last, via a
-    temp file and a rename), then ``data.pt`` (``torch.save``: a zip archive), then the
-    tracker. A save interrupted anywhere leaves one of these missing or partial."""
+    verl (220e903) saves the actor (Megatron: rank 0 writes ``actor/ckpt_contents.json``
+    last, via a temp file and a rename; FSDP, the CPU path: :func:`_check_fsdp`), then
+    ``data.pt`` (``torch.save``: a zip archive), then the tracker. A save interrupted
+    anywhere leaves one of these missing or partial."""
+    if is_fsdp(step_dir):
+        ok, why = _check_fsdp(step_dir)
+        if not ok:
+            return ok, why
+        return _check_data(step_dir)
     manifest = step_dir / "actor" / MANIFEST
     if not manifest.is_file():
         return False, f"no actor/{MANIFEST} (actor save did not finish)"
@@ -99,6 +153,10 @@ def check_complete(step_dir: Path, step: int) -> tuple[bool, str]:
     if not isinstance(data, dict) or data.get("global_step") != step:
         return False, f"actor/{MANIFEST} global_step {data.get('global_step')!r} != {step}" \
             if isinstance(data, dict) else f"actor/{MANIFEST} is not an object"
+    return _check_data(step_dir)
+
+
+def _check_data(step_dir: Path) -> tuple[bool, str]:
     dataloader = step_dir / "data.pt"
     if not dataloader.is_file():
         return False, "no data.pt (dataloader state not saved)"

@@ -214,7 +214,7 @@ def look(layout: Layout, plan: dict[str, Any], step: int,
     step_dir = ckpt / f"global_step_{step}"
     ok, why = check_complete(step_dir, step)
     if ours and ok:
-        manifest = step_dir / "actor" / "ckpt_contents.json"
+        manifest = step_dir / "data.pt"  # written after the actor save, in both layouts
         return Look("ready", f"step {step}: checkpoint complete", {
             "step": step, "checkpoint": str(step_dir),
             "hf_model": str(layout.checkpoint_hf_model(step)),
@@ -370,7 +370,7 @@ def evaluated_steps(cfg: Any, layout: Layout, trajectory_id: str) -> list[int]:
 
 def protected_steps(cfg: Any, layout: Layout) -> list[int]:
     """The steps retention keeps for evaluation now (module doc)."""
-    steps = sorted(cfg.eval.steps) if cfg.cluster.gpu else []
+    steps = sorted(cfg.eval.steps) if cfg.trains else []
     if cfg.train.keep_eval_checkpoints == "all":
         return steps
     keep = set()

@@ -550,10 +550,10 @@ def _versions() -> dict[str, str | None]:
 
 def eval_tags(cfg: Config, heldout: bool = True) -> list[str]:
     """Tags to evaluate: base always; step<N> for eval.steps and final only when training
-    is in the DAG (cluster.gpu); then, with data.heldout (and ``heldout``), each of them
-    again on the held-out set (``heldout/<tag>``)."""
+    is in the DAG (Config.trains: GPUs or the CPU path); then, with data.heldout (and
+    ``heldout``), each of them again on the held-out set (``heldout/<tag>``)."""
     tags = ["base"]
-    if cfg.cluster.gpu:
+    if cfg.trains:
         tags += [f"step{s}" for s in cfg.eval.steps]
         if cfg.eval.final:
             tags.append("final")
@@ -564,7 +564,7 @@ def eval_tags(cfg: Config, heldout: bool = True) -> list[str]:
 
 def eval_steps(cfg: Config) -> list[int]:
     """The evaluation steps whose checkpoints are waited for while training runs."""
-    return sorted(cfg.eval.steps) if cfg.cluster.gpu else []
+    return sorted(cfg.eval.steps) if cfg.trains else []
 
 
 def final_step(train_done: Path) -> int:

@@ -209,6 +209,10 @@ class LaunchSpec:
     monitor: Monitor | None = None  # hy3rl.watchdog: hangs and the time limit
     poll_s: float = 5.0  # seconds between two monitor polls
     node_logs_mb: float = 0.0  # per node: Ray logs copied to <log_dir>/nodes/<node>/
+    # The CPU path (hy3rl.verl_cpu, plan cpu_path): Ray's logical CPUs (verl's actors each
+    # ask for one, whatever the cores), and gpus_per_node are logical GPUs (trainer ranks
+    # on the host), not devices the allocation is checked for. None: a GPU run.
+    ray_cpus: int | None = None
 
 
 @dataclass
@@ -344,7 +348,7 @@ def check_allocation(nodes: list[Node], spec: LaunchSpec) -> None:
             raise LaunchError(f"node {n.name}: cluster.cpus_per_node={spec.cpus_per_node} "
                               f"but the allocation gives {n.cpus} CPUs there (Ray would "
                               "over-subscribe and hang)")
-        if n.gpus is not None and n.gpus != spec.gpus_per_node:
+        if spec.ray_cpus is None and n.gpus is not None and n.gpus != spec.gpus_per_node:
             raise LaunchError(f"node {n.name}: cluster.gpus_per_node={spec.gpus_per_node} "
                               f"but the allocation gives {n.gpus} GPUs there")
 
@@ -498,7 +502,7 @@ class Launcher:
         inner = [*self.entry(), "-m", "hy3rl.raynode", "node", "--name", node.name,
                  "--role", role, "--temp-dir", str(temp), "--scope", scope,
                  "--ports", json.dumps(asdict(ports)),
-                 "--num-cpus", str(self.spec.cpus_per_node),
+                 "--num-cpus", str(self.spec.ray_cpus or self.spec.cpus_per_node),
                  "--num-gpus", str(self.spec.gpus_per_node),
                  "--grace", str(self.ray.stop_grace_s),
                  "--setup", self.ray.node_setup]

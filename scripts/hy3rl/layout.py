@@ -284,8 +284,15 @@ class Layout:
         return Path(os.path.abspath(path))
 
     def checkpoint_hf_model(self, step: int) -> Path:
-        """The HF weights verl saves with a checkpoint (docs/formats/train.md)."""
-        return self.checkpoint_dir / f"global_step_{step}" / "actor" / "model" / "huggingface"
+        """The HF weights verl saves with a checkpoint (docs/formats/train.md): Megatron's
+        ``actor/model/huggingface``, or, for a checkpoint in the FSDP layout (the CPU path,
+        hy3rl.ckptdir.is_fsdp), ``actor/huggingface``."""
+        from hy3rl.ckptdir import is_fsdp
+
+        step_dir = self.checkpoint_dir / f"global_step_{step}"
+        if is_fsdp(step_dir):
+            return step_dir / "actor" / "huggingface"
+        return step_dir / "actor" / "model" / "huggingface"
 
     def checkpoint_data_state(self, step: int) -> Path:
         """verl's train dataloader state at a save (``torch.save`` of the StatefulDataLoader's

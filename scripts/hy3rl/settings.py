@@ -229,6 +229,13 @@ class Runtime:
 
 
 @dataclass(frozen=True)
+class TrainCpu:
+    enable: bool
+    ranks: int
+    ray_cpus: int
+
+
+@dataclass(frozen=True)
 class Ray:
     port_base: int
     port_span: int
@@ -364,6 +371,7 @@ class Train:
     node_logs_mb: float
     notify_command: str
     ray_env_passthrough: list[str]
+    cpu: TrainCpu
     runtime: Runtime
     ray: Ray
     health: Health
@@ -543,12 +551,22 @@ class Config:
         hints = typing.get_type_hints(cls)
         sections = {f.name: build(hints[f.name], raw[f.name], f.name)
                     for f in dataclasses.fields(cls) if f.name != "raw"}
+        if sections["cluster"].gpu and sections["train"].cpu.enable:
+            raise ConfigError(
+                "train.cpu.enable: the CPU path (real verl on FSDP2/gloo with a transformers "
+                "rollout) is not the paper's stack; it is refused with cluster.gpu true (set "
+                "one of them false)")
         return cls(**sections, raw=raw)
 
     @classmethod
     def load(cls, *paths: str | Path) -> Config:
         """Load and merge config files in order (as Snakemake merges --configfile)."""
         return cls.from_dict(load(*paths))
+
+    @property
+    def trains(self) -> bool:
+        """Whether the run trains: on GPUs (cluster.gpu) or on the CPU path (train.cpu)."""
+        return bool(self.cluster.gpu or self.train.cpu.enable)
 
     @property
     def hash(self) -> str:

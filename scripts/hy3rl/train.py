@@ -1052,18 +1052,22 @@ class Job:
                       on_event=lambda event: self.on_health(record, event),
                       next_save=lambda s: self.schedule(last).next_save(s - 1),
                       is_saved=monitor.is_saved)
+        cpu_path = self.plan.get("cpu_path")  # hy3rl.verl_cpu: one host, logical GPUs
         spec = launch.LaunchSpec(
             submission_id=sub_id, launch_script=self.launch_script,
             runtime_env=self.runtime_env, log_dir=log_dir,
             launch_args=[] if last == self.total
             else [f"trainer.total_training_steps={last}"],
-            env_vars={"VERL_FILE_LOGGER_PATH": str(attempt_metrics)},
+            env_vars={"VERL_FILE_LOGGER_PATH": str(attempt_metrics),
+                      **(cpu_path or {}).get("env", {})},
             passthrough_env=sorted(set(logger_env_names(self.plan))
                                    | set(train.ray_env_passthrough)),
-            nodes=cluster.nodes, gpus_per_node=cluster.gpus_per_node,
+            nodes=1 if cpu_path else cluster.nodes,
+            gpus_per_node=int(cpu_path["ranks"]) if cpu_path else cluster.gpus_per_node,
             cpus_per_node=cluster.cpus_per_node, ray=train.ray, runtime=train.runtime,
             exclude=list(self.lost), monitor=guard, poll_s=wd.poll_s,
-            node_logs_mb=train.node_logs_mb)
+            node_logs_mb=train.node_logs_mb,
+            ray_cpus=int(cpu_path["ray_cpus"]) if cpu_path else None)
         spec.env_vars.update(self.wandb_env())
         pruner = Pruner(ckpt, train.checkpoint_keep, self.protected, train.prune_interval_s)
         pruner.start()

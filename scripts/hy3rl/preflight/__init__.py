@@ -228,7 +228,7 @@ def run(cfg: Config, *, lock: Path, data_summary: Path | None, train_files: Path
     check_verl_pin(rules, verl_dir, head, commit, cfg.preflight.waive)
 
     launch_text = render_launch(res, cfg.run.name, commit)
-    result = build_plan(run=cfg.run.name, gpu=cfg.cluster.gpu, res=res, commit=commit,
+    result = build_plan(run=cfg.run.name, trains=cfg.trains, res=res, commit=commit,
                         head=head, effective=eff, rules=rules, checkpoint=ck,
                         verl_checks=verl_record(verl_checks, model_dir),
                         estimate=estimate, launch=launch, launch_text=launch_text,

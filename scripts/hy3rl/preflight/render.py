@@ -16,7 +16,8 @@ from hy3rl.preflight.rules import RuleResult, effective_sources
 from hy3rl.timefmt import utc_now
 
 SCHEMA_VERSION = 1
-NOT_LAUNCHED = "not launched: no GPU (cluster.gpu is false)"
+NOT_LAUNCHED = ("not launched: no GPU (cluster.gpu is false) and not the CPU path "
+                "(train.cpu.enable is false)")
 LAUNCH_COMMAND = "ray job submit ... -- bash launch.sh (inside the verl working dir)"
 
 # Environment variables a logger reads (verl/utils/tracking.py at the pin and the logger
@@ -62,6 +63,10 @@ class Plan:
     # The checkpoint selection rule (eval.select, hy3rl.preflight.heldout.selection_record),
     # fixed here before the first training step; null without one.
     selection: dict[str, Any] | None = None
+    # The CPU path (train.cpu, hy3rl.verl_cpu): the engine, the script's overrides dropped
+    # for it (each with why), the environment of verl's processes, the trainer ranks and
+    # Ray's logical CPUs, the workarounds; null on GPUs.
+    cpu_path: dict[str, Any] | None = None
 
 
 def render_launch(res: Resolution, run: str, commit: str) -> str:
@@ -99,7 +104,7 @@ def _messages(rules: list[RuleResult], status: str) -> list[str]:
     return [f"{r.name}: {m}" for r in rules if r.status == status for m in r.messages]
 
 
-def build_plan(*, run: str, gpu: bool, res: Resolution, commit: str, head: str | None,
+def build_plan(*, run: str, trains: bool, res: Resolution, commit: str, head: str | None,
                effective: dict[str, Any], rules: list[RuleResult], checkpoint: dict[str, Any],
                verl_checks: dict[str, Any], estimate: dict[str, Any], launch: Path,
                launch_text: str, identity: dict[str, Any],
@@ -111,7 +116,7 @@ def build_plan(*, run: str, gpu: bool, res: Resolution, commit: str, head: str |
         resolved[o.key] = {"value": o.value, "source": o.source, "origin": o.origin}
     return Plan(
         schema_version=SCHEMA_VERSION, created=utc_now(), run=run, ok=not errors,
-        launched=gpu, not_launched_reason=None if gpu else NOT_LAUNCHED,
+        launched=trains, not_launched_reason=None if trains else NOT_LAUNCHED,
         verl={"path": str(res.verl_dir), "commit": commit, "head": head, "script": res.script,
               "entrypoint": res.module, "config_dir": str(res.config_dir),
               "config_name": res.config_name},
@@ -126,7 +131,7 @@ def build_plan(*, run: str, gpu: bool, res: Resolution, commit: str, head: str |
         launch={"path": str(launch.absolute()),
                 "sha256": hashlib.sha256(launch_text.encode()).hexdigest(),
                 "command": LAUNCH_COMMAND},
-        identity=identity, selection=selection,
+        identity=identity, selection=selection, cpu_path=res.cpu_path,
     )
 
 

@@ -112,6 +112,9 @@ class Resolution:
     composed: Any = None
     compose_error: str | None = None
     knob_errors: list[str] = field(default_factory=list)
+    # The CPU path (train.cpu): the script's overrides dropped for the FSDP engine (with
+    # why), the environment verl's processes get, the workarounds; None on GPUs.
+    cpu_path: dict[str, Any] | None = None
 
 
 # --------------------------------------------------------------------------- overrides
@@ -301,10 +304,13 @@ def knob_env(cfg: Config, train_files: Path, val_files: Path, known: list[str],
     """The script's environment: workflow-owned knobs, VAL_N from the data summary, then
     train.env. Returns knobs with their origin and the problems (unknown knob, knob owned by
     another key)."""
+    cpu = cfg.train.cpu.enable
     knobs: dict[str, dict[str, str]] = {
-        "NNODES": {"value": str(cfg.cluster.nodes), "from": "cluster.nodes"},
-        "NGPUS_PER_NODE": {"value": str(cfg.cluster.gpus_per_node),
-                           "from": "cluster.gpus_per_node"},
+        "NNODES": {"value": "1" if cpu else str(cfg.cluster.nodes),
+                   "from": "train.cpu (one host)" if cpu else "cluster.nodes"},
+        "NGPUS_PER_NODE": {"value": str(cfg.train.cpu.ranks if cpu else
+                                        cfg.cluster.gpus_per_node),
+                           "from": "train.cpu.ranks" if cpu else "cluster.gpus_per_node"},
         "MODEL_PATH": {"value": str(Path(cfg.model.path).absolute()),
                        "from": "model.source" if cfg.model.is_local else "model.dir"},
         "TRAIN_FILES": {"value": str(train_files), "from": "data"},
@@ -469,6 +475,55 @@ def _customisations(ov: _Overrides, cfg: Config, reward_fn: Path) -> None:
     ov.add("reward.custom_reward_function.name", rfn.name, CONFIG, "train.reward_function")
 
 
+def _path_exists(cfg, key: str) -> bool:
+    """Whether ``key`` names a node of the composed ``cfg`` (a ``???`` value counts)."""
+    node = cfg
+    for part in key.split("."):
+        try:
+            if part not in node:
+                return False
+            node = node._get_node(part) if hasattr(node, "_get_node") else node[part]
+        except Exception:
+            return False
+    return True
+
+
+def _cpu_move(ov: _Overrides, config_dir: Path, config_name: str) -> dict[str, Any]:
+    """The CPU path, step 1: the script's overrides for verl's FSDP engine
+    (hy3rl.verl_cpu.plan.move_to_fsdp); returns the record of what was dropped."""
+    from hy3rl.verl_cpu import plan as cpu_plan
+
+    dp = compose(config_dir, config_name, [f"model_engine={cpu_plan.ENGINE}"])
+    kept, dropped = cpu_plan.move_to_fsdp(ov.items, lambda k: _path_exists(dp, k),
+                                          split_override)
+    items = []
+    for item, new_text in kept:
+        if new_text is not None:
+            _, key, value = split_override(new_text)
+            item = Override(new_text, key, value, cpu_plan.CPU_PATH,
+                            f"train.cpu (was {item.text})")
+        items.append(item)
+    ov.items = items
+    return {"engine": cpu_plan.ENGINE,
+            "dropped": [{"override": item.text, "origin": item.origin, "why": why}
+                        for item, why in dropped]}
+
+
+def _cpu_overrides(ov: _Overrides, cfg: Config, record: dict[str, Any]) -> None:
+    """The CPU path, step 2: its overrides, after the workflow's corrections and before
+    ``train.verl_overrides``."""
+    from hy3rl.verl_cpu import ENV
+    from hy3rl.verl_cpu import plan as cpu_plan
+    from hy3rl.verl_cpu.workarounds import WORKAROUNDS
+
+    for o in cpu_plan.overrides(cfg.train.cpu.ranks):
+        ov.add(o.key, o.value, cpu_plan.CPU_PATH, f"train.cpu: {o.why}", raw=True)
+    record["env"] = dict(ENV)
+    record["ranks"] = cfg.train.cpu.ranks
+    record["ray_cpus"] = cfg.train.cpu.ray_cpus
+    record["workarounds"] = [w.name for w in WORKAROUNDS]
+
+
 def _verl_overrides(ov: _Overrides, overrides: Mapping[str, Any], knob_errors: list[str]
                     ) -> None:
     """``train.verl_overrides``, last (they win). An override of a workflow-owned path or of
@@ -516,6 +571,7 @@ def resolve(cfg: Config, verl_dir: Path, *, train_files: Path, val_files: Path, 
 
     ov = _Overrides()
     _script_overrides(ov, cap, defaults, script, hy3_vals)
+    cpu_path = _cpu_move(ov, config_dir, config_name) if cfg.train.cpu.enable else None
     try:
         ov.base = compose(config_dir, config_name, [o.text for o in ov.items])
     except PreflightError as exc:
@@ -525,17 +581,23 @@ def resolve(cfg: Config, verl_dir: Path, *, train_files: Path, val_files: Path, 
 
     script_vals = last_values(cap.overrides)
     if hy3_vals is not None:
+        if cpu_path is not None:  # the FSDP engine has no Megatron layout to carry over
+            from hy3rl.verl_cpu.plan import is_megatron_only
+
+            hy3_vals = {k: v for k, v in hy3_vals.items() if not is_megatron_only(k)}
         _recipe_carry_over(ov, script_vals, hy3_vals)
     reward = _reward(ov, cfg.train.reward_mode, cap.module, script_vals, verl_dir)
     loggers = _run_corrections(ov, cfg, str(checkpoint_dir))
     _customisations(ov, cfg, reward_fn)
+    if cpu_path is not None:
+        _cpu_overrides(ov, cfg, cpu_path)
     _verl_overrides(ov, cfg.train.verl_overrides, knob_errors)
 
     res = Resolution(verl_dir=verl_dir, script=script, module=cap.module, config_dir=config_dir,
                      config_name=config_name, knobs=knobs, exports=cap.exports,
                      overrides=ov.items, reward=reward, loggers=loggers,
                      checkpoint_dir=str(checkpoint_dir),
-                     knob_errors=knob_errors)
+                     knob_errors=knob_errors, cpu_path=cpu_path)
     if base_error:
         res.compose_error = base_error
         return res

@@ -44,6 +44,8 @@ RULES: dict[str, str] = {
     "actor_layout": "actor TP x PP x CP and EP x ETP x PP divide the GPUs",
     "ref_layout": "reference TP x PP x CP and EP x ETP x PP divide the GPUs",
     "rollout_tp": "rollout TP divides the GPUs and holds the model's weights on the GPU type",
+    "cpu_path": "the CPU path (train.cpu): verl's FSDP engine and the hf rollout on one host, "
+                "the trainer ranks as verl's GPUs, not with cluster.gpu",
     "actor_token_budget": "ppo_max_token_len_per_gpu x CP >= prompt + response",
     "max_model_len": "rollout.max_model_len >= prompt + response",
     "log_prob_token_budget": "rollout/ref log_prob_max_token_len_per_gpu x CP >= prompt + response",
@@ -300,6 +302,7 @@ class Shape:
 
     gpu: bool  # cluster.gpu
     gpus: int  # G = cluster.nodes x cluster.gpus_per_node
+    trains: bool  # on GPUs or on the CPU path (Config.trains)
     prompt: int
     response: int
     actor: dict[str, int]  # tensor, pipeline, context, expert, expert_tensor
@@ -312,10 +315,11 @@ class Shape:
         return self.prompt + self.response
 
     @classmethod
-    def of(cls, cluster: Cluster, eff: Mapping[str, Any]) -> Shape:
+    def of(cls, cluster: Cluster, eff: Mapping[str, Any], trains: bool | None = None) -> Shape:
         return cls(
             gpu=bool(cluster.gpu),
             gpus=cluster.nodes * cluster.gpus_per_node,
+            trains=bool(cluster.gpu) if trains is None else trains,
             prompt=to_int(eff.get("data.max_prompt_length")),
             response=to_int(eff.get("data.max_response_length")),
             actor={k: to_int(eff.get(f"actor_rollout_ref.actor.megatron.{v}"), 1)
@@ -448,6 +452,48 @@ def _allocation(r: _Rules, c: Cluster, eff: Mapping[str, Any], s: Shape, weights
     if weights is not None and gmem > 0:
         _rollout_memory(r, gmem, s, weights)
         _actor_memory(r, gmem, eff, s, weights)
+
+
+# The composed values the CPU path needs (hy3rl.verl_cpu): a user's train.verl_overrides
+# that moves one of them would send verl back to a GPU code path after the start.
+CPU_PATH_VALUES = {
+    "trainer.device": "cpu",
+    "actor_rollout_ref.rollout.name": "hf",
+    "actor_rollout_ref.actor.strategy": "fsdp2",
+    "actor_rollout_ref.ref.strategy": "fsdp2",
+    "actor_rollout_ref.rollout.tensor_model_parallel_size": 1,
+    "trainer.nnodes": 1,
+}
+
+
+def _cpu_path(r: _Rules, cfg: Config, res: Resolution, eff: Mapping[str, Any]) -> None:
+    """cpu_path: the CPU path's couplings (train.cpu): its own engine and rollout, one host,
+    the trainer ranks as verl's GPUs; not run on GPUs."""
+    if not cfg.train.cpu.enable:
+        r.not_run("cpu_path", "not run: train.cpu.enable is false")
+        return
+    if cfg.cluster.gpu:
+        r.error("cpu_path", "train.cpu.enable with cluster.gpu true: the CPU path is not "
+                "the paper's stack")
+    composed = res.composed
+    engine = select(composed, "model_engine") if composed is not None else None
+    if engine != "dp":
+        r.error("cpu_path", f"model_engine = {engine!r}: the CPU path trains with verl's "
+                "FSDP engine (dp)")
+    want = {**CPU_PATH_VALUES, "trainer.n_gpus_per_node": cfg.train.cpu.ranks}
+    for key, value in want.items():
+        got = select(composed, key) if composed is not None else None
+        if str(got).lower() != str(value).lower():
+            r.error("cpu_path", f"{key} = {got!r} but the CPU path needs {value!r} "
+                    f"(train.verl_overrides must not move it)")
+    micro = to_int(eff.get("actor_rollout_ref.actor.ppo_mini_batch_size"))
+    batch = to_int(eff.get("data.train_batch_size"))
+    if batch and batch % cfg.train.cpu.ranks:
+        r.error("cpu_path", f"data.train_batch_size = {batch} is not divisible by "
+                f"train.cpu.ranks = {cfg.train.cpu.ranks}")
+    if micro and micro % cfg.train.cpu.ranks:
+        r.error("cpu_path", f"ppo_mini_batch_size = {micro} is not divisible by "
+                f"train.cpu.ranks = {cfg.train.cpu.ranks}")
 
 
 def _token_budgets(r: _Rules, eff: Mapping[str, Any], s: Shape) -> None:
@@ -979,13 +1025,14 @@ def check_rules(cfg: Config, res: Resolution, eff: Mapping[str, Any],
     environment the training job inherits. ``data_files``: the ``train``, ``val`` and
     ``heldout`` parquet files (the selection rule; not run without them)."""
     r = _Rules()
-    s = Shape.of(cfg.cluster, eff)
+    s = Shape.of(cfg.cluster, eff, cfg.trains)
     _numbers(r, eff)
     _knobs(r, res)
     _verl(r, verl_checks)
     _checkpoint_checks(r, ckpt_check)
     _bridge(r, s.gpu, bridge, bridge_path)
     _allocation(r, cfg.cluster, eff, s, weights, weights_from)
+    _cpu_path(r, cfg, res, eff)
     _token_budgets(r, eff, s)
     _reward_lengths(r, eff, s)
     _micro_batch(r, eff, s)
@@ -998,13 +1045,13 @@ def check_rules(cfg: Config, res: Resolution, eff: Mapping[str, Any],
     _run_identity(r, Path(res.checkpoint_dir), identity, eff)
     if ((identity or {}).get("decision") or {}).get("action") not in ("fresh", "refuse"):
         _eval_steps_kept(r, cfg, Path(res.checkpoint_dir),
-                         cfg.eval_keep_steps if s.gpu else [], identity)
+                         cfg.eval_keep_steps if s.trains else [], identity)
     beyond = [x for x in cfg.eval_keep_steps if x > cfg.train.total_training_steps]
-    if s.gpu and beyond:
+    if s.trains and beyond:
         r.error("eval_steps_kept", f"eval.steps {beyond}: beyond train.total_training_steps "
                 f"= {cfg.train.total_training_steps}, no such checkpoint will exist")
-    _eval_steps_saved(r, cfg, eff, s.gpu)
-    _hf_weights(r, cfg, eff, res.composed, s.gpu)
+    _eval_steps_saved(r, cfg, eff, s.trains)
+    _hf_weights(r, cfg, eff, res.composed, s.trains)
     _selection(r, cfg, data_files)
     _ref_kl_zero(r, eff)
     _val_on_resume(r, eff, facts, s)

@@ -115,7 +115,7 @@ def training_notice(found: Found) -> TrainingNotice | None:
     if found.training_ran:
         return None
     why = "Training did not run: " + found.stage("train").detail + "."
-    if not found.cfg.cluster.gpu:
+    if not found.cfg.trains:
         how = ("To train, give the workflow GPU nodes: in a config file of your own set "
                "cluster.gpu: true and describe the nodes (cluster.nodes, gpus_per_node, "
                "gpu_type, ...; config/paper.yaml holds the published run's values, "

@@ -697,7 +697,7 @@ def gather(cfg: Config, layout: Layout) -> Found:
                             f"{len(attempts)} attempt(s), no {rel(layout.train_done)}; "
                             f"last exit reason: {last}", rel(att_dir)))
     else:
-        status, detail = _not_there(rel(layout.train_done), cfg, True)
+        status, detail = _not_there(rel(layout.train_done), cfg, not cfg.trains)
         stages.append(Stage("train", status, detail, rel(layout.train_done)))
 
     # evaluation: the tags eval/summary.json lists, each tag's metrics and samples' meta;
