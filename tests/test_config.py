@@ -119,7 +119,7 @@ def test_typed_config_carries_the_schema_defaults():
 
     cfg = Config.load(REPO / "config/config.yaml")
     assert cfg.train.ray.port_base == 20000 and cfg.eval.bootstrap.resamples == 10000
-    assert cfg.data.val.n is None and cfg.data.train.convert is None
+    assert cfg.data.val.n == 1 and cfg.data.train.convert is None  # VAL_N 1: CPU time
     assert isinstance(cfg.cluster.gpu_memory_gb, float)
     assert cfg.hash == cfgmod.config_hash(cfg.raw)
     import dataclasses

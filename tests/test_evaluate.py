@@ -588,7 +588,7 @@ def test_the_seconds_long_evaluation_steps_run_on_the_submit_host(tmp_path):
     from snakemake_interface_executor_plugins.registry import ExecutorPluginRegistry
 
     gpu = tmp_path / "gpu.yaml"
-    gpu.write_text(yaml.safe_dump({"cluster": {"gpu": True}}))
+    gpu.write_text(yaml.safe_dump({"cluster": {"gpu": True}, "train": {"cpu": {"enable": False}}}))
     with SnakemakeApi(OutputSettings(quiet={Quietness.ALL})) as api:
         wf = api.workflow(
             resource_settings=ResourceSettings(cores=1), storage_settings=StorageSettings(),

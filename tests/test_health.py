@@ -204,9 +204,9 @@ def test_a_resume_drops_the_steps_after_it_and_rebuilds_the_state():
 
 
 def test_a_repeated_step_returns_only_new_events_and_validation_lines_merge():
-    h = health(nonfinite={"action": "stop"},
-               validation={"action": "warn", "k": 1, "responses": 100})
     key = "val-core/math_dapo/acc/mean@32"
+    h = health(nonfinite={"action": "stop"},
+               validation={"action": "warn", "k": 1, "responses": 100, "metric": key})
     w = Watcher(h)
     w.feed({"step": 1, "data": {key: 0.9}})
     first = w.feed({"step": 2, "data": {"actor/grad_norm": "nan"}})

@@ -22,6 +22,7 @@ from fixtures.verl import write_lock
 from hy3rl import cli
 from hy3rl import config as cfgmod
 from hy3rl import preflight as pf
+from hy3rl.config import ConfigError
 from hy3rl.layout import Layout
 from hy3rl.preflight import rules
 from hy3rl.settings import Config
@@ -563,24 +564,92 @@ def test_knob_errors(verl, tmp_path):
     assert any("train.env.NNODES: set cluster.nodes instead" in m for m in msgs)
 
 
-def test_default_config_plan_is_made_but_not_launched(verl, tmp_path):
+def test_default_config_plans_the_cpu_path(verl, tmp_path):
+    """The embedded default trains on the CPU path: the pinned script's launch moved to verl's
+    FSDP engine (every Megatron override dropped, named, with why), the CPU overrides added
+    with their reasons, the environment of verl's processes recorded; the allocation rules
+    stay `not run` (no GPU) and rule cpu_path passes."""
     cfg = default_cfg(tmp_path)
     plan = plan_for(cfg, verl, tmp_path, bridge_check=None)
     assert plan.ok, plan.errors
-    assert not plan.launched and plan.not_launched_reason == (
-        "not launched: no GPU (cluster.gpu is false)")
+    assert plan.launched and plan.not_launched_reason is None
     assert rule(plan, "actor_layout").status == "not run"
     assert rule(plan, "bridge").messages == ["not run: no GPU allocation (cluster.gpu is false)"]
-    # the tiny plan passes the DAPO assert, ours and verl's: buffer 128 of 256 response tokens
-    assert plan.effective["reward.reward_kwargs"]["overlong_buffer_cfg"]["len"] == 128
-    assert plan.effective["reward.reward_kwargs"]["max_resp_len"] == 256
+    assert rule(plan, "cpu_path").status == "pass", rule(plan, "cpu_path")
+    eff = plan.effective
+    cpu = plan.cpu_path
+    assert cpu["engine"] == "dp" and cpu["ranks"] == 1 and cpu["ray_cpus"] == 16
+    assert cpu["env"]["VERL_USE_EXTERNAL_MODULES"] == "hy3rl.verl_cpu"
+    assert cpu["env"]["VERL_PLATFORM"] == "cpu"
+    dropped = {d["override"].lstrip("+").split("=")[0]: d["why"] for d in cpu["dropped"]}
+    assert dropped["actor_rollout_ref.actor.megatron.pipeline_model_parallel_size"] == \
+        "Megatron engine only"
+    assert not any("megatron" in o.text for o in plan.overrides)
+    resolved = plan.resolved
+    assert resolved["model_engine"]["value"] == "dp"
+    assert resolved["model_engine"]["origin"] == "train.cpu (was model_engine=megatron)"
+    assert resolved["actor_rollout_ref.rollout.name"]["source"] == "cpu path"
+    assert "replica.py" in resolved["actor_rollout_ref.rollout.name"]["origin"]
+    assert resolved["trainer.n_gpus_per_node"]["value"] == "1"
+    # the tiny plan passes the DAPO assert, ours and verl's: buffer 32 of 64 response tokens
+    assert eff["reward.reward_kwargs"]["overlong_buffer_cfg"]["len"] == 32
+    assert eff["reward.reward_kwargs"]["max_resp_len"] == 64
     for name in ("overlong_buffer", "reward_max_resp_len", "overlong_buffer_window", "verl",
-                 "health_metrics"):
+                 "health_metrics", "hf_weights", "eval_steps_saved"):
         assert rule(plan, name).status == "pass", rule(plan, name)
     assert {c["name"]: c["status"] for c in plan.verl_checks["checks"]}["reward_manager"] == "pass"
-    assert plan.effective["data.train_batch_size"] == 4
-    assert plan.effective["trainer.default_local_dir"] == str(
-        tmp_path / "results/tiny-default/checkpoints")
+    assert eff["data.train_batch_size"] == 4
+    assert eff["trainer.default_local_dir"] == str(tmp_path / "results/tiny-default/checkpoints")
+    # the launch names the CPU path's values, in the order verl reads them (later wins)
+    text = (tmp_path / "out/launch.sh").read_text()
+    assert "    actor_rollout_ref.rollout.name=hf \\\n" in text
+    assert "    model_engine=dp \\\n" in text and ".megatron." not in text
+
+
+def test_without_the_cpu_path_the_default_plans_no_launch(verl, tmp_path):
+    cfg = default_cfg(tmp_path)
+    cfg["train"]["cpu"]["enable"] = False
+    plan = plan_for(cfg, verl, tmp_path, bridge_check=None)
+    assert plan.ok, plan.errors
+    assert not plan.launched and plan.not_launched_reason == (
+        "not launched: no GPU (cluster.gpu is false) and not the CPU path "
+        "(train.cpu.enable is false)")
+    assert plan.cpu_path is None
+    assert rule(plan, "cpu_path").status == "not run"
+    assert any(o.text == "model_engine=megatron" for o in plan.overrides)
+
+
+@pytest.mark.parametrize("override, message", [
+    ({"actor_rollout_ref.rollout.name": "vllm"},
+     "actor_rollout_ref.rollout.name = 'vllm' but the CPU path needs 'hf'"),
+    ({"trainer.device": "cuda"}, "trainer.device = 'cuda' but the CPU path needs 'cpu'"),
+    ({"actor_rollout_ref.actor.strategy": "fsdp"},
+     "actor_rollout_ref.actor.strategy = 'fsdp' but the CPU path needs 'fsdp2'"),
+])
+def test_the_cpu_path_refuses_an_override_that_moves_its_values(verl, tmp_path, override,
+                                                                  message):
+    cfg = default_cfg(tmp_path)
+    cfg["train"]["verl_overrides"].update(override)
+    plan = plan_for(cfg, verl, tmp_path, bridge_check=None)
+    res = rule(plan, "cpu_path")
+    assert res.status == "error" and not plan.ok, res
+    assert any(m.startswith(message) for m in res.messages), res.messages
+
+
+def test_the_cpu_path_refuses_ranks_that_do_not_divide_the_batch(verl, tmp_path):
+    cfg = default_cfg(tmp_path)
+    cfg["train"]["cpu"]["ranks"] = 3
+    plan = plan_for(cfg, verl, tmp_path, bridge_check=None)
+    res = rule(plan, "cpu_path")
+    assert res.status == "error", res
+    assert "data.train_batch_size = 4 is not divisible by train.cpu.ranks = 3" in res.messages
+
+
+def test_the_cpu_path_beside_gpus_is_refused_before_anything_runs(tmp_path):
+    cfg = default_cfg(tmp_path)
+    cfg["cluster"]["gpu"] = True
+    with pytest.raises(ConfigError, match=r"train.cpu.enable: .* refused with cluster.gpu"):
+        Config.from_dict(cfg)
 
 
 def test_health_rule_naming_a_metric_verl_does_not_log_is_refused(verl, tmp_path):
@@ -1061,13 +1130,13 @@ def test_post_init_error_reaches_plan_json_with_verl_message_and_line(verl, tmp_
 
 
 def test_dapo_assert_of_the_old_default_caught_by_our_rule_and_verls(verl, tmp_path):
-    """The embedded default before the fix (MAX_RESPONSE_LENGTH 256, the script's buffer of
-    4096): our rule and verl's own assert both stop it, before any allocation."""
+    """The embedded default with the script's buffer of 4096 (MAX_RESPONSE_LENGTH 64): our
+    rule and verl's own assert both stop it, before any allocation."""
     cfg = _set(default_cfg(tmp_path), over={BUFFER_LEN: 4096})
     plan = plan_for(cfg, verl, tmp_path, bridge_check=None)
     assert rule(plan, "overlong_buffer").messages[0].startswith(
         "reward.reward_kwargs.overlong_buffer_cfg.len = 4096 > reward.reward_kwargs.max_resp_len "
-        "= 256: ")
+        "= 64: ")
     line = line_of(verl.path / DAPO, "assert self.max_resp_len >=")
     assert rule(plan, "verl").messages == [
         f"reward_manager: verl raised AssertionError: max_resp_len must be larger than "

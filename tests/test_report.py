@@ -444,6 +444,7 @@ def test_the_console_script_writes_every_file(tmp_path: Path, report_run_factory
     site.write_text(json.dumps({"run": {"name": results.name,
                                         "results_root": str(results.parent)},
                                 "cluster": {"gpu": True, "nodes": 2, "gpus_per_node": 8},
+                                "train": {"cpu": {"enable": False}},
                                 "report": {"dpi": 50}}))
     proc = subprocess.run(
         [sys.executable, "-m", "hy3rl.cli", "report", "--configfile",
@@ -472,6 +473,7 @@ def test_a_report_of_a_run_still_going(tmp_path: Path, report_run_factory):
     site.write_text(json.dumps({"run": {"name": results.name,
                                         "results_root": str(results.parent)},
                                 "cluster": {"gpu": True, "nodes": 2, "gpus_per_node": 8},
+                                "train": {"cpu": {"enable": False}},
                                 "report": {"dpi": 50}}))
     out = tmp_path / "now"
     proc = subprocess.run(
@@ -679,12 +681,12 @@ def test_rule_params_hold_no_config_and_the_job_redacts_it(report_run_factory):
 
 
 def test_embedded_default_without_training_renders_and_says_why(tmp_path: Path):
-    """No training (cluster.gpu false): ONE explanation, why and how to run training,
-    instead of figures of empty panels; every declared PNG still exists, the three training
-    figures as one small figure saying the same."""
+    """No training (cluster.gpu false, the CPU path off): ONE explanation, why and how to run
+    training, instead of figures of empty panels; every declared PNG still exists, the three
+    training figures as one small figure saying the same."""
     results = tmp_path / "results" / "tiny-default"
     results.mkdir(parents=True)
-    cfg = _config(gpu=False)
+    cfg = _config(gpu=False, train={"cpu": {"enable": False}})
     out = _run(results, cfg)
     assert out == results / "report"
     assert sorted(p.name for p in out.iterdir()) == OUTPUTS
@@ -796,7 +798,8 @@ def test_snakemake_report_rule_and_snakemake_report(gpu: bool, tmp_path: Path):
     if gpu:
         over["cluster"] = {"gpu": True, "nodes": 2, "gpus_per_node": 8}
         # a secret in the config itself (the job reads it from snakemake.config)
-        over["train"] = {"verl_overrides": {"+trainer.wandb_api_key": SECRET_SK}}
+        over["train"] = {"verl_overrides": {"+trainer.wandb_api_key": SECRET_SK},
+                         "cpu": {"enable": False}}
     configfile.write_text(json.dumps(over))
     results = workdir / "results" / "wf"
     inputs = _report_rule_inputs(workdir, configfile)

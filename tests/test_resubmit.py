@@ -385,7 +385,8 @@ def _workdir(tmp: Path, run: str, held: bool = False,
     leaves nothing behind."""
     override = {"run": {"name": run},
                 "cluster": {"gpu": True, "nodes": 1, "gpus_per_node": 1, "cpus_per_node": 1},
-                "train": {"checkpoint_root": str(tmp / "ckpt"), **train},
+                "train": {"checkpoint_root": str(tmp / "ckpt"), "cpu": {"enable": False},
+                          **train},
                 "preflight": {"waive": ["rehearsal"]}}  # the training job alone
     layout = Layout.from_config(make_config(**override))
     work = tmp / "work"

@@ -106,7 +106,10 @@ def test_a_final_at_an_evaluated_step_is_one_candidate():
 def test_candidate_tags_follow_the_evaluated_tags():
     cfg = make_config(cluster={"gpu": True}, eval={"steps": [20, 10], "final": True})
     assert selection.candidate_tags(cfg) == ["step20", "step10", "final"]  # not heldout/
-    assert selection.candidate_tags(make_config(eval={"steps": [10]})) == []  # no training
+    # the embedded default trains on the CPU path; without it there are no checkpoints
+    assert selection.candidate_tags(make_config(eval={"steps": [10]})) == ["step10", "final"]
+    assert selection.candidate_tags(make_config(eval={"steps": [10]},
+                                                train={"cpu": {"enable": False}})) == []
 
 
 # ---- selected.json from real metrics documents ----
@@ -327,4 +330,5 @@ def test_the_candidate_set_is_part_of_the_rule_fixed_in_the_plan() -> None:
     assert selection.describe({**a, "candidates": selection.candidate_set(no_final)}) \
         .endswith("among step20, step40 and step60")
     # without training in the DAG no checkpoint is a candidate
-    assert selection.candidate_set(make_config()) == {"steps": [], "final": False}
+    assert selection.candidate_set(make_config(train={"cpu": {"enable": False}})) == \
+        {"steps": [], "final": False}

@@ -279,7 +279,8 @@ def test_paper_dry_run_shows_the_training_shape(tmp_path):
 def test_gpu_shape_untyped_with_constraint(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text(yaml.safe_dump({"cluster": {"gpu": True, "nodes": 4, "gpus_per_node": 8,
-                                               "gpu_type": "", "constraint": "h20"}}))
+                                               "gpu_type": "", "constraint": "h20"},
+                                   "train": {"cpu": {"enable": False}}}))
     proc = run_snakemake(["-n", "--profile", str(PROFILE), "--profile", str(SITE_PROFILE),
                           "--configfile", str(REPO_ROOT / "config/config.yaml"), str(cfg), "--",
                           "results/tiny-default/cluster/probe.json"], tmp_path)

@@ -356,7 +356,8 @@ def test_snakemake_builds_the_stage_and_plans_its_rehearsal(tmp_path: Path) -> N
     cfg = {"run": {"name": "st"}, **double_sources(tmp_path),
            "cluster": {"gpu": True, "nodes": 1, "gpus_per_node": 1, "cpus_per_node": 1,
                        "gpu_memory_gb": 80},
-           "train": {"checkpoint_root": str(tmp_path / "ckpt"), "total_training_steps": 2},
+           "train": {"checkpoint_root": str(tmp_path / "ckpt"), "total_training_steps": 2,
+                     "cpu": {"enable": False}},
            "eval": {"select": None}, "preflight": {"waive": ["bridge"]},
            "rehearsal": {"shape": "stage"}}
     cfg["data"]["heldout"] = None

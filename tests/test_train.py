@@ -358,7 +358,8 @@ def test_a_refused_change_changes_no_record_and_restoring_it_submits_nothing(
     cfg, layout, paths = _setup(tmp_path)
     before = load(root / "config" / "config.yaml")
     before = deep_merge(before, {"run": {"name": "run"}, "cluster": {"gpu": True},
-                                 "train": {"checkpoint_root": str(tmp_path / "ckpt")}})
+                                 "train": {"checkpoint_root": str(tmp_path / "ckpt"),
+                                           "cpu": {"enable": False}}})
     for step in (2, 4):
         ckpt_writer(layout.checkpoint_dir, step)
     _run(cfg, layout, paths)  # the finished run: nothing to launch, done.json
@@ -419,7 +420,8 @@ def test_a_run_finished_by_older_code_is_adopted_not_trained(tmp_path: Path) -> 
 
     cfg, layout, paths = _setup(tmp_path)
     config = deep_merge(cfg.raw, {"cluster": {"gpu": True},
-                                  "train": {"total_training_steps": 4}})
+                                  "train": {"total_training_steps": 4,
+                                            "cpu": {"enable": False}}})
     done = train.write_done(layout, 4, 4, paths["sentinel"], paths["metrics"])  # finished
     current = train.keys_record(layout, "final", config)
     assert not current.exists()  # the job is in the DAG, as before this change
@@ -571,6 +573,7 @@ def test_segment_steps_chain_in_the_dag(tmp_path: Path) -> None:
     override = tmp_path / "seg.yaml"
     override.write_text(json.dumps({"cluster": {"gpu": True, "nodes": 2, "gpus_per_node": 2},
                                     "train": {"checkpoint_root": str(tmp_path / "ckpt"),
+                                              "cpu": {"enable": False},
                                               "segment_steps": 2,
                                               "total_training_steps": 6}}))
     root = Path(__file__).resolve().parents[1]

@@ -106,6 +106,13 @@ CONFIG_KINDS: dict[str, tuple[str, str]] = {
     "train.runtime": (OPERATIONAL, "container and interpreter (each attempt records its "
                       "runtime identity)"),
     "train.ray": (OPERATIONAL, "Ray's ports and timeouts"),
+    "train.cpu.enable": (TRAJECTORY, "the CPU path: verl's FSDP engine and a transformers "
+                         "rollout instead of Megatron and vLLM (its overrides are counted "
+                         "with the launch's)"),
+    "train.cpu.ranks": (TRAJECTORY, "the FSDP world size on the host (trainer.n_gpus_per_node): "
+                        "how each batch is sharded and reduced"),
+    "train.cpu.ray_cpus": (OPERATIONAL, "Ray's logical CPUs on the host: where actors fit, "
+                           "not what they compute"),
     "train.health": (OPERATIONAL, "the training-health guard's rules (they watch the "
                      "metrics, never change a step)"),
 }

@@ -272,12 +272,16 @@ def select(cfg, key: str, default: Any = None) -> Any:
 
 
 def has_key(cfg, key: str) -> bool:
+    """Whether ``key`` names a node of the composed ``cfg``; a ``???`` (missing) value counts:
+    Hydra refuses to append (``+``) a key that is there."""
     from omegaconf import OmegaConf
 
     try:
-        return OmegaConf.select(cfg, key, default=_MISSING, throw_on_missing=False) is not _MISSING
+        if OmegaConf.select(cfg, key, default=_MISSING, throw_on_missing=False) is not _MISSING:
+            return True
     except Exception:
         return True
+    return _path_exists(cfg, key)
 
 
 def legacy_reward_callers(verl_dir: Path) -> list[str]:
@@ -479,10 +483,10 @@ def _path_exists(cfg, key: str) -> bool:
     """Whether ``key`` names a node of the composed ``cfg`` (a ``???`` value counts)."""
     node = cfg
     for part in key.split("."):
-        try:
-            if part not in node:
+        try:  # `in` is false for a ??? value; keys() lists it
+            if part not in node.keys():
                 return False
-            node = node._get_node(part) if hasattr(node, "_get_node") else node[part]
+            node = node._get_node(part)
         except Exception:
             return False
     return True
