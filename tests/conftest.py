@@ -37,7 +37,7 @@ pytest_plugins = sorted(
 # scheduler runs in the controller, which sees node ids only: the cluster tests are named
 # here by file or by test, and every worker's collection checks that each test marked slurm
 # or ray (or using the cluster fixture) is in its scope.
-CLUSTER_MARKS = ("slurm", "ray")
+CLUSTER_MARKS = ("slurm", "ray", "real")
 SLURM_FILES = {"tests/test_train_slurm.py"}
 SLURM_TESTS = {
     "tests/test_slurm.py::test_a_cluster_that_cannot_start_is_retried_once_then_fails_with_its_log_tail",
@@ -55,6 +55,9 @@ SLURM_B_TESTS = {
     "tests/test_train_slurm.py::test_wandb_one_run_across_attempts",
 }
 RAY_FILES = {"tests/test_rerun_identity.py", "tests/test_train_ray.py"}
+# "real": the pinned verl's own trainer on this CPU (the CPU path), Ray ports of its own
+# (tests/test_real_verl.py REAL_RAY_PORTS); one pipeline run shared by its tests.
+REAL_FILES = {"tests/test_real_verl.py"}
 RAY_TESTS = {"tests/test_nodelogs.py::test_real_ray_stack_processes_and_logs"}
 SLURM_SCOPES = ("slurm", "slurm-b")
 
@@ -69,6 +72,8 @@ def cluster_scope(nodeid: str) -> str | None:
         return "slurm"
     if path in RAY_FILES or test in RAY_TESTS:
         return "ray"
+    if path in REAL_FILES:
+        return "real"
     return None
 
 

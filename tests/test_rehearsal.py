@@ -458,19 +458,21 @@ def test_empty_evaluation_samples_fail_the_generated_check() -> None:
 
 def test_responses_that_never_reached_the_limit_fail_the_full_length_check() -> None:
     """The memory peaks of a rehearsal whose responses all ended early are not the run's
-    full-length peak: no step with a response cut at the limit fails, naming the figures."""
+    full-length peak: no step with a response at the limit fails, naming the figures. As
+    verl's v1 trainer logs it, clip_ratio is the share of the batch's longest responses,
+    never 0: a clip_ratio above 0 with the longest response short of the limit fails."""
     plan = {"ok": True, "rehearsal": {"reductions": []},
             "effective": {"data.max_response_length": 8192}}
     good = {c.name: c for c in rh.check_records(_records(plan=plan))}["full_length"]
     assert (good.status, good.detail) == ("pass", (
         "responses at max_response_length 8192 in step(s) [1, 2, 3] (response_length/"
         "clip_ratio: step 1 0.05 (max 8192), step 2 0.05 (max 8192), step 3 0.05 (max 8192))"))
-    short = {"response_length/clip_ratio": 0.0, "response_length/max": 3000.0}
+    short = {"response_length/clip_ratio": 0.0625, "response_length/max": 3000.0}
     merged = [_line(m["step"], **short) if m["step"] else m for m in _records().merged]
     assert _failed(_records(plan=plan, merged=merged)) == {"full_length": (
         "no step's responses reached max_response_length 8192 (response_length/clip_ratio: "
-        "step 1 0 (max 3000), step 2 0 (max 3000), step 3 0 (max 3000)): the memory peaks "
-        "were measured below the run's full-length step")}
+        "step 1 0.0625 (max 3000), step 2 0.0625 (max 3000), step 3 0.0625 (max 3000)): the "
+        "memory peaks were measured below the run's full-length step")}
     # one full step is enough (the peak is the largest step's); a missing figure fails
     one = [_line(m["step"], **(short if m["step"] != 2 else {})) if m["step"] else m
            for m in _records().merged]
@@ -629,7 +631,7 @@ def test_the_doubles_short_responses_fail_full_length_as_read_back(tmp_path, mon
         plan=plan, merged=rh.read_metrics(path)))}["full_length"]
     assert check.status == "fail" and check.detail.startswith(
         "no step's responses reached max_response_length 8192 (response_length/clip_ratio: "
-        "step 1 0 (max 3000)")
+        "step 1 0.0625 (max 3000)")
 
 
 def test_without_the_gpus_memory_the_headroom_check_is_not_run_naming_the_key() -> None:

@@ -84,6 +84,10 @@ def test_nan_grad_norm_stops_at_once_and_is_not_resubmitted(guarded) -> None:
     stop = rec["health_stop"]
     assert (stop["rule"], stop["step"], stop["metric"]) == ("nonfinite", 3, "actor/grad_norm")
     assert stop["values"] == [[3, "nan"]] and stop["stopped_after_save"] is None
+    # as verl's file logger writes it (orjson): null, read as a non-finite value
+    raw = Path(setup.layout().attempt_metrics(1)).read_bytes()
+    assert b'"actor/grad_norm":null' in raw and b"NaN" not in raw
+    assert "logged as null" in rec["health"][0]["message"]
     assert stop["last_healthy_step"] == 2
     assert stop["last_healthy_checkpoint"] == str(setup.ckpt / "global_step_2")
     assert [e["rule"] for e in rec["health"]] == ["nonfinite"]

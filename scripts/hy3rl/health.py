@@ -57,7 +57,8 @@ from hy3rl.settings import (
     HealthRewardFloor,
     HealthValidation,
 )
-from hy3rl.verl_log import validation_only
+from hy3rl.verl_log import NONFINITE, validation_only
+from hy3rl.verl_log import metric_value as logged_value
 
 
 def metric_value(raw: Any) -> float | None:
@@ -139,9 +140,12 @@ class _Nonfinite(_Rule):
     def feed(self, step: int, data: Mapping[str, Any]) -> list[Event]:
         out = []
         for key in self.section.metrics:
-            v = metric_value(data.get(key))
+            raw = logged_value(data, key)
+            v = metric_value(raw)
             if v is not None and not math.isfinite(v):
-                out.append(self._event(step, key, [(step, v)], None, "is not finite"))
+                what = ("is not finite (logged as null: verl's file logger writes NaN and "
+                        "±inf as null)" if raw is NONFINITE else "is not finite")
+                out.append(self._event(step, key, [(step, v)], None, what))
         return out
 
 

@@ -890,8 +890,10 @@ def _check_generated(rec: Records, by_step: Mapping[int, Mapping[str, Any]]) -> 
 
 def _check_full_length(rec: Records, by_step: Mapping[int, Mapping[str, Any]]) -> Check:
     """The memory peaks were met at full length: some training step's responses reached the
-    plan's ``data.max_response_length`` (verl's ``response_length/clip_ratio`` > 0: the share
-    of responses cut at the limit; ``response_length/max`` beside it). A model that ended
+    plan's ``data.max_response_length`` (verl's ``response_length/max``; its
+    ``response_length/clip_ratio``, shown beside it, is measured by the v1 trainer against
+    the batch's longest response, not the limit, so it is never 0 and says nothing of the
+    limit: verl/trainer/ppo/v1/trainer_base.py at the pin). A model that ended
     every response early measured smaller activations than the run's longest step; with
     ``shape: stage`` the random weights of the real 120,832-token vocabulary end a response
     by EOS with odds ~1/120,832 a token, so nearly every response runs to the limit."""
@@ -907,7 +909,7 @@ def _check_full_length(rec: Records, by_step: Mapping[int, Mapping[str, Any]]) -
                             f"({by_step[s].get(CLIP_KEY)!r})")
             continue
         shown.append(f"step {s} {clip:g} (max {top if top is None else f'{top:g}'})")
-        if clip > 0 or (limit is not None and top is not None and top >= limit):
+        if limit is not None and top is not None and top >= limit:
             full.append(s)
     if not by_step:
         problems.append("no training step logged")

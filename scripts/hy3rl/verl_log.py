@@ -17,6 +17,20 @@ from hy3rl.layout import ATTEMPT_METRICS_RE
 log = logging.getLogger(__name__)
 
 
+# verl's FileLogger (verl/utils/tracking.py at the pin) writes with orjson, which writes NaN,
+# inf and -inf as ``null``: a metric logged as null was logged, and was not a finite number.
+NONFINITE: float = float("nan")
+
+
+def metric_value(data: dict[str, Any], key: str) -> Any:
+    """``data[key]`` as verl logged it: None when the key is absent, :data:`NONFINITE`
+    when it was logged as ``null`` (NaN or ±inf, written by orjson), else the value."""
+    if key not in data:
+        return None
+    value = data[key]
+    return NONFINITE if value is None else value
+
+
 def finite_number(value: Any) -> float | None:
     """A metric value (a verl log line's, an evaluation metric's) as a float when it is a
     finite number (not a bool, NaN or inf), else None."""

@@ -1,0 +1,142 @@
+"""The CPU path's pieces (hy3rl.verl_cpu) without running verl: each workaround held to the
+pinned verl (its line still there: still needed), the script's move to the FSDP engine, the
+process-group fix, and the hf rollout's generation (stops at EOS, log-probabilities of what
+it sampled). The real trainer runs in tests/test_real_verl.py."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from fixtures.deps import VERL_PIN, mirror
+from hy3rl.preflight.resolve import split_override
+from hy3rl.verl_cpu import ENV, plan
+from hy3rl.verl_cpu.rollout import HFServer
+from hy3rl.verl_cpu.workarounds import WORKAROUNDS, _dedup_backend
+
+
+def _pinned(path: str) -> str:
+    repo = mirror("verl")
+    if repo is None:
+        pytest.skip("no verl mirror (HY3RL_VERL_MIRROR) holding the pin")
+    proc = subprocess.run(["git", "-C", str(repo), "show", f"{VERL_PIN}:{path}"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, f"{path} is not in verl@{VERL_PIN[:7]}: {proc.stderr}"
+    return proc.stdout
+
+
+@pytest.mark.parametrize("w", WORKAROUNDS, ids=lambda w: w.name)
+def test_each_workaround_is_still_needed_at_the_pin(w):
+    """The line a workaround works around is in the pinned verl: a pin that moved past it
+    fails here, naming the workaround to re-examine."""
+    text = _pinned(w.verl_file)
+    assert w.verl_text in text, (
+        f"workaround {w.name}: verl@{VERL_PIN[:7]} {w.verl_file} no longer has "
+        f"{w.verl_text!r}; check whether {w.remedy!r} is still needed")
+
+
+def test_the_environment_names_the_plugin_hook_verl_reads():
+    init = _pinned("verl/__init__.py")
+    assert 'os.getenv("VERL_USE_EXTERNAL_MODULES", "")' in init
+    assert ENV["VERL_USE_EXTERNAL_MODULES"] == "hy3rl.verl_cpu"
+    manager = _pinned("verl/plugin/platform/platform_manager.py")
+    assert 'os.environ.get("VERL_PLATFORM", "")' in manager
+    engine = _pinned("verl/workers/engine/base.py")
+    assert 'os.getenv("VERL_ENGINE_DEVICE")' in engine and 'os.getenv("VERL_ENGINE_VENDOR")' \
+        in engine
+
+
+def test_the_dp_engine_group_exists_at_the_pin():
+    assert "model_engine: dp" in _pinned("verl/trainer/config/model_engine/dp.yaml")
+
+
+@pytest.mark.parametrize("given, wanted", [
+    ("cpu:gloo,cpu:gloo", "cpu:gloo"),
+    ("cpu:gloo,cuda:nccl", "cpu:gloo,cuda:nccl"),
+    ("gloo", "gloo"),
+    (None, None),
+])
+def test_the_process_group_backend_names_each_device_once(given, wanted):
+    assert _dedup_backend(given) == wanted
+
+
+def test_the_script_moves_to_the_fsdp_engine_dropping_megatron_keys_with_why():
+    items = [SimpleNamespace(text=t) for t in (
+        "model_engine=megatron",
+        "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=16",
+        "+actor_rollout_ref.actor.megatron.override_transformer_config.moe_grouped_gemm=True",
+        "actor_rollout_ref.actor.optim.min_lr=1e-6",
+        "actor_rollout_ref.actor.optim.lr=1e-6",
+        "+reward_model.reward_kwargs.max_resp_len=8192",
+    )]
+    keys = {"actor_rollout_ref.actor.optim.lr"}
+    kept, dropped = plan.move_to_fsdp(items, lambda k: k in keys, split_override)
+    assert [(i.text, new) for i, new in kept] == [
+        ("model_engine=megatron", "model_engine=dp"),
+        ("actor_rollout_ref.actor.optim.lr=1e-6", None),
+        ("+reward_model.reward_kwargs.max_resp_len=8192", None)]
+    assert [(i.text.split("=")[0], why) for i, why in dropped] == [
+        ("actor_rollout_ref.actor.megatron.pipeline_model_parallel_size",
+         "Megatron engine only"),
+        ("+actor_rollout_ref.actor.megatron.override_transformer_config.moe_grouped_gemm",
+         "Megatron engine only"),
+        ("actor_rollout_ref.actor.optim.min_lr", "not a key of the dp engine's config")]
+
+
+def test_every_cpu_override_says_why():
+    for o in plan.overrides(2):
+        assert o.why and o.value, o
+    assert {o.key: o.value for o in plan.overrides(2)}["trainer.n_gpus_per_node"] == "2"
+
+
+# ---- the hf rollout's generation (no Ray, no verl: the server's core) ---------------------
+
+
+def _server(model_dir: Path, response_length: int) -> HFServer:
+    from transformers import AutoModelForCausalLM
+
+    server = object.__new__(HFServer)
+    server.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    server.model.eval()
+    server.config = SimpleNamespace(response_length=response_length, prompt_length=16,
+                                    max_model_len=None)
+    server.eos_ids = [int(server.model.config.eos_token_id)]
+    server.pad_id = server.eos_ids[0]
+    return server
+
+
+def test_the_hf_rollout_stops_at_eos_and_returns_the_sampled_tokens_log_probs(tiny_hy3_dir):
+    """With the model's EOS made likely the responses end before the limit, at EOS; each
+    token has the log-probability the sampling gave it (temperature applied)."""
+    server = _server(tiny_hy3_dir, response_length=48)
+    eos = server.eos_ids[0]
+
+    def likelier_eos(_module, _inputs, logits):  # p(EOS) ~ 1/10 a token
+        logits[..., eos] += 4.0
+        return logits
+
+    server.model.lm_head.register_forward_hook(likelier_eos)
+    torch.manual_seed(0)
+    lengths = []
+    for _ in range(6):
+        out = server._generate([5, 6, 7, 8], {"temperature": 1.0, "top_p": 1.0,
+                                               "logprobs": True})
+        ids, logprobs = out["token_ids"], out["log_probs"]
+        assert len(ids) == len(logprobs) and 1 <= len(ids) <= 48
+        assert all(lp <= 0 for lp in logprobs)
+        if len(ids) < 48:
+            assert ids[-1] == eos and eos not in ids[:-1]
+        lengths.append(len(ids))
+    assert min(lengths) < 48, lengths  # stopped at EOS, not at the limit
+
+
+def test_the_hf_rollout_honours_max_tokens_and_the_context(tiny_hy3_dir):
+    server = _server(tiny_hy3_dir, response_length=64)
+    out = server._generate([5, 6, 7], {"temperature": 0, "max_tokens": 3})
+    assert 1 <= len(out["token_ids"]) <= 3
+    server.config.max_model_len = 8
+    out = server._generate([5, 6, 7, 8, 9, 10], {"temperature": 0})
+    assert 1 <= len(out["token_ids"]) <= 2  # 8 - 6 positions left
