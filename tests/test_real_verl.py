@@ -191,8 +191,8 @@ def test_clip_ratio_is_measured_against_the_longest_response_of_the_batch(real_r
 def test_the_file_logger_writes_nan_as_null(real_run: Real):
     """verl's FileLogger (orjson): NaN and inf become null, which every reader must take for
     a non-finite value, never an absent one (hy3rl.verl_log.NONFINITE)."""
-    from hy3rl.verl_log import NONFINITE, metric_value
     from fixtures.verl_records import write_like_verl
+    from hy3rl.verl_log import NONFINITE, metric_value
 
     out = real_run.root / "nan.jsonl"
     write_like_verl(real_run.work / "deps/verl", out,
