@@ -201,6 +201,15 @@ def test_the_file_logger_writes_nan_as_null(real_run: Real):
     assert rec["data"]["actor/grad_norm"] is None and rec["data"]["actor/pg_loss"] is None
     assert metric_value(rec["data"], "actor/grad_norm") is NONFINITE
     assert metric_value(rec["data"], "absent") is None
+    # the health guard's nonfinite rule (stop) fires on it, by name, for both metrics
+    from hy3rl.health import Watcher
+    from hy3rl.settings import Config
+
+    health = Config.load(REPO_ROOT / "config/config.yaml").train.health
+    events = Watcher(health).feed(rec)
+    assert [(e.rule, e.action, e.metric) for e in events] == [
+        ("nonfinite", "stop", "actor/pg_loss"), ("nonfinite", "stop", "actor/grad_norm")]
+    assert "logged as null" in events[0].message
 
 
 # ---- a rerun that extends the run resumes from verl's checkpoint ----------------------------
