@@ -413,7 +413,9 @@ def test_snakemake_evaluate_on_embedded_default(tmp_path, tiny_hy3_copy):
     (res / "deps").mkdir(parents=True)
     (res / "deps" / "lock.json").write_text(json.dumps(lock))
     override = tmp_path / "local.yaml"
-    override.write_text(yaml.safe_dump({"run": {"name": "t"}, "model": {"source": str(model)}}))
+    # base alone: the embedded default's training (the CPU path) is tests/test_real_verl.py's
+    override.write_text(yaml.safe_dump({"run": {"name": "t"}, "model": {"source": str(model)},
+                                        "train": {"cpu": {"enable": False}}}))
     run_snakemake(["--configfile", str(REPO_ROOT / "config/config.yaml"), str(override),
                    "--cores", "2", "--", "evaluate"], work)
     ev = res / "eval"
@@ -464,9 +466,13 @@ def test_snakemake_evaluate_on_embedded_default(tmp_path, tiny_hy3_copy):
 def test_tags_and_their_models(tmp_path):
     from hy3rl.settings import Config
 
-    # no training in the embedded default; every tag on the held-out set too
-    assert evaluate.eval_tags(make_config()) == ["base", "heldout/base"]
-    assert evaluate.eval_tags(make_config(data={"heldout": None})) == ["base"]
+    # the embedded default trains on the CPU path: base, step 1 and final, each on the
+    # held-out set too; without training, base alone
+    tags = ["base", "step1", "final"]
+    assert evaluate.eval_tags(make_config()) == tags + [f"heldout/{t}" for t in tags]
+    off = {"cpu": {"enable": False}}
+    assert evaluate.eval_tags(make_config(train=off)) == ["base", "heldout/base"]
+    assert evaluate.eval_tags(make_config(data={"heldout": None}, train=off)) == ["base"]
     paper = Config.load(REPO_ROOT / "config/config.yaml", REPO_ROOT / "config/paper.yaml")
     tags = ["base", "step20", "step100", "step180", "final"]
     assert evaluate.eval_tags(paper) == tags + [f"heldout/{t}" for t in tags]

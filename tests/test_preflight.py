@@ -719,10 +719,20 @@ def test_wandb_rule(verl, tmp_path, monkeypatch, wandb_login, case):
 
 
 @pytest.mark.slow  # quick loop: left out (a workflow run or a heavy subprocess)
-def test_wandb_rule_not_run_without_gpu_and_waivable(verl, tmp_path, wandb_login):
+def test_wandb_rule_not_run_without_training_and_waivable(verl, tmp_path, wandb_login):
     wandb_login.unlink()  # no key anywhere
-    plan = plan_for(default_cfg(tmp_path), verl, tmp_path, bridge_check=None)
+    cfg = default_cfg(tmp_path)
+    cfg["train"]["cpu"]["enable"] = False  # no training at all
+    cfg["train"]["loggers"] = []  # the script's console + wandb
+    plan = plan_for(cfg, verl, tmp_path, bridge_check=None)
     assert rule(plan, "wandb").messages == ["not run: no GPU allocation (cluster.gpu is false)"]
+    # the CPU path trains: W&B would fail there just the same; the default logs to console
+    cfg["train"]["cpu"]["enable"] = True
+    plan = plan_for(cfg, verl, tmp_path, name="cpu", bridge_check=None)
+    assert rule(plan, "wandb").status == "error"
+    plan = plan_for(default_cfg(tmp_path), verl, tmp_path, name="default", bridge_check=None)
+    assert rule(plan, "wandb").status == "pass" and plan.resolved["trainer.logger"]["value"] \
+        == "[console,file]"
     cfg = paper_cfg(tmp_path)
     cfg["train"]["loggers"] = ["console"]  # no wandb: nothing to start
     assert rule(plan_for(cfg, verl, tmp_path, name="console"), "wandb").status == "pass"
@@ -1283,7 +1293,8 @@ def test_preflight_errors_stop_the_workflow_on_the_slurm_cluster(
     site = tmp_path / "site.yaml"
     train = {"checkpoint_root": str(tmp_path / "ckpt"),
              "env": {"ROLLOUT_MAX_MODEL_LEN": 100, "SAVE_FREQ": 50, "ACTOR_PP": 3}}
-    no_heldout = {"data": {"heldout": None}, "eval": {"select": None}}  # no file written here
+    # no held-out file written here; no checkpoint evaluated (the SAVE_FREQ error is alone)
+    no_heldout = {"data": {"heldout": None}, "eval": {"select": None, "steps": []}}
     site.write_text(json.dumps({"train": train, "model": {"source": str(model)}, **no_heldout}))
     args = ["results/tiny-default/preflight/plan.json", *slurm_profile_args, str(site),
             "--allowed-rules", "preflight"]

@@ -720,7 +720,7 @@ def test_embedded_default_without_training_renders_and_says_why(tmp_path: Path):
 def test_cpu_stages_and_base_eval_only(report_run_factory):
     """The embedded default after its CPU stages: no training, base evaluation only."""
     results = report_run_factory(RunSpec(eval_tags=("base",)), training=False)
-    files = _build(results, _config(gpu=False))
+    files = _build(results, _config(gpu=False, train={"cpu": {"enable": False}}))
     stages = {r["stage"]: r["status"] for r in _csv(files["stages.csv"])}
     assert stages == {"deps": "done", "data": "done", "model": "done",
                       "check_checkpoint": "pass (some not run)",

@@ -58,7 +58,7 @@ def _base(tmp: Path) -> dict:
         "cluster": {"gpu": True, "nodes": 1, "gpus_per_node": 1, "cpus_per_node": 1},
         "train": {
             "checkpoint_root": str(tmp / "ckpt"), "total_training_steps": 2,
-            "cpu": {"enable": False},
+            "cpu": {"enable": False}, "loggers": [],  # the script's loggers: W&B too
             "checkpoint_keep": 2, "prune_interval_s": 1, "restarts_per_job": 0,
             "max_submissions": 1, "watchdog": dict(TEST_WATCHDOG),
             "ray": {"register_timeout_s": 120, "head_timeout_s": 120, **LOCAL_RAY_PORTS},

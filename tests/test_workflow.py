@@ -1,9 +1,10 @@
 """The workflow as users run it, through the real Snakemake CLI.
 
-- The README's first command on the embedded default, offline: config overrides point the
-  pinned repositories at local git repos and the datasets at local parquet files; the whole
-  default DAG (deps, data, tiny model, checkpoint checks, preflight, evaluation, report)
-  runs for real on this CPU-only machine.
+- The README's first command on the embedded default, offline, with our stand-in
+  repositories (tests/fixtures/deps.py) and the CPU path off: every stage but training
+  (deps, data, tiny model, checkpoint checks, preflight, evaluation, report) runs for real
+  on this CPU-only machine, also where no mirror of the pinned verl is at hand. With the
+  pinned verl the whole default, training included, runs in tests/test_real_verl.py.
 - The paper configuration with the SLURM profile, dry run: every stage is in the DAG and
   the training job asks for 16 nodes x 8 H20.
 """
@@ -30,6 +31,7 @@ def _offline_override(tmp: Path) -> Path:
     override = {
         "deps": ups.section(tmp / "work" / "deps"),
         "data": {"train": {"source": str(train)}, "val": {"source": str(val)}},
+        "train": {"cpu": {"enable": False}},  # the stand-in verl cannot train
     }
     path = tmp / "offline.yaml"
     path.write_text(yaml.safe_dump(override))

@@ -958,7 +958,8 @@ def netrc_path(environ: Mapping[str, str]) -> Path:
 
 def _wandb(r: _Rules, loggers: list[str], gpu: bool, environ: Mapping[str, str]) -> None:
     """wandb: verl's Tracking calls ``wandb.init`` when the trainer starts, after the
-    allocation; without a key (and not offline) it fails there, on every attempt. Read from
+    allocation; without a key (and not offline) it fails there, on every attempt (``gpu``:
+    the run trains, on GPUs or on the CPU path). Read from
     this environment, which the training job inherits (sbatch exports it; the launcher
     passes the WANDB_* names to the Ray job)."""
     if not wandb_run.enabled(loggers):
@@ -1057,7 +1058,7 @@ def check_rules(cfg: Config, res: Resolution, eff: Mapping[str, Any],
     _val_on_resume(r, eff, facts, s)
     _prompts_over_max(r, facts, s)
     _runtime_tag(r, cfg.train.runtime.prefix)
-    _wandb(r, res.loggers, s.gpu, os.environ if environ is None else environ)
+    _wandb(r, res.loggers, s.trains, os.environ if environ is None else environ)
     _rehearsal(r, s.gpu, cfg.preflight.waive)
     return _with_waivers(r, cfg.preflight.waive), ck
 
