@@ -144,7 +144,8 @@ def _records(**change) -> rh.Records:
     lines1 = [val, _line(1), _line(2)]
     lines2 = [{"step": 2, "data": {"val-core/math_dapo/acc/mean@1": 0.1}}, _line(3)]
     base = dict(
-        plan={"ok": True, "rehearsal": {"reductions": [{"key": "k"}]}},
+        plan={"ok": True, "rehearsal": {"reductions": [{"key": "k"}]},
+              "effective": {"data.max_response_length": 8192}},
         attempts=[a1, a2], attempt_lines={1: lines1, 2: lines2},
         merged=[val, _line(1), _line(2), _line(3)], done={"final_step": 3},
         complete={1: (True, ""), 2: (True, ""), 3: (True, "")},
@@ -482,6 +483,10 @@ def test_responses_that_never_reached_the_limit_fail_the_full_length_check() -> 
             if m["step"] == 3 else m for m in _records().merged]
     assert _failed(_records(plan=plan, merged=gone)) == {"full_length": (
         "step 3: response_length/clip_ratio missing or not a finite number (None)")}
+    # without the plan's limit nothing says the responses reached it
+    bare = {"ok": True, "rehearsal": {"reductions": []}}
+    assert _failed(_records(plan=bare))["full_length"].startswith(
+        "the plan names no data.max_response_length to compare response_length/max with")
 
 
 @pytest.mark.parametrize(("key", "value", "says"), [

@@ -911,6 +911,9 @@ def _check_full_length(rec: Records, by_step: Mapping[int, Mapping[str, Any]]) -
         shown.append(f"step {s} {clip:g} (max {top if top is None else f'{top:g}'})")
         if limit is not None and top is not None and top >= limit:
             full.append(s)
+    if limit is None:
+        problems.append("the plan names no data.max_response_length to compare "
+                        f"{MAX_LENGTH_KEY} with")
     if not by_step:
         problems.append("no training step logged")
     elif not problems and not full:
