@@ -1696,3 +1696,25 @@ def test_every_knob_and_resolved_key_has_a_kind(verl, tmp_path):
     keys = {o.key for o in res.overrides}
     assert len(keys) > 80
     assert sorted(k for k in keys if identity.verl_entry(k) is None) == []
+
+
+@pytest.mark.parametrize("eff, why", [
+    ({"actor_rollout_ref.actor.optim.lr_scheduler_type": "constant"}, None),
+    ({"actor_rollout_ref.actor.optim.lr_scheduler_type": "cosine"},
+     "lr_warmup_steps = -1, lr_warmup_steps_ratio = 0.0, lr_scheduler_type = cosine, lr = 1e-06"),
+    ({"actor_rollout_ref.actor.optim.lr_scheduler_type": "constant",
+      "actor_rollout_ref.actor.optim.lr_warmup_steps": 5},
+     "lr_warmup_steps = 5, lr_warmup_steps_ratio = 0.0, lr_scheduler_type = constant, "
+     "lr = 1e-06"),
+    ({"actor_rollout_ref.actor.optim.warmup_style": "cosine",
+      "actor_rollout_ref.actor.optim.lr_scheduler_type": "constant"},
+     "lr_warmup_steps = -1, lr_warmup_steps_ratio = 0.0, lr_scheduler_type = cosine, lr = 1e-06"),
+])
+def test_the_fsdp_engines_schedule_is_read_by_its_own_keys(eff, why):
+    """verl's FSDP optimizer (the CPU path) names its schedule lr_scheduler_type (warmup_style
+    before it), not Megatron's lr_decay_style: a constant one resumes on one schedule."""
+    base = {"actor_rollout_ref.actor.strategy": "fsdp2",
+            "actor_rollout_ref.actor.optim.lr": 1e-6,
+            "actor_rollout_ref.actor.optim.lr_warmup_steps": -1,
+            "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio": 0.0}
+    assert rules.non_constant_schedule({**base, **eff}) == why

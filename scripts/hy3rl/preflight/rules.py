@@ -106,6 +106,8 @@ EFFECTIVE_KEYS = (
     "actor_rollout_ref.actor.optim.lr_warmup_steps",
     "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio",
     "actor_rollout_ref.actor.optim.lr_decay_style",
+    "actor_rollout_ref.actor.optim.lr_scheduler_type",
+    "actor_rollout_ref.actor.optim.warmup_style",
     "actor_rollout_ref.actor.ppo_mini_batch_size",
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
     "actor_rollout_ref.actor.use_dynamic_bsz",
@@ -649,10 +651,20 @@ def non_constant_schedule(eff: Mapping[str, Any]) -> str | None:
     or an extension is then not the schedule of one uninterrupted run), None if it is."""
     warm = to_int(eff.get("actor_rollout_ref.actor.optim.lr_warmup_steps"), -1)
     ratio = to_float(eff.get("actor_rollout_ref.actor.optim.lr_warmup_steps_ratio"))
-    style = eff.get("actor_rollout_ref.actor.optim.lr_decay_style")
     lr = to_float(eff.get("actor_rollout_ref.actor.optim.lr"))
+    warming = warm > 0 or (warm < 0 and ratio > 0)
+    if eff.get("actor_rollout_ref.actor.strategy") in ("fsdp", "fsdp2"):
+        # verl's FSDP optimizer (optim/fsdp.yaml): lr_scheduler_type (warmup_style its older
+        # name) constant or cosine, after the warmup
+        kind = eff.get("actor_rollout_ref.actor.optim.warmup_style") or eff.get(
+            "actor_rollout_ref.actor.optim.lr_scheduler_type")
+        if warming or kind != "constant":
+            return (f"lr_warmup_steps = {warm}, lr_warmup_steps_ratio = {ratio}, "
+                    f"lr_scheduler_type = {kind}, lr = {lr:g}")
+        return None
+    style = eff.get("actor_rollout_ref.actor.optim.lr_decay_style")
     min_lr = to_float(eff.get("actor_rollout_ref.actor.optim.min_lr"))
-    if warm > 0 or (warm < 0 and ratio > 0) or (style != "constant" and lr != min_lr):
+    if warming or (style != "constant" and lr != min_lr):
         return (f"lr_warmup_steps = {warm}, lr_warmup_steps_ratio = {ratio}, "
                 f"lr_decay_style = {style}, lr = {lr:g}, min_lr = {min_lr:g}")
     return None
