@@ -140,3 +140,25 @@ def test_the_hf_rollout_honours_max_tokens_and_the_context(tiny_hy3_dir):
     server.config.max_model_len = 8
     out = server._generate([5, 6, 7, 8, 9, 10], {"temperature": 0})
     assert 1 <= len(out["token_ids"]) <= 2  # 8 - 6 positions left
+
+
+def test_samples_are_seeded_by_weights_prompt_and_draw_whatever_the_order():
+    """The k-th sample of a prompt from given weights has its own seed, whatever order the
+    requests of a group arrive in; new weights (a sync) give new seeds; so does the config's
+    seed."""
+    def server(seed=42):
+        s = object.__new__(HFServer)
+        s.config, s.global_steps, s.weight_syncs, s._drawn = SimpleNamespace(seed=seed), 1, 1, {}
+        return s
+
+    a, b = server(), server()
+    first = [a.sample_seed([1, 2, 3]) for _ in range(4)]
+    assert len(set(first)) == 4
+    other = a.sample_seed([1, 2, 4])
+    assert other not in first
+    # another order of the same requests: the same seeds
+    assert b.sample_seed([1, 2, 4]) == other
+    assert [b.sample_seed([1, 2, 3]) for _ in range(4)] == first
+    b.weight_syncs += 1
+    assert b.sample_seed([1, 2, 3]) not in first
+    assert server(seed=7).sample_seed([1, 2, 3]) != first[0]

@@ -10,7 +10,9 @@ reaches it since SPMD rollouts were retired. Three pieces stand in for a vLLM se
   ``generate(prompt_ids, sampling_params, request_id)`` with verl's ``TokenOutput``
   (response ids, their log-probabilities after temperature and top-p, and
   ``stop_reason``), stopping at the model's end-of-sequence tokens like an engine, so
-  response lengths vary; and takes new weights at each sync.
+  response lengths vary; each sample seeded from the rollout's ``seed``, the weights and
+  the prompt (``sample_seed``), so a run draws the same samples again; and takes new
+  weights at each sync.
 - ``HFReplica``: verl's ``RolloutReplica`` that starts the server beside the hybrid workers.
 - ``HFServerAdapter``: verl's ``BaseRollout`` inside the hybrid worker; at each weight sync
   (checkpoint engine ``naive``, verl/workers/engine_workers.py ``update_weights``) it sends
@@ -20,6 +22,7 @@ reaches it since SPMD rollouts were retired. Three pieces stand in for a vLLM se
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import os
 from typing import Any
@@ -71,6 +74,7 @@ class HFServer:
         self._names = set(self.model.state_dict())
         self._lock = asyncio.Lock()
         self.weight_syncs = 0
+        self._drawn: dict[tuple, int] = {}  # (weights, prompt) -> samples drawn for it
 
     # -- weights ---------------------------------------------------------------------------
     def update_weights(self, weights: dict[str, torch.Tensor], global_steps: int | None = None
@@ -94,6 +98,18 @@ class HFServer:
 
     def set_global_steps(self, global_steps: int) -> None:
         self.global_steps = global_steps
+
+    def sample_seed(self, prompt_ids: list[int]) -> int:
+        """The seed of the next sample of ``prompt_ids`` from the current weights: derived
+        from the rollout's ``seed``, the weights' step and the prompt's k-th sample, so a run
+        draws the same samples whatever order the agent loop's requests arrive in (the k
+        samples of one prompt are exchangeable: GRPO groups them). Requests are served one
+        at a time (the lock), so the global generator is seeded for each alone."""
+        key = (self.global_steps, self.weight_syncs, tuple(prompt_ids))
+        k = self._drawn.get(key, 0)
+        self._drawn[key] = k + 1
+        text = f"{getattr(self.config, 'seed', 0)}:{key[0]}:{key[1]}:{k}:{list(prompt_ids)}"
+        return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
 
     # -- generation ------------------------------------------------------------------------
     def _generate(self, prompt_ids: list[int], sampling_params: dict[str, Any]) -> dict:
@@ -142,6 +158,7 @@ class HFServer:
         prompt_ids = normalize_token_ids(prompt_ids)
         want_logprobs = bool(sampling_params.get("logprobs", False))
         async with self._lock:
+            torch.manual_seed(self.sample_seed(prompt_ids))
             res = await asyncio.to_thread(self._generate, prompt_ids, sampling_params)
         return TokenOutput(token_ids=res["token_ids"],
                            log_probs=res["log_probs"] if want_logprobs else None,
