@@ -18,7 +18,7 @@ pytest_plugins = sorted(
 ) + ["suite_timing"]
 
 # Tests that start real clusters share the machine's daemons and ports. Under pytest-xdist
-# (`-n 3`, pyproject.toml) they run in three scopes, each on one worker, one test after
+# (`-n 4`, pyproject.toml) they run in four scopes, each on one worker, one test after
 # another (ClusterScope below; xdist's own `--dist loadgroup` cannot group under pytest 9,
 # whose node ids ignore the group suffix it sets):
 # - "slurm" and "slurm-b": the tests of the real SLURM test cluster in two lanes, each
@@ -31,12 +31,14 @@ pytest_plugins = sorted(
 # - "ray": the tests that start Ray on this machine outside SLURM; their Ray ports lie in
 #   fixtures.trainer_double.LOCAL_RAY_PORTS, disjoint from the SLURM jobs' range and the
 #   SLURM daemons' ports, and nothing they stop reaches another scope's processes
-#   (everything is stopped by its HY3RL_RAY_SCOPE or its own submission id).
-# The three scopes run at the same time, on three workers, while the unit tests fill in
+#   (everything is stopped by its HY3RL_RAY_SCOPE or its own submission id);
+# - "real": the pinned verl's own trainer on this CPU (tests/test_real_verl.py), Ray outside
+#   SLURM in ports of its own (REAL_RAY_PORTS there); one pipeline run shared by its tests.
+# The four scopes run at the same time, on four workers, while the unit tests fill in
 # around them; they are the longest stretches of the suite, so they come first. The
 # scheduler runs in the controller, which sees node ids only: the cluster tests are named
-# here by file or by test, and every worker's collection checks that each test marked slurm
-# or ray (or using the cluster fixture) is in its scope.
+# here by file or by test, and every worker's collection checks that each test marked slurm,
+# ray or real (or using the cluster fixture) is in its scope.
 CLUSTER_MARKS = ("slurm", "ray", "real")
 SLURM_FILES = {"tests/test_train_slurm.py"}
 SLURM_TESTS = {
