@@ -52,6 +52,15 @@ def overrides(ranks: int) -> tuple[CpuOverride, ...]:
                     "the script's fused kernels are Triton (GPU only)"),
         CpuOverride("transfer_queue.backend.SimpleStorage.num_data_storage_units", "1",
                     "ppo_trainer.yaml's 8 storage units each take a CPU of the Ray cluster"),
+        CpuOverride("actor_rollout_ref.rollout.agent.num_workers", "1",
+                    "rollout.yaml's 8 agent-loop workers are 8 Ray actor processes, each "
+                    "importing torch and verl, for one host's generation"),
+        CpuOverride("reward.num_workers", "1",
+                    "reward.yaml's 8 reward-loop workers, likewise (the tiny batch scores in "
+                    "milliseconds)"),
+        CpuOverride("data.dataloader_num_workers", "0",
+                    "legacy_data.yaml's 8 dataloader processes for a few hundred rows on 2 "
+                    "cores"),
         CpuOverride("actor_rollout_ref.actor.checkpoint.save_contents",
                     "[model,optimizer,extra,hf_model]",
                     "the FSDP checkpoint holds HF weights only with hf_model "
