@@ -488,14 +488,11 @@ def _cpu_path(r: _Rules, cfg: Config, res: Resolution, eff: Mapping[str, Any]) -
         if str(got).lower() != str(value).lower():
             r.error("cpu_path", f"{key} = {got!r} but the CPU path needs {value!r} "
                     f"(train.verl_overrides must not move it)")
-    micro = to_int(eff.get("actor_rollout_ref.actor.ppo_mini_batch_size"))
-    batch = to_int(eff.get("data.train_batch_size"))
-    if batch and batch % cfg.train.cpu.ranks:
-        r.error("cpu_path", f"data.train_batch_size = {batch} is not divisible by "
-                f"train.cpu.ranks = {cfg.train.cpu.ranks}")
-    if micro and micro % cfg.train.cpu.ranks:
-        r.error("cpu_path", f"ppo_mini_batch_size = {micro} is not divisible by "
-                f"train.cpu.ranks = {cfg.train.cpu.ranks}")
+    for key in ("data.train_batch_size", "actor_rollout_ref.actor.ppo_mini_batch_size"):
+        size = to_int(eff.get(key))
+        if size and size % cfg.train.cpu.ranks:
+            r.error("cpu_path", f"{key} = {size} is not divisible by train.cpu.ranks = "
+                    f"{cfg.train.cpu.ranks}")
 
 
 def _token_budgets(r: _Rules, eff: Mapping[str, Any], s: Shape) -> None:
