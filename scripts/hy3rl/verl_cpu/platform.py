@@ -19,10 +19,6 @@ def _noop(*_args, **_kwargs) -> None:
     return None
 
 
-def _zero(*_args, **_kwargs) -> int:
-    return 0
-
-
 class _HostMemory:
     """verl asks its device module for memory figures (``memory_allocated``,
     ``max_memory_reserved``, ``mem_get_info`` ...) to log them; on the host they are the

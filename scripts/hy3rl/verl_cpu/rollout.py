@@ -23,14 +23,11 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import logging
 import os
 from typing import Any
 
 import ray
 import torch
-
-logger = logging.getLogger(__name__)
 
 NAME = "hf"
 SERVER_PREFIX = f"{NAME}_server"
