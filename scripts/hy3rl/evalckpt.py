@@ -214,13 +214,13 @@ def look(layout: Layout, plan: dict[str, Any], step: int,
     step_dir = ckpt / f"global_step_{step}"
     ok, why = check_complete(step_dir, step)
     if ours and ok:
-        manifest = step_dir / "data.pt"  # written after the actor save, in both layouts
+        last = step_dir / "data.pt"  # written after the actor save, in both layouts
         return Look("ready", f"step {step}: checkpoint complete", {
             "step": step, "checkpoint": str(step_dir),
             "hf_model": str(layout.checkpoint_hf_model(step)),
             "trajectory_id": traj, "lineage": ident.get("lineage"),
             "complete_at": time.strftime("%Y-%m-%dT%H:%M:%S+00:00",
-                                         time.gmtime(manifest.stat().st_mtime)),
+                                         time.gmtime(last.stat().st_mtime)),
             "seen_at": utc_now()})
     done = _read_json(Path(layout.train_done))
     if isinstance(done, dict) and str(done.get("trajectory_id")) == traj and (

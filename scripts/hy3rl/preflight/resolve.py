@@ -498,8 +498,7 @@ def _cpu_move(ov: _Overrides, config_dir: Path, config_name: str) -> dict[str, A
     from hy3rl.verl_cpu import plan as cpu_plan
 
     dp = compose(config_dir, config_name, [f"model_engine={cpu_plan.ENGINE}"])
-    kept, dropped = cpu_plan.move_to_fsdp(ov.items, lambda k: _path_exists(dp, k),
-                                          split_override)
+    kept, dropped = cpu_plan.move_to_fsdp(ov.items, lambda k: has_key(dp, k), split_override)
     items = []
     for item, new_text in kept:
         if new_text is not None:

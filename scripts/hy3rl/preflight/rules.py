@@ -45,7 +45,7 @@ RULES: dict[str, str] = {
     "ref_layout": "reference TP x PP x CP and EP x ETP x PP divide the GPUs",
     "rollout_tp": "rollout TP divides the GPUs and holds the model's weights on the GPU type",
     "cpu_path": "the CPU path (train.cpu): verl's FSDP engine and the hf rollout on one host, "
-                "the trainer ranks as verl's GPUs, not with cluster.gpu",
+                "the trainer ranks as verl's GPUs",
     "actor_token_budget": "ppo_max_token_len_per_gpu x CP >= prompt + response",
     "max_model_len": "rollout.max_model_len >= prompt + response",
     "log_prob_token_budget": "rollout/ref log_prob_max_token_len_per_gpu x CP >= prompt + response",
@@ -470,13 +470,11 @@ CPU_PATH_VALUES = {
 
 def _cpu_path(r: _Rules, cfg: Config, res: Resolution, eff: Mapping[str, Any]) -> None:
     """cpu_path: the CPU path's couplings (train.cpu): its own engine and rollout, one host,
-    the trainer ranks as verl's GPUs; not run on GPUs."""
+    the trainer ranks as verl's GPUs; not run off the CPU path."""
     if not cfg.train.cpu.enable:
         r.not_run("cpu_path", "not run: train.cpu.enable is false")
         return
-    if cfg.cluster.gpu:
-        r.error("cpu_path", "train.cpu.enable with cluster.gpu true: the CPU path is not "
-                "the paper's stack")
+    # (with cluster.gpu true the config itself is refused: Config.from_dict)
     composed = res.composed
     engine = select(composed, "model_engine") if composed is not None else None
     if engine != "dp":
@@ -736,9 +734,9 @@ def _eval_steps_kept(r: _Rules, cfg: Config, ckpt_dir: Path, steps: list[int],
                 f"{'them' if len(gone) > 1 else 'it'} from eval.steps")
 
 
-def _eval_steps_saved(r: _Rules, cfg: Config, eff: Mapping[str, Any], gpu: bool) -> None:
+def _eval_steps_saved(r: _Rules, cfg: Config, eff: Mapping[str, Any], trains: bool) -> None:
     save, total = to_int(eff.get("trainer.save_freq")), cfg.train.total_training_steps
-    if not gpu or save is None or save <= 0:
+    if not trains or save is None or save <= 0:
         return
     seg = cfg.train.segment_steps
     saved = set(range(save, total + 1, save)) | {total} | (
@@ -766,13 +764,13 @@ def writes_hf_weights(strategy: Any, contents: list[str], dist: bool) -> bool:
 
 
 def _hf_weights(r: _Rules, cfg: Config, eff: Mapping[str, Any], composed: Any,
-                gpu: bool) -> None:
+                trains: bool) -> None:
     """hf_weights: the evaluation of checkpoints and the releases read each checkpoint's HF
     weights; a run whose verl settings write none would train for days and then have nothing
     to evaluate or release."""
     from hy3rl.release import ReleaseError, release_tags
 
-    if not gpu or composed is None:
+    if not trains or composed is None:
         return
     readers = []
     if cfg.eval.steps:
@@ -965,15 +963,15 @@ def netrc_path(environ: Mapping[str, str]) -> Path:
     return Path(environ.get("NETRC") or "~/.netrc").expanduser()
 
 
-def _wandb(r: _Rules, loggers: list[str], gpu: bool, environ: Mapping[str, str]) -> None:
+def _wandb(r: _Rules, loggers: list[str], trains: bool, environ: Mapping[str, str]) -> None:
     """wandb: verl's Tracking calls ``wandb.init`` when the trainer starts, after the
-    allocation; without a key (and not offline) it fails there, on every attempt (``gpu``:
+    allocation; without a key (and not offline) it fails there, on every attempt (``trains``:
     the run trains, on GPUs or on the CPU path). Read from
     this environment, which the training job inherits (sbatch exports it; the launcher
     passes the WANDB_* names to the Ray job)."""
     if not wandb_run.enabled(loggers):
         return
-    if not gpu:
+    if not trains:
         r.not_run("wandb", NO_GPU)
         return
     mode = environ.get("WANDB_MODE", "")
