@@ -162,3 +162,53 @@ def test_samples_are_seeded_by_weights_prompt_and_draw_whatever_the_order():
     b.weight_syncs += 1
     assert b.sample_seed([1, 2, 3]) not in first
     assert server(seed=7).sample_seed([1, 2, 3]) != first[0]
+
+
+# ---- verl's FSDP checkpoint layout (the CPU path's saves) ---------------------------------
+
+
+def _fsdp_step(root: Path, step: int, world: int = 2) -> Path:
+    """A finished save in the layout verl's FSDP checkpoint manager writes at the pin."""
+    step_dir = root / f"global_step_{step}"
+    actor = step_dir / "actor"
+    (actor / "huggingface").mkdir(parents=True)
+    for kind in ("model", "optim", "extra_state"):
+        for rank in range(world):
+            torch.save({"rank": rank}, actor / f"{kind}_world_size_{world}_rank_{rank}.pt")
+    (actor / "fsdp_config.json").write_text('{"FSDP_version": 2, "world_size": 2}')
+    torch.save({"dataloader": 1}, step_dir / "data.pt")
+    return step_dir
+
+
+def test_an_fsdp_checkpoint_is_complete_only_when_every_rank_and_file_is_whole(tmp_path):
+    from fixtures.common import make_config
+    from hy3rl.ckptdir import check_complete, is_fsdp
+    from hy3rl.layout import Layout
+
+    layout = Layout.from_config(make_config(run={"name": "r"},
+                                            train={"checkpoint_root": str(tmp_path)}))
+    good = _fsdp_step(layout.checkpoint_dir, 2)
+    assert is_fsdp(good) and check_complete(good, 2) == (True, "")
+    # the HF weights the evaluation reads: FSDP's actor/huggingface, Megatron's elsewhere
+    assert layout.checkpoint_hf_model(2) == good / "actor/huggingface"
+    assert layout.checkpoint_hf_model(4) == \
+        layout.checkpoint_dir / "global_step_4/actor/model/huggingface"
+    cases = {
+        "rank": (lambda d: (d / "actor/optim_world_size_2_rank_1.pt").unlink(),
+                 "no actor/optim_world_size_2_rank_1.pt"),
+        "partial": (lambda d: (d / "actor/model_world_size_2_rank_0.pt").write_bytes(b"PK\3"),
+                    "actor/model_world_size_2_rank_0.pt is not a whole torch archive"),
+        "config": (lambda d: (d / "actor/fsdp_config.json").write_text("{"),
+                   "actor/fsdp_config.json missing or unreadable"),
+        "data": (lambda d: (d / "data.pt").unlink(), "no data.pt (dataloader state not saved)"),
+        "model": (lambda d: [p.unlink() for p in (d / "actor").glob("model_*.pt")],
+                  "no actor/model_world_size_*_rank_*.pt (actor save did not finish)"),
+    }
+    for i, (name, (spoil, says)) in enumerate(cases.items(), 3):
+        step_dir = _fsdp_step(tmp_path / name, i)
+        spoil(step_dir)
+        ok, why = check_complete(step_dir, i)
+        assert not ok and why.startswith(says), (name, why)
+    mixed = _fsdp_step(tmp_path / "mixed", 9)
+    torch.save({}, mixed / "actor/extra_state_world_size_4_rank_0.pt")
+    assert check_complete(mixed, 9) == (False, "actor shards of several world sizes [2, 4]")
