@@ -97,3 +97,20 @@ def test_a_bad_line_in_the_file_is_named(tmp_path: Path) -> None:
         assert str(exc) == f"{path}:2: not an `export NAME=value` line"
     else:
         raise AssertionError("a bad line was read")
+
+
+def test_a_users_verl_plugins_load_beside_the_launchs_own(tmp_path: Path, monkeypatch) -> None:
+    """verl's plugin hook takes a list: the user's modules passed through are added to the
+    CPU path's ``hy3rl.verl_cpu``, which stays first; without passthrough the launch's stand."""
+    monkeypatch.setenv("VERL_USE_EXTERNAL_MODULES", "my_plugin, hy3rl.verl_cpu,other")
+    launcher = launcher_for(tmp_path, ["VERL_USE_EXTERNAL_MODULES"])
+    launcher.spec.env_vars["VERL_USE_EXTERNAL_MODULES"] = "hy3rl.verl_cpu"
+    env = yaml.safe_load(launcher.merged_runtime_env().read_text())["env_vars"]
+    assert env["VERL_USE_EXTERNAL_MODULES"] == "hy3rl.verl_cpu,my_plugin,other"
+    launcher.teardown()
+    (tmp_path / "b").mkdir()
+    alone = launcher_for(tmp_path / "b", [])
+    alone.spec.env_vars["VERL_USE_EXTERNAL_MODULES"] = "hy3rl.verl_cpu"
+    env = yaml.safe_load(alone.merged_runtime_env().read_text())["env_vars"]
+    assert env["VERL_USE_EXTERNAL_MODULES"] == "hy3rl.verl_cpu"
+    alone.teardown()

@@ -2,12 +2,13 @@
 path (hy3rl.verl_cpu), driven by the workflow exactly as a user runs it: README's first
 command's `snakemake --profile profiles/local` on the embedded default, offline (the pinned
 verl and TransferQueue cloned by rule deps from local mirrors, the datasets from local
-parquet; fixtures.deps.real_upstreams). Then a rerun that extends the run resumes from
-verl's own checkpoint. Every check reads what verl itself wrote: its file logger's lines,
-its driver log, its FSDP checkpoints and HF weights.
+parquet; fixtures.deps.real_upstreams), W&B offline. Then a rerun that extends the run
+with faults injected into verl's own trainer (tests/verl_faults.py: a death mid-save, a NaN
+loss). Every check reads what verl itself wrote: its file logger's lines, its driver log, its
+FSDP checkpoints and HF weights.
 
-One run of the pipeline (``real_run``, module scope) feeds every test here; the extension
-runs once after it (``extended``). The tests run in their own scope (tests/conftest.py
+One run of the pipeline (``real_run``, module scope) feeds every test here; the faulted
+extension runs once after it (``faulted``). The tests run in their own scope (tests/conftest.py
 REAL_FILES), one after another on one worker, with Ray ports of their own
 (REAL_RAY_PORTS). Without the mirrors they are skipped, naming the variables."""
 
@@ -24,7 +25,7 @@ from fixtures.common import REPO_ROOT, run_snakemake
 from fixtures.data import aime_rows, dapo_rows, write_parquet
 from fixtures.deps import real_upstreams
 from hy3rl.ckptdir import check_complete, is_fsdp, read_identity, scan
-from hy3rl.verl_log import read_metrics
+from hy3rl.verl_log import merged_attempts, read_metrics
 from hy3rl.watchdog import SAVE_LINE, STARTUP_MARKS
 
 pytestmark = [pytest.mark.slow, pytest.mark.real]
@@ -33,6 +34,7 @@ RUN = "tiny-default"
 # Ray outside SLURM for this scope: below the SLURM lanes' ranges and apart from the Ray
 # scope's (fixtures.trainer_double.LOCAL_RAY_PORTS 9000-17000, fixtures.slurm 18000-32000).
 REAL_RAY_PORTS = {"port_base": 17000, "port_span": 1000}
+PASSTHROUGH = ["WANDB_MODE", "HY3RL_VERL_FAULTS", "VERL_USE_EXTERNAL_MODULES"]
 
 
 class Real:
@@ -45,10 +47,11 @@ class Real:
         self.ckpt = self.results / "checkpoints"
         self.configfiles = [str(REPO_ROOT / "config/config.yaml"), str(root / "offline.yaml")]
 
-    def snakemake(self, *extra: str, check: bool = True, configfiles: list[str] | None = None):
+    def snakemake(self, *extra: str, check: bool = True, env: dict[str, str] | None = None):
         args = ["--profile", str(REPO_ROOT / "profiles/local"), "--configfile",
-                *(configfiles or self.configfiles), *extra]
-        return run_snakemake(args, self.work, check=check, timeout=1500)
+                *self.configfiles, *extra]
+        return run_snakemake(args, self.work, check=check, timeout=1500,
+                             env={"WANDB_MODE": "offline", **(env or {})})
 
     def attempts(self) -> list[dict]:
         return [json.loads(p.read_text())
@@ -71,7 +74,9 @@ def real_run(tmp_path_factory) -> Real:
     (root / "offline.yaml").write_text(yaml.safe_dump({
         "deps": ups.section(root / "work" / "deps"),
         "data": {"train": {"source": str(train)}, "val": {"source": str(val)}},
-        "train": {"ray": REAL_RAY_PORTS, "watchdog": {"poll_s": 1}},
+        # W&B offline (verl's own wandb.init), and what the fault run passes to verl
+        "train": {"ray": REAL_RAY_PORTS, "watchdog": {"poll_s": 1},
+                  "loggers": ["console", "wandb"], "ray_env_passthrough": PASSTHROUGH},
     }))
     real = Real(root)
     real.work.mkdir()
@@ -80,12 +85,24 @@ def real_run(tmp_path_factory) -> Real:
 
 
 @pytest.fixture(scope="module")
-def extended(real_run: Real) -> Real:
-    """The same run extended from 2 to 3 steps: verl resumes from global_step_2."""
-    more = real_run.root / "three.yaml"
-    more.write_text(yaml.safe_dump({"train": {"total_training_steps": 3}}))
-    real_run.snakemake(configfiles=[*real_run.configfiles, str(more)])
+def faulted(real_run: Real) -> Real:
+    """The same run extended from 2 to 5 steps, with faults injected into verl's own trainer
+    (tests/verl_faults.py, loaded through verl's plugin hook beside the CPU path), each met
+    by the workflow in the same job (train.restarts_per_job 2): the trainer dies in the
+    middle of step 3's save (attempt 2); the restart (attempt 3) resumes from global_step_2,
+    saves step 3 and stops at the start of step 4, silent, its processes alive: the watchdog
+    declares it hung within the limit it derived from the steps it saw (the floor lowered to
+    a minute); the second restart (attempt 4) resumes from global_step_3 and computes a NaN
+    policy loss: the health guard stops it on the nulls verl's file logger writes."""
+    faults = real_run.root / "faults.json"
+    faults.write_text(json.dumps({"die_mid_save": 3, "hang_at": 4, "nan_loss_from": 4}))
+    more = real_run.root / "five.yaml"
+    more.write_text(yaml.safe_dump({"train": {"total_training_steps": 5,
+                                              "watchdog": {"stall_floor_min": 1}}}))
     real_run.configfiles.append(str(more))
+    real_run.result = real_run.snakemake(check=False, env={
+        "HY3RL_VERL_FAULTS": str(faults), "VERL_USE_EXTERNAL_MODULES": "verl_faults",
+        "PYTHONPATH": str(REPO_ROOT / "tests")})
     return real_run
 
 
@@ -212,30 +229,79 @@ def test_the_file_logger_writes_nan_as_null(real_run: Real):
     assert "logged as null" in events[0].message
 
 
-# ---- a rerun that extends the run resumes from verl's checkpoint ----------------------------
+# ---- faults injected into the real trainer ---------------------------------------------
 
 
-def test_an_extension_resumes_from_the_newest_checkpoint_and_trains_one_step(extended: Real):
-    res = extended.results
-    attempts = extended.attempts()
-    assert len(attempts) == 2, attempts
-    second = attempts[1]
-    assert second["outcome"] == "succeeded" and second["start_step"] == 2
-    assert second["end_step"] == 3 and second["steps_lost"] == 0
-    log = extended.driver_log(2)
-    assert re.search(r"Resuming from \S*global_step_2", log), log[-3000:]
-    assert "Training from scratch" not in log
+def test_a_death_mid_save_leaves_no_checkpoint_and_the_restart_resumes_before_it(
+        faulted: Real):
+    res = faulted.results
+    attempts = faulted.attempts()
+    assert [a["start_step"] for a in attempts] == [0, 2, 2, 3], attempts
+    died = attempts[1]
+    assert "die_mid_save 3" in faulted.driver_log(2)
+    assert died["outcome"] == "failed" and died["end_step"] == 2, died
+    # verl wrote step 3's actor shards, not its data.pt nor its tracker: the workflow took
+    # no checkpoint 3 for complete, verl resumed from 2, as the restart's record says
+    assert re.search(r"Resuming from \S*global_step_2", faulted.driver_log(3))
+    assert "Training from scratch" not in faulted.driver_log(3)
     # verl truncates its file logger at every start: each attempt has its own file, and the
-    # merge keeps each step once (the resumed attempt validates step 2 again first)
-    first_lines = read_metrics(res / "train/attempts/attempt-1.metrics.jsonl")
-    assert [r["step"] for r in first_lines] == [0, 1, 2]
-    merged = [r["step"] for r in read_metrics(res / "train/metrics.jsonl")]
-    assert merged == sorted(set(merged)) and merged[-1] == 3 and 1 in merged
-    done = json.loads((res / "train/done.json").read_text())
-    assert done["final_step"] == 3
-    assert check_complete(extended.ckpt / "global_step_3", 3) == (True, "")
-    ident = read_identity(extended.ckpt)
-    assert ident["history"][-1]["total_training_steps"] == 3
+    # merge keeps each step once (a resumed attempt validates its first step again)
+    first = read_metrics(res / "train/attempts/attempt-1.metrics.jsonl")
+    assert [r["step"] for r in first] == [0, 1, 2]
+    # (the failed job's train/metrics.jsonl is Snakemake's to delete: merge the attempts')
+    merged = [r["step"] for r in merged_attempts(res / "train/attempts")]
+    assert merged == sorted(set(merged)) and 1 in merged and merged[-1] == 4, merged
+    assert check_complete(faulted.ckpt / "global_step_3", 3) == (True, "")
+    # one W&B run across the four attempts (verl's own wandb.init, offline)
+    ids = {a["wandb"]["run_id"] for a in attempts}
+    assert len(ids) == 1 and next(iter(ids)).startswith(f"{RUN}-"), ids
+    run_id = ids.pop()
+    runs = sorted((res / "train/wandb").glob("wandb/offline-run-*"))
+    assert len(runs) == 4 and all(p.name.endswith(f"-{run_id}") for p in runs), runs
+
+
+def test_a_silent_trainer_is_declared_hung_in_its_phase_and_the_restart_resumes(
+        faulted: Real):
+    hung = faulted.attempts()[2]
+    assert "hang_at 4" in faulted.driver_log(3)
+    assert hung["outcome"] == "hung", hung
+    assert hung["exit_reason"].startswith("hung at step 4 (step for "), hung
+    # the limit is derived from the steps this run saw, floored at the minute set here
+    limit = float(re.search(r"its limit ([\d.]+) min", hung["exit_reason"]).group(1))
+    assert 1 <= limit < 30, hung["exit_reason"]
+    assert hung["last_logged_step"] == 3 and hung["end_step"] == 3, hung
+    assert hung["timing"]["model"]["step"]["learned"], hung["timing"]
+    # the hung trainer was stopped (the restart could start), and the restart resumed from
+    # the checkpoint the hung attempt had saved
+    log = faulted.driver_log(4)
+    assert re.search(r"Resuming from \S*global_step_3", log), log[-3000:]
+    assert "Training from scratch" not in log
+
+
+def test_a_nan_loss_logged_as_null_stops_the_run_at_the_last_healthy_checkpoint(
+        faulted: Real):
+    from safetensors.torch import load_file
+
+    assert faulted.result.returncode != 0
+    res = faulted.results
+    stopped = faulted.attempts()[3]
+    assert stopped["outcome"] == "unhealthy", stopped
+    stop = stopped["health_stop"]
+    assert (stop["rule"], stop["action"], stop["step"]) == ("nonfinite", "stop", 4), stop
+    assert stop["metric"] in ("actor/pg_loss", "actor/grad_norm")
+    assert "logged as null" in stop["event_message"]
+    assert stop["last_healthy_step"] == 3, stop
+    # what verl wrote: its file logger's null, and the engine skipped the update (a
+    # non-finite gradient norm): step 4's weights are step 3's, nothing NaN saved
+    text = (res / "train/attempts/attempt-4.metrics.jsonl").read_text()
+    line = next(json.loads(t) for t in text.splitlines() if json.loads(t)["step"] == 4)
+    assert line["data"]["actor/pg_loss"] is None and '"actor/pg_loss":null' in text
+    four, three = (load_file(faulted.ckpt / f"global_step_{s}/actor/huggingface/"
+                             "model.safetensors") for s in (4, 3))
+    assert all((four[k] == three[k]).all() for k in three)
+    assert not (faulted.ckpt / "global_step_5").exists()
+    done = res / "train/done.json"
+    assert not done.exists() or json.loads(done.read_text())["final_step"] != 5
 
 
 # ---- the trainer double held to the real trainer (conformance) ----------------------------

@@ -108,6 +108,17 @@ def default_ray() -> Ray:
 # --------------------------------------------------------------------------- one Ray
 
 RAY_PROBE = "import ray; print('HY3RL_RAY_VERSION', ray.__version__)"
+# verl's plugin hook (verl/__init__.py: a comma-separated list of modules imported in every
+# process of verl)
+PLUGINS = "VERL_USE_EXTERNAL_MODULES"
+
+
+def join_modules(*lists: str) -> str:
+    """Comma-separated module lists joined, in order, each module once."""
+    out: list[str] = []
+    for text in lists:
+        out += [m.strip() for m in text.split(",") if m.strip() and m.strip() not in out]
+    return ",".join(out)
 
 
 def client_ray_version() -> str | None:
@@ -720,6 +731,10 @@ class Launcher:
         env = {str(k): str(v) for k, v in (base.get("env_vars") or {}).items()}
         env.update({k: str(v) for k, v in self.spec.env_vars.items()})
         env.update({n: os.environ[n] for n in self.spec.passthrough_env if n in os.environ})
+        # verl's plugin hook takes a list of modules: one passed through from the user's
+        # environment is loaded beside the launch's own (the CPU path's), never instead of it
+        if PLUGINS in self.spec.passthrough_env and PLUGINS in self.spec.env_vars:
+            env[PLUGINS] = join_modules(self.spec.env_vars[PLUGINS], env[PLUGINS])
         # hy3rl.redact's one policy: values under secret-looking names, known token shapes.
         self.redactor = make_redactor(env, [])
         # A secret: under a secret-looking name, or a value that is a token as a whole (a
