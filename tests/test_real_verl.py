@@ -31,9 +31,12 @@ from hy3rl.watchdog import SAVE_LINE, STARTUP_MARKS
 pytestmark = [pytest.mark.slow, pytest.mark.real]
 
 RUN = "tiny-default"
-# Ray outside SLURM for this scope: below the SLURM lanes' ranges and apart from the Ray
-# scope's (fixtures.trainer_double.LOCAL_RAY_PORTS 9000-17000, fixtures.slurm 18000-32000).
-REAL_RAY_PORTS = {"port_base": 17000, "port_span": 1000}
+# Ray outside SLURM for this scope: apart from the Ray scope's
+# (fixtures.trainer_double.LOCAL_RAY_PORTS 9000-17000), the SLURM lanes'
+# (fixtures.slurm.LANE_RAY_PORTS 18000-32000) and the SLURM daemons' (17817 up,
+# tests/slurm_cluster.py BASE_PORT): one block (hy3rl.launch.port_plan: 410 ports with the
+# default 400 worker ports), 17000-17409.
+REAL_RAY_PORTS = {"port_base": 17000, "port_span": 800}
 PASSTHROUGH = ["WANDB_MODE", "HY3RL_VERL_FAULTS", "VERL_USE_EXTERNAL_MODULES"]
 
 
