@@ -32,8 +32,10 @@ pytest_plugins = sorted(
 #   fixtures.trainer_double.LOCAL_RAY_PORTS, disjoint from the SLURM jobs' range and the
 #   SLURM daemons' ports, and nothing they stop reaches another scope's processes
 #   (everything is stopped by its HY3RL_RAY_SCOPE or its own submission id);
-# - "real": the pinned verl's own trainer on this CPU (tests/test_real_verl.py), Ray outside
-#   SLURM in ports of its own (REAL_RAY_PORTS there); one pipeline run shared by its tests.
+# - "real": the pinned verl's own trainer on this CPU (tests/test_real_verl.py): one
+#   pipeline run outside SLURM shared by its tests, then its extension through the SLURM
+#   test cluster on a partition of its own (node n5); Ray in ports of its own
+#   (REAL_RAY_PORTS there) both times.
 # The four scopes run at the same time, on four workers, while the unit tests fill in
 # around them; they are the longest stretches of the suite, so they come first. The
 # scheduler runs in the controller, which sees node ids only: the cluster tests are named
@@ -84,14 +86,15 @@ def in_cluster_scope(nodeid: str) -> bool:
 
 
 def _out_of_scope(item) -> bool:
-    """A test that starts a cluster outside its scope: any cluster test outside both, or a
-    test of the SLURM cluster (its mark or fixture) in the Ray scope."""
+    """A test that starts a cluster outside its scope: any cluster test outside every
+    scope, or a test of the SLURM cluster (its mark or fixture) in the Ray scope (the real
+    trainer's scope has a partition of its own, tests/slurm_cluster.py PARTITIONS)."""
     slurm = bool(item.get_closest_marker("slurm")
                  or "slurm_cluster" in getattr(item, "fixturenames", ()))
     scope = cluster_scope(item.nodeid)
     if scope is None:
         return slurm or any(item.get_closest_marker(m) for m in CLUSTER_MARKS)
-    return slurm and scope not in SLURM_SCOPES
+    return slurm and scope not in (*SLURM_SCOPES, "real")
 
 
 def pytest_collection_modifyitems(config, items):

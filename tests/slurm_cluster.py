@@ -1,9 +1,10 @@
-"""A real SLURM cluster on this machine, for the tests: munge, slurmctld and four logical
-compute nodes (``slurmd -N n1`` ... ``slurmd -N n4``), each with 2 fake GPUs declared
-through gres (character devices made with ``mknod``), no accounting. The nodes form two
-partitions of two nodes each, one per lane of the suite (:data:`PARTITIONS`): two pytest
-workers run their SLURM tests at the same time, each lane's jobs on its own two nodes, so
-that neither queues behind the other.
+"""A real SLURM cluster on this machine, for the tests: munge, slurmctld and five logical
+compute nodes (``slurmd -N n1`` ... ``slurmd -N n5``), each with 2 fake GPUs declared
+through gres (character devices made with ``mknod``), no accounting. The nodes form
+partitions, one per lane of the suite (:data:`PARTITIONS`): two of two nodes for the
+SLURM lanes, one of one node for the real trainer's scope; the pytest workers run their
+SLURM tests at the same time, each lane's jobs on its own nodes, so that none queues
+behind another.
 
 Everything but ``/etc/slurm/{slurm.conf,gres.conf}`` lives in a temporary state
 directory; the SLURM clients find the configuration at its default path (jobs run with
@@ -51,9 +52,11 @@ STATE_ENV = "HY3RL_SLURM_STATE"  # set in every daemon's environment (see _alive
 PARTITION = "hy3rl"  # the default partition (lane "slurm")
 ACCOUNT = "hy3rl-test"
 # One partition of two nodes per lane of SLURM tests (tests/conftest.py, cluster_scope):
-# lane "slurm" submits to the default partition, lane "slurm-b" to the second one.
-PARTITIONS = {PARTITION: ("n1", "n2"), "hy3rl-b": ("n3", "n4")}
-LANE_PARTITIONS = {"slurm": PARTITION, "slurm-b": "hy3rl-b"}
+# lane "slurm" submits to the default partition, lane "slurm-b" to the second one; the
+# real trainer's scope ("real", tests/test_real_verl.py) has a node of its own for its one
+# run through SLURM (the CPU path trains on one node).
+PARTITIONS = {PARTITION: ("n1", "n2"), "hy3rl-b": ("n3", "n4"), "hy3rl-r": ("n5",)}
+LANE_PARTITIONS = {"slurm": PARTITION, "slurm-b": "hy3rl-b", "real": "hy3rl-r"}
 NODES = tuple(n for nodes in PARTITIONS.values() for n in nodes)
 GPU_TYPE = "fake"
 GPUS_PER_NODE = 2

@@ -50,8 +50,10 @@ class Real:
         self.ckpt = self.results / "checkpoints"
         self.configfiles = [str(REPO_ROOT / "config/config.yaml"), str(root / "offline.yaml")]
 
-    def snakemake(self, *extra: str, check: bool = True, env: dict[str, str] | None = None):
-        args = ["--profile", str(REPO_ROOT / "profiles/local"), "--configfile",
+    def snakemake(self, *extra: str, check: bool = True, env: dict[str, str] | None = None,
+                  profiles: list[Path] | None = None):
+        profiles = profiles or [REPO_ROOT / "profiles/local"]
+        args = [*(a for p in profiles for a in ("--profile", str(p))), "--configfile",
                 *self.configfiles, *extra]
         return run_snakemake(args, self.work, check=check, timeout=1500,
                              env={"WANDB_MODE": "offline", **(env or {})})
@@ -88,24 +90,35 @@ def real_run(tmp_path_factory) -> Real:
 
 
 @pytest.fixture(scope="module")
-def faulted(real_run: Real) -> Real:
-    """The same run extended from 2 to 5 steps, with faults injected into verl's own trainer
-    (tests/verl_faults.py, loaded through verl's plugin hook beside the CPU path), each met
-    by the workflow in the same job (train.restarts_per_job 2): the trainer dies in the
-    middle of step 3's save (attempt 2); the restart (attempt 3) resumes from global_step_2,
-    saves step 3 and stops at the start of step 4, silent, its processes alive: the watchdog
-    declares it hung within the limit it derived from the steps it saw (the floor lowered to
-    a minute); the second restart (attempt 4) resumes from global_step_3 and computes a NaN
-    policy loss: the health guard stops it on the nulls verl's file logger writes."""
+def faulted(real_run: Real, slurm_cluster) -> Real:
+    """The same run extended from 2 to 5 steps, now through the real SLURM test cluster
+    (profiles/slurm and the test override, on the real scope's own node: rule train is one
+    sbatch job, Ray started in srun steps on the node), with faults injected into verl's
+    own trainer (tests/verl_faults.py, loaded through verl's plugin hook beside the CPU
+    path), each met by the workflow in the same job (train.restarts_per_job 2): the trainer
+    dies in the middle of step 3's save (attempt 2); the restart (attempt 3) resumes from
+    global_step_2, saves step 3 and stops at the start of step 4, silent, its processes
+    alive: the watchdog declares it hung within the limit it derived from the steps it saw
+    (the floor lowered to a minute); the second restart (attempt 4) resumes from
+    global_step_3 and computes a NaN policy loss: the health guard stops it on the nulls
+    verl's file logger writes, and nothing is resubmitted."""
+    from fixtures.slurm import lane_profile
+    from slurm_cluster import LANE_PARTITIONS
+
     faults = real_run.root / "faults.json"
     faults.write_text(json.dumps({"die_mid_save": 3, "hang_at": 4, "nan_loss_from": 4}))
     more = real_run.root / "five.yaml"
-    more.write_text(yaml.safe_dump({"train": {"total_training_steps": 5,
-                                              "watchdog": {"stall_floor_min": 1}}}))
+    more.write_text(yaml.safe_dump({
+        "train": {"total_training_steps": 5, "watchdog": {"stall_floor_min": 1}},
+        "cluster": {"mem_mb_per_node": 6000, "train_time_min": 60}}))
     real_run.configfiles.append(str(more))
-    real_run.result = real_run.snakemake(check=False, env={
-        "HY3RL_VERL_FAULTS": str(faults), "VERL_USE_EXTERNAL_MODULES": "verl_faults",
-        "PYTHONPATH": str(REPO_ROOT / "tests")})
+    lane = real_run.root / "lane"
+    lane.mkdir()
+    profile = lane_profile(slurm_cluster, LANE_PARTITIONS["real"], lane)
+    real_run.result = real_run.snakemake(
+        check=False, profiles=[REPO_ROOT / "profiles/slurm", profile], env={
+            "HY3RL_VERL_FAULTS": str(faults), "VERL_USE_EXTERNAL_MODULES": "verl_faults",
+            "PYTHONPATH": str(REPO_ROOT / "tests")})
     return real_run
 
 
@@ -235,11 +248,17 @@ def test_the_file_logger_writes_nan_as_null(real_run: Real):
 # ---- faults injected into the real trainer ---------------------------------------------
 
 
+@pytest.mark.slurm
 def test_a_death_mid_save_leaves_no_checkpoint_and_the_restart_resumes_before_it(
         faulted: Real):
     res = faulted.results
     attempts = faulted.attempts()
     assert [a["start_step"] for a in attempts] == [0, 2, 2, 3], attempts
+    # the first attempt on this host, the three others in one SLURM job on the real scope's
+    # node: the in-job restarts, no resubmission
+    assert attempts[0]["slurm_job_id"] is None, attempts[0]
+    jobs = {(a["executor"], a["slurm_job_id"], tuple(a["nodes"])) for a in attempts[1:]}
+    assert len(jobs) == 1 and next(iter(jobs))[1] and next(iter(jobs))[2] == ("n5",), jobs
     died = attempts[1]
     assert "die_mid_save 3" in faulted.driver_log(2)
     assert died["outcome"] == "failed" and died["end_step"] == 2, died
@@ -263,6 +282,7 @@ def test_a_death_mid_save_leaves_no_checkpoint_and_the_restart_resumes_before_it
     assert len(runs) == 4 and all(p.name.endswith(f"-{run_id}") for p in runs), runs
 
 
+@pytest.mark.slurm
 def test_a_silent_trainer_is_declared_hung_in_its_phase_and_the_restart_resumes(
         faulted: Real):
     hung = faulted.attempts()[2]
@@ -281,6 +301,7 @@ def test_a_silent_trainer_is_declared_hung_in_its_phase_and_the_restart_resumes(
     assert "Training from scratch" not in log
 
 
+@pytest.mark.slurm
 def test_a_nan_loss_logged_as_null_stops_the_run_at_the_last_healthy_checkpoint(
         faulted: Real):
     from safetensors.torch import load_file

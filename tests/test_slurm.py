@@ -214,14 +214,15 @@ def test_cluster_state_is_discoverable_and_joined(slurm_cluster):
     assert info is not None and info.state_dir == slurm_cluster.state_dir
     conf = (Path(slurm_cluster.conf_dir) / "slurm.conf").read_text()
     assert conf.startswith(f"{cluster_mod.MARKER}{slurm_cluster.state_dir}\n")
-    assert set(cluster_mod.node_states()) == {"n1", "n2", "n3", "n4"}
+    assert set(cluster_mod.node_states()) == {"n1", "n2", "n3", "n4", "n5"}
     # one partition per lane of SLURM tests (tests/conftest.py), the first the default
     rows = subprocess.run(["sinfo", "-h", "-N", "-o", "%P %N"], capture_output=True,
                           text=True, check=True, timeout=30).stdout.split("\n")
     lanes = sorted(tuple(r.split()) for r in rows if r.strip())
     assert lanes == [("hy3rl*", "n1"), ("hy3rl*", "n2"), ("hy3rl-b", "n3"),
-                     ("hy3rl-b", "n4")], lanes
-    assert slurm_cluster.partitions == {"hy3rl": ["n1", "n2"], "hy3rl-b": ["n3", "n4"]}
+                     ("hy3rl-b", "n4"), ("hy3rl-r", "n5")], lanes
+    assert slurm_cluster.partitions == {"hy3rl": ["n1", "n2"], "hy3rl-b": ["n3", "n4"],
+                                        "hy3rl-r": ["n5"]}
     proc = subprocess.run([sys.executable, str(REPO_ROOT / "tests" / "slurm_cluster.py"),
                            "status"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
