@@ -28,13 +28,16 @@ PIP=(.venv/bin/python -m pip install -q --require-hashes)
 #    connection-pool) and the package itself build with the locked setuptools
 #    (--no-build-isolation) instead of an unpinned one fetched into a build env.
 "${PIP[@]}" --no-deps -r envs/build.lock
-# 2. Every dependency, exactly as locked.
-"${PIP[@]}" --no-build-isolation -r "$LOCK"
+# 2. Every dependency, exactly as locked (compiled in step 4, on every core).
+"${PIP[@]}" --no-build-isolation --no-compile -r "$LOCK"
 # 3. The package itself, editable; its dependencies are the lock above. Gives `hy3rl`.
 .venv/bin/python -m pip install -q --no-deps --no-build-isolation -e .
-# 4. Its bytecode, once: an editable package is never compiled by pip, and where
-#    PYTHONDONTWRITEBYTECODE is set (this machine) every process would compile it anew.
-PYTHONDONTWRITEBYTECODE= .venv/bin/python -m compileall -q scripts >/dev/null
+# 4. The bytecode, once, in parallel (pip compiles one file after another): where
+#    PYTHONDONTWRITEBYTECODE is set (this machine) every process would compile anew what
+#    it imports. An editable package is never compiled by pip. A file that does not
+#    compile (a package's test data) is left as pip leaves it.
+PYTHONDONTWRITEBYTECODE= .venv/bin/python -m compileall -q -j 0 \
+    .venv/lib/python3.11/site-packages scripts >/dev/null || true
 if [ "${1:-}" = "--test" ]; then
     if ! command -v slurmctld >/dev/null || ! command -v munged >/dev/null || ! command -v chromium >/dev/null; then
         export DEBIAN_FRONTEND=noninteractive
