@@ -56,7 +56,6 @@ SLURM_B_TESTS = {
     "tests/test_preflight.py::test_preflight_errors_stop_the_workflow_on_the_slurm_cluster",
     "tests/test_train_slurm.py::test_time_limit_every_job_ends_right_after_a_save",
     "tests/test_train_slurm.py::test_slow_first_save_and_validation_no_false_hang_real_hangs_caught",
-    "tests/test_train_slurm.py::test_wandb_one_run_across_attempts",
 }
 RAY_FILES = {"tests/test_rerun_identity.py", "tests/test_train_ray.py"}
 # "real": the pinned verl's own trainer on this CPU (the CPU path), Ray ports of its own

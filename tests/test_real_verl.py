@@ -37,7 +37,8 @@ RUN = "tiny-default"
 # tests/slurm_cluster.py BASE_PORT): one block (hy3rl.launch.port_plan: 410 ports with the
 # default 400 worker ports), 17000-17409.
 REAL_RAY_PORTS = {"port_base": 17000, "port_span": 800}
-PASSTHROUGH = ["WANDB_MODE", "HY3RL_VERL_FAULTS", "VERL_USE_EXTERNAL_MODULES"]
+PASSTHROUGH = ["WANDB_MODE", "WANDB_API_KEY", "HY3RL_VERL_FAULTS", "VERL_USE_EXTERNAL_MODULES"]
+SECRET = "hy3rl-test-wandb-key-0123456789abcdef0123456789"
 
 
 class Real:
@@ -118,7 +119,7 @@ def faulted(real_run: Real, slurm_cluster) -> Real:
     real_run.result = real_run.snakemake(
         check=False, profiles=[REPO_ROOT / "profiles/slurm", profile], env={
             "HY3RL_VERL_FAULTS": str(faults), "VERL_USE_EXTERNAL_MODULES": "verl_faults",
-            "PYTHONPATH": str(REPO_ROOT / "tests")})
+            "PYTHONPATH": str(REPO_ROOT / "tests"), "WANDB_API_KEY": SECRET})
     return real_run
 
 
@@ -259,6 +260,11 @@ def test_a_death_mid_save_leaves_no_checkpoint_and_the_restart_resumes_before_it
     assert attempts[0]["slurm_job_id"] is None, attempts[0]
     jobs = {(a["executor"], a["slurm_job_id"], tuple(a["nodes"])) for a in attempts[1:]}
     assert len(jobs) == 1 and next(iter(jobs))[1] and next(iter(jobs))[2] == ("n5",), jobs
+    # the extension is the same trajectory, extended; its checkpoints carry that identity
+    assert attempts[1]["identity_action"] == "extend", attempts[1]
+    assert len({a["trajectory_id"] for a in attempts}) == 1, attempts
+    ident = read_identity(faulted.ckpt)
+    assert [e["total_training_steps"] for e in ident["extents"]] == [2, 5], ident
     died = attempts[1]
     assert "die_mid_save 3" in faulted.driver_log(2)
     assert died["outcome"] == "failed" and died["end_step"] == 2, died
@@ -280,6 +286,11 @@ def test_a_death_mid_save_leaves_no_checkpoint_and_the_restart_resumes_before_it
     run_id = ids.pop()
     runs = sorted((res / "train/wandb").glob("wandb/offline-run-*"))
     assert len(runs) == 4 and all(p.name.endswith(f"-{run_id}") for p in runs), runs
+    # the W&B key reached verl (passed through) but nothing the run wrote holds it: the
+    # records, logs and node logs of the hang, Snakemake's and SLURM's logs
+    for path in faulted.work.rglob("*"):
+        if path.is_file() and not path.is_symlink() and "deps" not in path.parts:
+            assert SECRET.encode() not in path.read_bytes(), path
 
 
 @pytest.mark.slurm
