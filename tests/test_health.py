@@ -240,6 +240,52 @@ def test_merged_attempt_logs_fed_in_order_give_the_same_events(tmp_path: Path):
 # --------------------------------------------------------------------------- last_healthy
 
 
+class _Lines:
+    """What Guard reads of the watchdog's Monitor: its lines, its own poll (nothing)."""
+
+    def __init__(self) -> None:
+        self.lines: list[dict] = []
+        self.last_step = None
+
+    def poll(self):
+        return None
+
+
+def test_a_nan_stops_at_once_while_another_stop_waits_for_its_save():
+    """Issue 41: drift fires at step 3 (a stop that waits for the save of step 4); verl's
+    file logger then writes step 4's NaN policy loss as null: the guard stops at once, not
+    after the save (which would hold NaN weights), and names both events."""
+    from hy3rl.health import Guard
+
+    h = health(drift={"action": "stop", "steps": 2},
+               nonfinite={"action": "stop", "metrics": ["actor/pg_loss"]})
+    events = []
+    monitor = _Lines()
+    guard = Guard(Watcher(h), monitor, on_event=events.append,
+                  next_save=lambda s: s + (s % 2), is_saved=lambda s: False)
+    drift = "training/rollout_probs_diff_mean"
+    for step, (d, loss) in enumerate([(0.001, 0.1), (0.5, 0.1), (0.5, 0.1), (0.5, None)],
+                                     start=1):
+        monitor.lines.append(json.loads(json.dumps({"step": step, "data": {
+            drift: d, "actor/pg_loss": loss}})))
+        monitor.last_step = step
+        request = guard.poll()
+        if step == 3:
+            assert request is None and guard.pending.rule == "drift"  # waits for save 4
+    assert request is not None and request.outcome == "unhealthy", request
+    assert "stopped at once (a non-finite value)" in request.message, request.message
+    assert (guard.stop.rule, guard.stop.step, guard.stopped_after_save) == ("nonfinite", 4,
+                                                                           None)
+    assert [(e.rule, e.step) for e in events] == [("drift", 3), ("nonfinite", 4)]
+    # without the NaN, the drift stop still waits for its save
+    quiet = _Lines()
+    guard = Guard(Watcher(h), quiet, on_event=lambda e: None,
+                  next_save=lambda s: s + (s % 2), is_saved=lambda s: False)
+    for step in range(1, 5):
+        quiet.lines.append({"step": step, "data": {drift: 0.5 if step > 1 else 0.0}})
+        assert guard.poll() is None
+
+
 def test_last_healthy_is_the_newest_checkpoint_before_the_first_stop():
     h = health(drift={"action": "stop", "max": 0.02, "steps": 3},
                clip_ratio={"action": "warn", "max": 0.2, "steps": 1})

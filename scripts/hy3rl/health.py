@@ -13,7 +13,8 @@ by no one), then wrapped with the watchdog's monitor in a :class:`Guard`, which 
 polls in the monitor's place. The guard feeds the watcher the lines the monitor read, hands
 each new event to the launcher (``warn``: logged, recorded, notified) and ends the attempt
 with outcome ``unhealthy`` on a ``stop`` event: at once for ``nonfinite``, else right after
-the next complete save (the first save step at or after the step where the rule fired).
+the next complete save (the first save step at or after the step where the rule fired); a
+``nonfinite`` stop while another waits for its save stops at once.
 
 Semantics:
 
@@ -450,7 +451,12 @@ class Guard:
         for rec in lines[self.fed:]:
             for event in self.watcher.feed(rec):
                 self.on_event(event)
-                if event.action == "stop" and self.pending is None:
+                # A non-finite value stops at once, also while another stop waits for
+                # its save: every update until then would train on it (that stop's event
+                # stays in the record, and last_healthy counts from the first sick step)
+                waiting = self.pending is not None and self.save_step is not None
+                if event.action == "stop" and (
+                        self.pending is None or (waiting and event.rule == "nonfinite")):
                     self.pending = event
                     self.save_step = (None if event.rule == "nonfinite"
                                       else self.next_save(event.step))
