@@ -286,6 +286,33 @@ def test_a_nan_stops_at_once_while_another_stop_waits_for_its_save():
         assert guard.poll() is None
 
 
+def test_the_checkpoint_a_metric_describes_rollout_side_or_after_the_update():
+    """Issue 41: a rollout-side metric at step f describes checkpoint f-1; the update's loss
+    and gradient norm, and the validation after the save, describe checkpoint f. A collapse
+    of the reward from step 7 with saves every 2 steps names checkpoint 4 (6 generated step
+    7), a NaN loss at step 7 names 6."""
+    from hy3rl.health import describes_checkpoint
+
+    for key in ("critic/score/mean", "actor/entropy", "response_length/mean",
+                "response_length/clip_ratio", "training/rollout_probs_diff_mean"):
+        assert describes_checkpoint(key, 7) == 6, key
+    for key in ("actor/pg_loss", "actor/grad_norm", "val-core/math_dapo/acc/mean@32"):
+        assert describes_checkpoint(key, 7) == 7, key
+    h = health(reward_floor={"action": "stop", "minimum": -1, "steps": 2},
+               nonfinite={"action": "stop", "metrics": ["actor/pg_loss"]})
+    seq = [{"step": s, "data": {"critic/score/mean": -1.0 if s >= 7 else 0.5,
+                                "actor/pg_loss": 0.1}} for s in range(1, 9)]
+    events = watch(h, seq)
+    assert [(e.rule, e.first_step) for e in events] == [("reward_floor", 7)]
+    assert last_healthy([2, 4, 6, 8], events) == 4
+    seq[6]["data"]["actor/pg_loss"] = None  # verl's file logger: NaN written as null
+    seq[6]["data"]["critic/score/mean"] = 0.5
+    seq[7]["data"]["critic/score/mean"] = 0.5
+    events = watch(h, [json.loads(json.dumps(r)) for r in seq])
+    assert [(e.rule, e.first_step) for e in events] == [("nonfinite", 7)]
+    assert last_healthy([2, 4, 6, 8], events) == 6
+
+
 def test_last_healthy_is_the_newest_checkpoint_before_the_first_stop():
     h = health(drift={"action": "stop", "max": 0.02, "steps": 3},
                clip_ratio={"action": "warn", "max": 0.2, "steps": 1})
@@ -296,9 +323,11 @@ def test_last_healthy_is_the_newest_checkpoint_before_the_first_stop():
     events = watch(h, seq)
     assert [(e.rule, e.action, e.step, e.first_step) for e in events] == [
         ("clip_ratio", "warn", 1, 1), ("drift", "stop", 6, 4)]
-    # the checkpoint at step 4 was saved inside the run that fired: not healthy
+    # the checkpoint at step 4 was saved inside the run that fired: not healthy; nor is 3:
+    # step 4 generated with its weights (verl's v1 trainer), so the drift at step 4 is
+    # checkpoint 3's (naming it, a rewind to 3 drifts again at step 4: issue 41's loop)
     assert last_healthy([2, 4, 6], events) == 2
-    assert last_healthy([3, 4], events) == 3
+    assert last_healthy([3, 4], events) is None and last_healthy([2, 3], events) == 2
     assert last_healthy([4, 6], events) is None
     assert last_healthy([], events) is None
     # warn events do not count; no event: the newest

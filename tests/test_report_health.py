@@ -17,7 +17,9 @@ from hy3rl.layout import Layout
 from hy3rl.redact import make_redactor
 from hy3rl.report.page import health_view, render
 
-DRIFT_FROM = 4
+DRIFT_FROM = 5
+# step 5 generated with checkpoint 4's weights: the drift (rollout-side) calls it sick
+SICK_FROM = DRIFT_FROM - 1
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -27,7 +29,7 @@ def _torch() -> None:
 
 
 def _run(tmp_path: Path, drift: bool) -> tuple:
-    """A run whose attempt 1 logged steps 0-7 (the double's metrics; drift from step 4 when
+    """A run whose attempt 1 logged steps 0-7 (the double's metrics; drift from step 5 when
     ``drift``), saved steps 3 and 6 and, with drift, was stopped by the guard after the save
     of step 6 (its record as the launcher writes it)."""
     cfg = make_config(run={"name": "r"}, cluster={"gpu": True},
@@ -82,7 +84,7 @@ def test_health_panel_names_each_rule_where_it_fired_and_the_last_healthy(tmp_pa
     view = health_view(report.gather(cfg, layout))
     rules = {r["rule"]: r for r in view["rules"]}
     assert set(rules) == {name for name, _ in cfg.train.health.rules()}
-    assert rules["drift"]["fired"] == "step 5" and rules["drift"]["action"] == "stop"
+    assert rules["drift"]["fired"] == "step 6" and rules["drift"]["action"] == "stop"
     assert rules["drift"]["metrics"] == "training/rollout_probs_diff_mean"
     assert rules["drift"]["threshold"] == "max 0.02, steps 2"
     assert rules["nonfinite"]["fired"] == "never"
@@ -91,7 +93,7 @@ def test_health_panel_names_each_rule_where_it_fired_and_the_last_healthy(tmp_pa
     assert stop["attempt"] == 1 and "last healthy checkpoint: step 3" in stop["message"]
     html = _page(cfg, layout)
     assert 'id="health-rules"' in html and 'id="last-healthy">step 3<' in html
-    assert "health rule drift (stop) fired at step 5" in html
+    assert "health rule drift (stop) fired at step 6" in html
     assert 'id="health-stop-1"' in html
 
 
@@ -104,21 +106,22 @@ def test_health_panel_of_a_healthy_run(tmp_path: Path):
 
 
 def test_selection_never_picks_a_checkpoint_past_a_fired_stop_rule(tmp_path: Path):
-    """The best held-out value is at step 6, trained through the drift from step 4: passed
-    over, step 3 is selected; without the stop, step 6. The bound comes from the lineage's
-    records, and a rewind to step 3 leaves it (its events are past the rewind)."""
+    """The best held-out value is at step 6, after the drift from step 5 (which calls
+    checkpoint 4 sick: step 5 generated with its weights): passed over, step 3 is
+    selected; without the stop, step 6. The bound comes from the lineage's records, and a
+    rewind to step 3 leaves it (its events are past the rewind)."""
     cands = [{"tag": "step3", "step": 3, "value": 0.5},
              {"tag": "step6", "step": 6, "value": 0.7},
              {"tag": "final", "step": None, "value": 0.9}]
     assert selection.select(cands)["tag"] == "final"
-    chosen = selection.select(cands, stop_at=DRIFT_FROM)
+    chosen = selection.select(cands, stop_at=SICK_FROM)
     assert chosen["tag"] == "step3" and chosen["unhealthy"] == ["step6", "final"]
-    assert "stop rule fired (from step 4): step6, final" in chosen["reason"]
+    assert "stop rule that fired (from checkpoint 4): step6, final" in chosen["reason"]
     none = selection.select(cands[1:], stop_at=2)
     assert none["tag"] is None and none["unhealthy"] == ["step6", "final"]
 
     cfg, layout = _run(tmp_path, drift=True)
-    assert train.health_stop_at(layout) == DRIFT_FROM
+    assert train.health_stop_at(layout) == SICK_FROM
     ckptdir.apply_identity(layout.checkpoint_dir, ckptdir.IdentityDecision("new", 0),
                            {"id": "t", "values": {}}, 8, 0, attempt=1)
     ckptdir.rewind(layout.checkpoint_dir, 3, attempt=2)

@@ -103,19 +103,20 @@ def test_nan_grad_norm_stops_at_once_and_is_not_resubmitted(guarded) -> None:
 
 def test_drift_stops_right_after_the_next_save_and_retention_keeps_the_last_healthy(
         guarded, monkeypatch, tmp_path: Path) -> None:
-    """Drift above 0.02 from step 4 for 2 logged steps fires at step 5; the trainer goes on
-    to the next save (step 6) and is stopped right after it. The last healthy checkpoint is
-    step 3 (saved before step 4); checkpoint_keep 1 would prune it, the guard keeps it. The
+    """Drift above 0.02 from step 5 for 2 logged steps fires at step 6, right after the save
+    of step 6 (verl logs a step after its save): the trainer is stopped. The last healthy
+    checkpoint is step 3 (step 5 generated with checkpoint 4's weights, so the drift is
+    checkpoint 4's); checkpoint_keep 1 would prune it, the guard keeps it. The
     double waits before step 7 until it is stopped (pause_at, never released): however slow
     the poll on a loaded machine, no save after step 6 can come before the stop."""
     monkeypatch.setenv("HY3RL_DOUBLE_RELEASE", str(tmp_path / "never-released"))
-    setup, run = guarded({"drift_from": 4, "pause_at": 7}, health={"drift": {"steps": 2}},
+    setup, run = guarded({"drift_from": 5, "pause_at": 7}, health={"drift": {"steps": 2}},
                          total=12, save_freq=3, keep=1)
-    rec = _stopped(setup, run, r"health rule drift .* fired at step 5 \(from step 4; values "
-                   r"0.05@4, 0.05@5\).*right after the complete save of step 6.*last "
+    rec = _stopped(setup, run, r"health rule drift .* fired at step 6 \(from step 5; values "
+                   r"0.05@5, 0.05@6\).*right after the complete save of step 6.*last "
                    r"healthy checkpoint: step 3")
     stop = rec["health_stop"]
-    assert (stop["rule"], stop["step"], stop["first_step"]) == ("drift", 5, 4)
+    assert (stop["rule"], stop["step"], stop["first_step"]) == ("drift", 6, 5)
     assert stop["stopped_after_save"] == 6 and stop["last_healthy_step"] == 3
     assert rec["end_step"] == 6 and rec["last_logged_step"] in (6, 7)
     assert _complete(setup) == [3, 6]  # 3 kept (keep 1); nothing saved after 6
@@ -140,7 +141,7 @@ def test_rerun_is_refused_then_a_rewind_goes_on_in_a_new_lineage(guarded) -> Non
     from fixtures.trainer_double import plan_json
     from hy3rl.cli import main
 
-    setup, run = guarded({"drift_from": 4}, health={"drift": {"steps": 2}}, total=8,
+    setup, run = guarded({"drift_from": 5}, health={"drift": {"steps": 2}}, total=8,
                          save_freq=3, keep=1)
     # no effect while the trajectory is the same; used by the run after the rewind
     setup.config["train"]["on_config_change"] = "resume"
@@ -257,8 +258,9 @@ def test_a_stop_rule_that_fired_before_the_trainer_ended_on_its_own(guarded) -> 
 def test_retention_keeps_the_checkpoint_before_a_run_that_may_still_fire(
         tmp_path: Path, ckpt_writer) -> None:
     """Drift over 2 steps, crossed at step 4 only so far, and step 4's checkpoint saved: the
-    rule may fire at step 5 with its first step 4, so step 2 (the last healthy then) is
-    kept from retention (keep 1); once a healthy value closes the run, it may go."""
+    rule may fire at step 5 with its first step 4, which calls checkpoint 3 sick (step 4
+    generated with its weights), so step 2 (the last healthy then) is kept from retention
+    (keep 1); once a healthy value closes the run, it may go."""
     from fixtures.common import make_config
     from fixtures.trainer_double import double_module
     from hy3rl.layout import Layout
@@ -279,7 +281,7 @@ def test_retention_keeps_the_checkpoint_before_a_run_that_may_still_fire(
         if step == 4:
             data["training/rollout_probs_diff_mean"] = 0.05
         assert job.watcher.feed({"step": step, "data": data}) == []
-    assert job.watcher.open_from() == 4 and job.protected() == [2, 7]
+    assert job.watcher.open_from() == 3 and job.protected() == [2, 7]
     assert ckptdir.prune(layout.checkpoint_dir, 1, job.protected) == []
     job.watcher.feed({"step": 5, "data": metrics(5, 8)})  # healthy again: the run ends
     assert job.watcher.open_from() is None and job.protected() == [4, 7]
@@ -296,10 +298,11 @@ def test_retention_keeps_the_checkpoint_before_a_run_that_may_still_fire(
 
 def test_open_from_of_a_falling_window() -> None:
     """The entropy fall (window 3) as a stop rule: a later window holds the latest 2 values,
-    so a fall may still start there; as a warn rule it bounds nothing."""
+    so a fall may still start there (at step 4: checkpoint 3's entropy, a rollout-side
+    metric); as a warn rule it bounds nothing."""
     from fixtures.common import make_config
 
-    for action, expected in (("stop", 4), ("warn", None)):
+    for action, expected in (("stop", 3), ("warn", None)):
         cfg = make_config(train={"health": {"entropy": {"action": action, "max_fall": 0.5,
                                                         "window": 3}}})
         w = train.Watcher(cfg.train.health)

@@ -377,11 +377,19 @@ class Watcher:
         self.records, self._rules, self.events = fresh.records, fresh._rules, fresh.events
 
     def open_from(self) -> int | None:
-        """The earliest step from which a ``stop`` rule may still fire over the steps fed
-        (``_Rule.open_from``); None when none can. Retention keeps the checkpoint before it:
-        a run of drift that began before a save may fire after it."""
-        return min((s for r in list(self._rules) if r.action == "stop"
-                    if (s := r.open_from()) is not None), default=None)
+        """The earliest checkpoint a ``stop`` rule may still call sick over the steps fed
+        (``_Rule.open_from``, the first step of a run under way, as
+        :func:`describes_checkpoint` maps it); None when none can. Retention keeps the
+        checkpoint before it: a run of drift that began before a save may fire after it."""
+        return min((describes_checkpoint(_metric(r), s) for r in list(self._rules)
+                    if r.action == "stop" if (s := r.open_from()) is not None), default=None)
+
+
+def _metric(rule: _Rule) -> str:
+    """The key a rule watches (its first, for a rule over several)."""
+    section = rule.section
+    return getattr(rule, "metric", None) or getattr(section, "metric", None) or \
+        next(iter(getattr(section, "metrics", None) or []), "")
 
 
 def watch(health: Health, records: Iterable[Mapping[str, Any]]) -> list[Event]:
@@ -481,14 +489,34 @@ class Guard:
         return self.stop is not None
 
 
+# Which weights a metric of step s describes. In verl's v1 trainer (verl@220e903,
+# verl/trainer/ppo/v1/trainer_base.py: generate, update, save, validate, log) step s
+# generates with the weights of checkpoint s-1: the rollout-side metrics (the reward,
+# entropy, response lengths and clip ratio, the rollout/training drift) describe checkpoint
+# s-1; the update's loss and gradient norm, and the validation after the save, describe
+# checkpoint s. A key not named here counts as rollout-side: naming a checkpoint one step
+# too early costs a few steps, one too late is a sick checkpoint whose rewind collapses
+# again at the same step (issue 41's loop).
+AFTER_UPDATE = ("actor/pg_loss", "actor/grad_norm")
+
+
+def describes_checkpoint(metric: str, step: int) -> int:
+    """The checkpoint step whose weights ``metric`` logged at ``step`` describes."""
+    after = metric in AFTER_UPDATE or metric.startswith("val-")
+    return step if after else step - 1
+
+
 def last_healthy(checkpoint_steps: Iterable[int], events: Iterable[Event],
                  open_from: int | None = None) -> int | None:
-    """The newest of ``checkpoint_steps`` (the complete checkpoints) saved before the first
-    step of every ``stop`` event's run or window, i.e. whose steps all passed every stop
-    rule; None when there is none. ``warn`` events do not count. ``open_from``
-    (:meth:`Watcher.open_from`): also before it (the checkpoint retention must keep while
-    a stop rule may still fire over steps already logged)."""
-    firsts = [e.first_step for e in events if e.action == "stop"]
+    """The newest of ``checkpoint_steps`` (the complete checkpoints) before the first
+    checkpoint every ``stop`` event's run or window describes (its first step, or the step
+    before for a rollout-side metric: :func:`describes_checkpoint`), i.e. whose weights
+    passed every stop rule; None when there is none. ``warn`` events do not count.
+    ``open_from`` (:meth:`Watcher.open_from`, already a checkpoint step): also before it
+    (the checkpoint retention must keep while a stop rule may still fire over steps already
+    logged)."""
+    firsts = [describes_checkpoint(e.metric, e.first_step) for e in events
+              if e.action == "stop"]
     bound = min(firsts + ([open_from] if open_from is not None else []), default=None)
     ok = [s for s in checkpoint_steps if bound is None or s < bound]
     return max(ok) if ok else None

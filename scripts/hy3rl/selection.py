@@ -191,12 +191,12 @@ def select(candidates: list[dict[str, Any]], rule: Mapping[str, Any] | None = No
            stop_at: int | None = None) -> dict[str, Any]:
     """The selected candidate of ``candidates`` (``{"tag", "step", "value"}``; value None:
     no held-out result). Highest value wins; a tie (equal within :data:`TIE_REL_TOL`)
-    goes to the earliest step (module docstring: why). ``stop_at``: the first step of a
-    ``stop`` rule that fired in the lineage (:func:`hy3rl.train.health_stop_at`): a
-    checkpoint at or past it (or of an unknown step) was trained through unhealthy steps
-    and is never selected. Returns ``{"tag", "step", "value", "ties", "missing",
-    "considered", "unhealthy", "reason"}``: ``ties`` the other candidates with the winner's
-    value (passed over by the tie rule), ``missing`` the tags without a value,
+    goes to the earliest step (module docstring: why). ``stop_at``: the first checkpoint a
+    ``stop`` rule that fired in the lineage calls sick (:func:`hy3rl.train.health_stop_at`):
+    a checkpoint at or past it (or of an unknown step) is unhealthy and never selected.
+    Returns ``{"tag", "step", "value", "ties", "missing", "considered", "unhealthy",
+    "reason"}``: ``ties`` the other candidates with the winner's value (passed over by the
+    tie rule), ``missing`` the tags without a value,
     ``considered`` how many had one, ``unhealthy`` the tags passed over for ``stop_at``;
     ``tag`` None (and ``reason``) when none had."""
     missing = [c["tag"] for c in candidates if c.get("value") is None]
@@ -204,7 +204,7 @@ def select(candidates: list[dict[str, Any]], rule: Mapping[str, Any] | None = No
     past = [] if stop_at is None else [c["tag"] for c in have
                                         if c.get("step") is None or c["step"] >= stop_at]
     have = [c for c in have if c["tag"] not in past]
-    unhealthy = (f"; passed over, trained through steps where a stop rule fired (from step "
+    unhealthy = (f"; passed over, unhealthy by a stop rule that fired (from checkpoint "
                  f"{stop_at}): {', '.join(past)}") if past else ""
     if not have:
         what = f"a held-out {rule_key(rule)}" if rule else "a held-out value"

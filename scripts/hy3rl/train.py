@@ -61,7 +61,15 @@ from hy3rl.ckptdir import (
     scan,
 )
 from hy3rl.errors import StageError
-from hy3rl.health import UNHEALTHY, Event, Guard, Watcher, last_healthy, stopped_when
+from hy3rl.health import (
+    UNHEALTHY,
+    Event,
+    Guard,
+    Watcher,
+    describes_checkpoint,
+    last_healthy,
+    stopped_when,
+)
 from hy3rl.layout import ATTEMPT_RE, Layout
 from hy3rl.timefmt import parse, utc_now
 from hy3rl.verl_log import merged_attempts, read_metrics
@@ -176,10 +184,12 @@ def load_attempt(layout: Layout, k: int) -> dict[str, Any]:
 
 
 def health_stop_at(layout: Layout) -> int | None:
-    """The first step of the earliest ``stop`` rule that fired in the checkpoint directory's
-    lineage (the ``health`` events of its attempt records; a rewind drops the events past its
-    step): a checkpoint at or past it was trained through unhealthy steps (the selection
-    never picks one, hy3rl.selection). None when none fired, or unreadable records."""
+    """The first checkpoint that a ``stop`` rule that fired in the checkpoint directory's
+    lineage calls sick (the ``health`` events of its attempt records, a rewind dropping the
+    events past its step; their first step, or the step before for a rollout-side metric:
+    hy3rl.health.describes_checkpoint): a checkpoint at or past it is unhealthy (the
+    selection never picks one, hy3rl.selection). None when none fired, or unreadable
+    records."""
     ckpt = layout.checkpoint_dir
     try:
         since, cuts = lineage_first_attempt(ckpt), lineage_cuts(ckpt)
@@ -194,7 +204,8 @@ def health_stop_at(layout: Layout) -> int | None:
         for e in rec.get("health") or []:
             if isinstance(e, dict) and e.get("action") == "stop" and isinstance(
                     e.get("first_step"), int) and (bound is None or e["first_step"] <= bound):
-                firsts.append(e["first_step"])
+                firsts.append(describes_checkpoint(str(e.get("metric") or ""),
+                                                   e["first_step"]))
     return min(firsts, default=None)
 
 
@@ -889,7 +900,8 @@ class Job:
         best = self.last_healthy()
         stopped = ended or f"the trainer was stopped {stopped_when(event.rule, after_save)}"
         if best is None:
-            where = "none (no complete checkpoint was saved before the rule's first step)"
+            where = ("none (no complete checkpoint was saved before the one the rule's first "
+                     "step describes)")
             how = ("start afresh under a changed configuration: train.on_config_change: "
                    "fresh (moves the checkpoints aside, nothing deleted)")
         else:
@@ -911,10 +923,12 @@ class Job:
                 "how_to_go_on": how, "message": message, "event_message": event.message}
 
     def check_healthy_start(self, start: int) -> None:
-        """Refuse to resume from a checkpoint trained through steps where a stop rule fired
-        (a rerun after an ``unhealthy`` stop, without a rewind), naming the way on."""
+        """Refuse to resume from a checkpoint that a stop rule calls sick (a rerun after an
+        ``unhealthy`` stop, without a rewind; hy3rl.health.describes_checkpoint), naming the
+        way on."""
         assert self.watcher is not None
-        broken = [e for e in self.watcher.events if e.action == "stop" and e.first_step <= start]
+        broken = [e for e in self.watcher.events if e.action == "stop"
+                  and describes_checkpoint(e.metric, e.first_step) <= start]
         if broken:
             stop = self.health_stop(broken[0], None)
             raise TrainError(f"the newest complete checkpoint, step {start}, was trained "
