@@ -34,10 +34,11 @@ PIP=(.venv/bin/python -m pip install -q --require-hashes)
 .venv/bin/python -m pip install -q --no-deps --no-build-isolation -e .
 # 4. The bytecode, once, in parallel (pip compiles one file after another): where
 #    PYTHONDONTWRITEBYTECODE is set (this machine) every process would compile anew what
-#    it imports. An editable package is never compiled by pip. A file that does not
-#    compile (a package's test data) is left as pip leaves it.
+#    it imports. A dependency's file that does not compile (a package's test data) is left
+#    as pip leaves it; the package's own (editable: never compiled by pip) must compile.
 PYTHONDONTWRITEBYTECODE= .venv/bin/python -m compileall -q -j 0 \
-    .venv/lib/python3.11/site-packages scripts >/dev/null || true
+    .venv/lib/python3.11/site-packages >/dev/null || true
+PYTHONDONTWRITEBYTECODE= .venv/bin/python -m compileall -q -j 0 scripts >/dev/null
 if [ "${1:-}" = "--test" ]; then
     if ! command -v slurmctld >/dev/null || ! command -v munged >/dev/null || ! command -v chromium >/dev/null; then
         export DEBIAN_FRONTEND=noninteractive

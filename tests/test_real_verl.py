@@ -2,10 +2,10 @@
 path (hy3rl.verl_cpu), driven by the workflow exactly as a user runs it: README's first
 command's `snakemake --profile profiles/local` on the embedded default, offline (the pinned
 verl and TransferQueue cloned by rule deps from local mirrors, the datasets from local
-parquet; fixtures.deps.real_upstreams), W&B offline. Then a rerun that extends the run
-with faults injected into verl's own trainer (tests/verl_faults.py: a death mid-save, a NaN
-loss). Every check reads what verl itself wrote: its file logger's lines, its driver log, its
-FSDP checkpoints and HF weights.
+parquet; fixtures.deps.real_upstreams), W&B offline. Then a rerun through the real SLURM
+test cluster extends the run with faults injected into verl's own trainer
+(tests/verl_faults.py: a death mid-save, a hang, a NaN loss). Every check reads what verl
+itself wrote: its file logger's lines, its driver log, its FSDP checkpoints and HF weights.
 
 One run of the pipeline (``real_run``, module scope) feeds every test here; the faulted
 extension runs once after it (``faulted``). The tests run in their own scope (tests/conftest.py

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import importlib.abc
 import json
+import math
 import os
 import sys
 import time
@@ -111,8 +112,6 @@ def _hook_driver(trainer_base) -> None:
 
 
 def _hook_loss(losses) -> None:
-    import math
-
     get = losses.get_policy_loss_fn
 
     def get_policy_loss_fn(loss_mode):

@@ -116,6 +116,10 @@ class _Rule:
         self.name = name
         self.action = section.action
         self.section = section
+        # the key it watches (the first, for a rule over several): what describes_checkpoint
+        # maps to the checkpoint a run under way may call sick
+        self.metric: str = getattr(section, "metric", None) or next(
+            iter(getattr(section, "metrics", None) or []), "")
 
     def feed(self, step: int, data: Mapping[str, Any]) -> list[Event]:
         raise NotImplementedError
@@ -158,7 +162,6 @@ class _Consecutive(_Rule):
                  crossed: Callable[[float], bool] | None = None,
                  reference: float | None = None, what: str = "") -> None:
         super().__init__(name, section)
-        self.metric = section.metric
         self.steps = steps
         self._crossed, self._reference, self._what = crossed, reference, what
         self.run: list[tuple[int, float]] = []
@@ -381,15 +384,8 @@ class Watcher:
         (``_Rule.open_from``, the first step of a run under way, as
         :func:`describes_checkpoint` maps it); None when none can. Retention keeps the
         checkpoint before it: a run of drift that began before a save may fire after it."""
-        return min((describes_checkpoint(_metric(r), s) for r in list(self._rules)
+        return min((describes_checkpoint(r.metric, s) for r in list(self._rules)
                     if r.action == "stop" if (s := r.open_from()) is not None), default=None)
-
-
-def _metric(rule: _Rule) -> str:
-    """The key a rule watches (its first, for a rule over several)."""
-    section = rule.section
-    return getattr(rule, "metric", None) or getattr(section, "metric", None) or \
-        next(iter(getattr(section, "metrics", None) or []), "")
 
 
 def watch(health: Health, records: Iterable[Mapping[str, Any]]) -> list[Event]:
