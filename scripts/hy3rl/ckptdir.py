@@ -532,15 +532,16 @@ def decide_identity(ckpt_dir: Path, trajectory: dict, total: int,
     """Compare the configuration about to launch (``trajectory`` from preflight's plan:
     ``{"id", "values", "origins"}``; ``total``: its total_training_steps) with the
     directory's identity and its newest complete checkpoint. Pure: nothing is written."""
-    from hy3rl.identity import changes, comparable, describe_changes
+    from hy3rl.identity import describe_changes, trajectory_changes
 
     ckpt_dir = Path(ckpt_dir)
     doc = read_identity(ckpt_dir)
     ckpts = scan(ckpt_dir)
     best = newest_complete(ckpts)
     newest = best.step if best else 0
-    # by type and value (1e-6 == 1.0e-6); a file written before typed values is parsed
-    diff = changes(comparable(doc["trajectory"]), comparable(trajectory)) if doc else []
+    # by type and value (1e-6 == 1.0e-6); a file written before typed values is parsed, one
+    # written before the composed form compared on the keys it names
+    diff = trajectory_changes(doc["trajectory"], trajectory) if doc else []
     fresh = bool(diff) and on_change == "fresh" and best is not None
     if best is not None and total < newest and not fresh:
         return IdentityDecision(

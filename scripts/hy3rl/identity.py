@@ -64,7 +64,9 @@ CONFIG_KINDS: dict[str, tuple[str, str]] = {
     "data.train": (TRAJECTORY, "the training set (counted by content: data.train.sha256)"),
     "data.val": (OPERATIONAL, "the validation set: verl's validation during training and the "
                  "evaluation's test set (re-evaluated through its file), no weight"),
-    "data.heldout": (OPERATIONAL, "the selection set: evaluation only"),
+    "data.heldout": (OPERATIONAL, "the selection set: evaluation only; with from_train "
+                     "it is carved out of the training set, so then it counts as trajectory "
+                     "(heldout_kind)"),
     "model.source": (TRAJECTORY, "the starting weights (counted by model.identity)"),
     "model.revision": (TRAJECTORY, "the starting weights (counted by model.identity)"),
     "model.dir": (OPERATIONAL, "where a hub checkpoint is stored; repo id and commit identify "
@@ -209,7 +211,16 @@ VERL_KINDS: dict[str, tuple[str, str]] = {
                                        "restart): retention is the workflow's"),
     "trainer.max_critic_ckpt_to_keep": (LOCATION, "deletes checkpoints: retention is the "
                                         "workflow's"),
+    "trainer.default_hdfs_dir": (LOCATION, "copies checkpoints elsewhere: where they are "
+                                 "written is the workflow's (train.checkpoint_root)"),
     "ray_kwargs": (OPERATIONAL, "Ray's start-up"),
+    "ray_kwargs.ray_init.runtime_env": (TRAJECTORY, "the environment of every worker: its "
+                                        "variables and the modules verl imports in each "
+                                        "process (VERL_USE_EXTERNAL_MODULES), its pip and "
+                                        "working_dir"),
+    "actor_rollout_ref.rollout.prometheus": (OPERATIONAL, "the rollout server's metrics "
+                                             "export"),
+    "global_profiler": (OPERATIONAL, "profiling"),
 }
 
 # Workflow-owned paths verl reads: the workflow key to set instead, and what the identity
@@ -223,6 +234,10 @@ OWNED_PATHS: dict[str, tuple[str, str | None]] = {
                                            "reward_function.sha256"),
 }
 CONTENT_NAMES = ("data.train.sha256", "model.identity", "reward_function.sha256")
+# Values the workflow sets that are no path or location: the config key to set instead.
+OWNED_VALUES: dict[str, str] = {
+    "trainer.total_training_steps": "train.total_training_steps",
+}
 
 # The pinned launch script's knobs (verl@220e903 examples/grpo_trainer/run_hy_v3_megatron.sh)
 # -> the verl keys each one sets; a knob's kind is the strongest of its keys' (trajectory,
@@ -340,6 +355,8 @@ def refused_override(key: str) -> str | None:
     if bare in OWNED_PATHS:
         return (f"the workflow owns this path (the run identity counts what it names); set "
                 f"{OWNED_PATHS[bare][0]} instead")
+    if bare in OWNED_VALUES:
+        return f"the workflow owns this value; set {OWNED_VALUES[bare]} instead"
     entry = verl_entry(bare)
     if entry and entry[0] == LOCATION:
         return f"a checkpoint location key: {entry[1]}"
@@ -399,6 +416,15 @@ def content_triggers(config: Mapping[str, Any]) -> dict[str, str]:
             for name, (value, _) in sorted(content_stats(config).items())}
 
 
+def heldout_kind(config: Mapping[str, Any]) -> str:
+    """The kind of ``data.heldout``: trajectory when ``from_train`` carves it out of the
+    training set (its seed, size or source choose which prompts train), operational when it
+    is a set of its own (evaluation only)."""
+    heldout = (config.get("data") or {}).get("heldout")
+    return TRAJECTORY if isinstance(heldout, Mapping) and heldout.get("from_train") \
+        else OPERATIONAL
+
+
 def train_trigger_values(config: Mapping[str, Any], extent: bool = True,
                          content: Mapping[str, str] | None = None) -> dict[str, str]:
     """``key=<JSON value>`` (``hy3rl.smk.triggers``) for every leaf of the validated config
@@ -414,7 +440,8 @@ def train_trigger_values(config: Mapping[str, Any], extent: bool = True,
 
     kinds = TRIGGER_KINDS if extent else (TRAJECTORY, LOCATION)
     keys = [leaf for section in sorted(config) for leaf, _ in _leaves(config[section], section)
-            if config_kind(leaf) in kinds]
+            if (heldout_kind(config) if leaf.startswith("data.heldout.")
+                else config_kind(leaf)) in kinds]
     out = triggers(config, *keys)
     train = config.get("train") or {}
     env = {k: v for k, v in (train.get("env") or {}).items() if knob_kind(k) == TRAJECTORY}
@@ -601,25 +628,138 @@ def trajectory(*, resolved: Mapping[str, Mapping[str, Any]], pins: Mapping[str, 
     the value as override text); ``pins``: repository name -> commit; the content identities
     of the training data, the model and the custom reward function (None: none). Values are
     typed (``form: typed``)."""
+    items = {key.lstrip("+~"): entry for key, entry in sorted(resolved.items())}
+    values = _trajectory_values(
+        {k: e.get("value") for k, e in items.items()}, lambda v: _verl_value(str(v)), pins,
+        {"data.train.sha256": train_sha256, "model.identity": model,
+         "reward_function.sha256": reward_fn_sha256})
+    origins = {k: str(e["origin"]) for k, e in items.items() if k in values and e.get("origin")}
+    return {"id": digest(values), "values": values, "origins": origins, "form": "typed"}
+
+
+def _trajectory_values(leaves: Mapping[str, Any], value_of: Any, pins: Mapping[str, str],
+                       content: Mapping[str, str | None]) -> dict[str, Any]:
+    """The values of a trajectory: the pins, each key of kind trajectory (``value_of`` its
+    value), a workflow-owned path by its content name, then the content names."""
     values: dict[str, Any] = {f"pin.{name}": commit for name, commit in sorted(pins.items())}
-    origins: dict[str, str] = {}
-    content = {"data.train.sha256": train_sha256, "model.identity": model,
-               "reward_function.sha256": reward_fn_sha256}
-    for key, entry in sorted(resolved.items()):
-        bare = key.lstrip("+~")
-        if verl_kind(bare) != TRAJECTORY:
+    for key, value in sorted(leaves.items()):
+        if verl_kind(key) != TRAJECTORY:
             continue
-        if bare in OWNED_PATHS:
-            name = OWNED_PATHS[bare][1]
+        if key in OWNED_PATHS:
+            name = OWNED_PATHS[key][1]
             if name:
                 values[name] = content[name]
             continue
-        values[bare] = _verl_value(str(entry.get("value")))
-        if entry.get("origin"):
-            origins[bare] = str(entry["origin"])
+        values[key] = value_of(value)
     for name, value in content.items():
         values.setdefault(name, value)
-    return {"id": digest(values), "values": values, "origins": origins, "form": "typed"}
+    return values
+
+
+def composed_leaves(composed: Any) -> dict[str, Any]:
+    """The configuration verl runs with, as its leaves: the composed config (Hydra's, from the
+    launch's exact argument list) resolved (``OmegaConf.to_container(resolve=True)``) and
+    flattened to dotted keys. Nested mappings, ``+``/``++``, interpolations and the order of
+    overrides are thereby reduced to the one value verl reads; a list, or an empty mapping,
+    is one leaf. Raises ValueError naming the key whose interpolation does not resolve."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        data = OmegaConf.to_container(composed, resolve=True) if hasattr(
+            composed, "_metadata") else composed
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None) or "?"
+        raise ValueError(f"{key}: does not resolve as verl would resolve it "
+                         f"({str(exc).splitlines()[0]})") from None
+    out: dict[str, Any] = {}
+
+    def walk(value: Any, key: str) -> None:
+        if isinstance(value, Mapping) and value:
+            for k, v in value.items():
+                walk(v, f"{key}.{k}" if key else str(k))
+        else:
+            out[key] = value
+
+    walk(data, "")
+    return out
+
+
+def origin_of(key: str, overrides: list[tuple[str, str]]) -> str | None:
+    """The origin of the last override (``(key, origin)`` in launch order) that sets ``key``,
+    a section above it or a key below it (Hydra: later overrides win); None: verl's default."""
+    hit = None
+    for okey, origin in overrides:
+        bare = okey.lstrip("+~")
+        if bare == key or key.startswith(bare + ".") or bare.startswith(key + "."):
+            hit = origin
+    return hit
+
+
+def composed_trajectory(leaves: Mapping[str, Any], *, pins: Mapping[str, str],
+                        owned: Mapping[str, str], train_sha256: str | None,
+                        model: str | None, reward_fn_sha256: str | None,
+                        origins: Mapping[str, str]) -> dict[str, Any]:
+    """``{"id", "values", "origins", "form": "composed"}``: the trajectory identity of the
+    configuration verl runs with (:func:`composed_leaves`): every leaf of kind trajectory
+    (:data:`VERL_KINDS`; a key none names counts), the pins and the content identities of
+    the training data, the model and the custom reward function. A workflow-owned path
+    (:data:`OWNED_PATHS`) counts by its content name; ``owned`` maps the workflow's own path
+    values (the data file, the model directory, the reward function's copy) to their content
+    names, so that a key interpolating one of them (``${actor_rollout_ref.model.path}``)
+    counts the same content, never the directory's bytes again; any other absolute path
+    that exists counts by its content (:func:`path_identity`). ``origins``: where the
+    values of the launch's overrides came from (for refusal messages)."""
+    values = _trajectory_values(
+        leaves, lambda v: _leaf_value(v, owned), pins,
+        {"data.train.sha256": train_sha256, "model.identity": model,
+         "reward_function.sha256": reward_fn_sha256})
+    kept = {k: v for k, v in origins.items() if k in values}
+    return {"id": digest(values), "values": values, "origins": kept, "form": "composed"}
+
+
+def _leaf_value(value: Any, owned: Mapping[str, str]) -> Any:
+    if isinstance(value, str):
+        if value in owned:
+            return f"the workflow's {owned[value]}"
+        if value.startswith("/") and Path(value).exists():
+            return path_identity(Path(value))
+    if isinstance(value, list):
+        return [_leaf_value(v, owned) for v in value]
+    return _normal(value)
+
+
+def _nest(flat: Mapping[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in flat.items():
+        node = out
+        *parents, last = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[last] = value
+    return out
+
+
+def _at(values: Mapping[str, Any], key: str) -> Any:
+    """``values[key]``, or the section rebuilt from the leaves below ``key``; None: absent."""
+    if key in values:
+        return values[key]
+    below = {k[len(key) + 1:]: v for k, v in values.items() if k.startswith(key + ".")}
+    return _nest(below) if below else None
+
+
+def trajectory_changes(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """:func:`changes` between two trajectories (an identity file's and a plan's). Both of
+    the composed form: every leaf. One written before it (its values the launch's override
+    keys only): the keys that one names, each compared with the other side's value at that
+    key (a section rebuilt from its leaves), since a key neither names was verl's default
+    under the same pin (a pin change shows as ``pin.verl``)."""
+    a, b = comparable(old), comparable(new)
+    if (old.get("form") == "composed") != (new.get("form") == "composed"):
+        short, full = (a, b) if old.get("form") != "composed" else (b, a)
+        full = {k: _at(full, k) for k in short}
+        a, b = (short, full) if short is a else (full, short)
+    return changes(a, b)
 
 
 def comparable(traj: Mapping[str, Any]) -> dict[str, Any]:
@@ -633,7 +773,7 @@ def comparable(traj: Mapping[str, Any]) -> dict[str, Any]:
         if key.startswith("pin.") or key in CONTENT_NAMES:
             out[key] = value
         elif verl_kind(key) == TRAJECTORY:
-            legacy = traj.get("form") != "typed" and isinstance(value, str)
+            legacy = traj.get("form") not in ("typed", "composed") and isinstance(value, str)
             out[key] = typed_value(value) if legacy else value
     return out
 

@@ -147,21 +147,36 @@ def verl_record(checks: list[VerlCheck], model_dir: Path) -> dict[str, Any]:
 def run_identity(cfg: Config, res: Any, lock_doc: Mapping[str, Any],
                  summary: Mapping[str, Any] | None, model_manifest: Path | None,
                  reward_sha: str | None) -> dict:
-    """plan.json ``identity``: the trajectory of this launch (:func:`hy3rl.identity.trajectory`
-    over the resolved overrides, the pins of deps/lock.json, the training data's sha256 from
-    the data summary, the model's identity from its manifest, the custom reward function's
-    content: ``reward_sha``, the sha256 of the bytes copied), the extent and
-    ``train.on_config_change``."""
+    """plan.json ``identity``: the trajectory of this launch, the extent and
+    ``train.on_config_change``. The trajectory is that of the configuration verl runs with
+    (:func:`hy3rl.identity.composed_trajectory` over the composed, resolved config's leaves),
+    with the pins of deps/lock.json, the training data's sha256 from the data summary, the
+    model's identity from its manifest and the custom reward function's content
+    (``reward_sha``, the sha256 of the bytes copied). A launch that does not compose (its
+    plan is refused) gets the trajectory of its override list (:func:`..trajectory`)."""
     from hy3rl import identity
 
     pins = {name: str(entry.get("head") or entry.get("commit"))
             for name, entry in sorted((lock_doc.get("repos") or {}).items())}
     train_sha = (((summary or {}).get("splits") or {}).get("train") or {}).get("sha256")
     manifest = read_json(model_manifest, "model manifest")
-    resolved = {o.key: {"value": o.value, "origin": o.origin} for o in res.overrides}
-    traj = identity.trajectory(resolved=resolved, pins=pins, train_sha256=train_sha,
-                               model=identity.model_identity(manifest) if manifest else None,
-                               reward_fn_sha256=reward_sha)
+    model = identity.model_identity(manifest) if manifest else None
+    if res.leaves is None:
+        resolved = {o.key: {"value": o.value, "origin": o.origin} for o in res.overrides}
+        traj = identity.trajectory(resolved=resolved, pins=pins, train_sha256=train_sha,
+                                   model=model, reward_fn_sha256=reward_sha)
+    else:
+        owned = {str(res.owned[key][0]): name for key, name in (
+            ("data.train_files", "data.train.sha256"), ("actor_rollout_ref.model.path",
+                                                        "model.identity"),
+            ("reward.custom_reward_function.path", "reward_function.sha256"))
+            if res.owned.get(key, (None,))[0]}
+        spelled = [(o.key, o.origin) for o in res.overrides]
+        origins = {key: origin for key in res.leaves
+                   if (origin := identity.origin_of(key, spelled))}
+        traj = identity.composed_trajectory(res.leaves, pins=pins, owned=owned,
+                                            train_sha256=train_sha, model=model,
+                                            reward_fn_sha256=reward_sha, origins=origins)
     return {"trajectory": traj,
             "total_training_steps": cfg.train.total_training_steps,
             "segment_steps": cfg.train.segment_steps,

@@ -115,6 +115,12 @@ class Resolution:
     # The CPU path (train.cpu): the script's overrides dropped for the FSDP engine (with
     # why), the environment verl's processes get, the workarounds; None on GPUs.
     cpu_path: dict[str, Any] | None = None
+    # The composed config's leaves, resolved (hy3rl.identity.composed_leaves): what verl
+    # runs with; None when it does not compose or resolve.
+    leaves: dict[str, Any] | None = None
+    # Keys whose value is the workflow's: key -> (the workflow's value, the config key that
+    # sets it); checked on the composed leaves (rule owned_keys).
+    owned: dict[str, tuple[Any, str]] = field(default_factory=dict)
 
 
 # --------------------------------------------------------------------------- overrides
@@ -331,11 +337,21 @@ def knob_env(cfg: Config, train_files: Path, val_files: Path, known: list[str],
         elif name not in known:
             problems.append(f"train.env.{name}: the launch script does not read this knob "
                             f"(it reads: {', '.join(known)})")
+        elif _SPLITS.search(knob_value(value)):
+            problems.append(
+                f"train.env.{name}: {knob_value(value)!r} holds whitespace or '=': the pinned "
+                f"script passes its knobs to verl unquoted, so the shell splits the value into "
+                f"more arguments and verl would read them as overrides of their own (write "
+                f"the value without them; set a verl key with train.verl_overrides)")
         else:
             knobs[name] = {"value": knob_value(value), "from": f"train.env.{name}"}
     for knob in knobs.values():
         knob["source"] = CONFIG
     return knobs, problems
+
+
+# What the shell's word splitting (or Hydra's parser) turns into another argument.
+_SPLITS = re.compile(r"[\s=]")
 
 
 class _Overrides:
@@ -609,6 +625,56 @@ def resolve(cfg: Config, verl_dir: Path, *, train_files: Path, val_files: Path, 
     except PreflightError as exc:
         res.compose_error = str(exc)
         return res
+    from hy3rl.identity import composed_leaves
+
+    try:
+        res.leaves = composed_leaves(res.composed)
+    except ValueError as exc:
+        res.compose_error = str(exc)
+        res.composed = None
+        return res
+    res.owned = owned_values(cfg, knobs, checkpoint_dir=str(checkpoint_dir), loggers=loggers,
+                             reward_fn=str(reward_fn.absolute())
+                             if cfg.train.reward_function.path else None)
     reward["effective_manager"] = select(res.composed, "reward.reward_manager.name")
     reward["effective_kwargs"] = select(res.composed, "reward.reward_kwargs")
     return res
+
+
+def owned_values(cfg: Config, knobs: Mapping[str, Mapping[str, str]], *, checkpoint_dir: str,
+                 loggers: list[str], reward_fn: str | None) -> dict[str, tuple[Any, str]]:
+    """The values the workflow gives verl, each with the config key that sets it: the data
+    files and the model (the run identity counts what they name), where checkpoints are
+    written and resumed from (retention is the workflow's), the loggers (the file logger
+    the watchdog and the health guard read), the total, the prompt limit and the shape.
+    After composition verl must read exactly these (rule owned_keys): an override that
+    reaches one by any spelling (a nested mapping, ``+``/``++``, an interpolation, a word
+    of a knob the script splits) is refused by name."""
+    def knob(name: str, what: str) -> tuple[Any, str]:
+        value = knobs[name]["value"]
+        return (int(value) if value.isdigit() else value), what
+
+    return {
+        "data.train_files": knob("TRAIN_FILES", "data.train.source (the run's train.parquet)"),
+        "data.val_files": knob("VAL_FILES", "data.val.source (the run's val.parquet)"),
+        "actor_rollout_ref.model.path": knob("MODEL_PATH", "model.source / model.dir"),
+        "actor_rollout_ref.model.tokenizer_path": (None, "model.source (the model's own "
+                                                   "tokenizer)"),
+        "reward.custom_reward_function.path": (reward_fn, "train.reward_function.path"),
+        "custom_reward_function.path": (None, "train.reward_function.path (verl reads "
+                                        "reward.custom_reward_function)"),
+        "data.max_prompt_length": (cfg.data.max_prompt_length, "data.max_prompt_length"),
+        "trainer.nnodes": knob("NNODES", knobs["NNODES"]["from"]),
+        "trainer.n_gpus_per_node": knob("NGPUS_PER_NODE", knobs["NGPUS_PER_NODE"]["from"]),
+        "trainer.total_training_steps": (cfg.train.total_training_steps,
+                                         "train.total_training_steps"),
+        "trainer.default_local_dir": (checkpoint_dir, "train.checkpoint_root / run.name"),
+        "trainer.default_hdfs_dir": (None, "train.checkpoint_root (no copy elsewhere)"),
+        "trainer.resume_mode": ("auto", "the workflow's resume (from the newest complete "
+                                "checkpoint)"),
+        "trainer.resume_from_path": (None, "the workflow's resume"),
+        "trainer.del_local_ckpt_after_load": (False, "train.checkpoint_keep"),
+        "trainer.max_actor_ckpt_to_keep": (None, "train.checkpoint_keep"),
+        "trainer.max_critic_ckpt_to_keep": (None, "train.checkpoint_keep"),
+        "trainer.logger": (loggers, "train.loggers (the file logger added)"),
+    }

@@ -35,6 +35,9 @@ RULES: dict[str, str] = {
     "knobs": "every train.env knob is read by the launch script and not owned by another key",
     "compose": "the overrides compose with the pinned verl's Hydra config (no unknown key), "
                "and the numeric values the rules read are numbers",
+    "owned_keys": "verl, as it composes the launch, reads the workflow's own value at every "
+                  "key the workflow owns (data files, model, checkpoint location, resume, "
+                  "retention, loggers, total, shape), however an override spells it",
     "verl": "verl's own validation of the composed config (validate_config, its config "
             "dataclasses' __post_init__, the reward manager's constructor) passes; a verl check "
             "that cannot run is an error too",
@@ -91,7 +94,7 @@ RULES: dict[str, str] = {
                       "(its source in the clone, the rollout log-probs it needs); set a "
                       "rule to ignore rather than watch a metric that never comes",
 }
-NOT_WAIVABLE = {"compose", "run_identity", "health_metrics"}
+NOT_WAIVABLE = {"compose", "owned_keys", "run_identity", "health_metrics"}
 
 EFFECTIVE_KEYS = (
     "trainer.nnodes", "trainer.n_gpus_per_node", "trainer.total_training_steps",
@@ -353,6 +356,35 @@ def _numbers(r: _Rules, eff: Mapping[str, Any]) -> None:
 def _knobs(r: _Rules, res: Resolution) -> None:
     for problem in res.knob_errors:
         r.error("knobs", problem)
+
+
+def _same_value(composed: Any, wanted: Any) -> bool:
+    if isinstance(composed, list) and not isinstance(wanted, list) and len(composed) == 1:
+        composed = composed[0]  # data.train_files: a file or a list of files
+    if isinstance(composed, bool) or isinstance(wanted, bool):
+        return type(composed) is type(wanted) and composed == wanted
+    if isinstance(composed, int | float) and isinstance(wanted, int | float):
+        return composed == wanted
+    return composed == wanted
+
+
+def _owned_keys(r: _Rules, res: Resolution) -> None:
+    """owned_keys: the composed, resolved config (what verl reads) holds the workflow's value
+    at each key it owns (``res.owned``), whatever spelling of an override reached the key; a
+    key the pinned config lacks is not read."""
+    from hy3rl.identity import origin_of
+
+    leaves = res.leaves or {}
+    spelled = [(o.key, f"{o.origin}: {o.text}") for o in res.overrides]
+    for key, (wanted, what) in res.owned.items():
+        if key not in leaves and not any(k.startswith(key + ".") for k in leaves):
+            continue
+        value = leaves.get(key)
+        if _same_value(value, wanted):
+            continue
+        origin = origin_of(key, spelled) or "verl's config default"
+        r.error("owned_keys", f"{key}: verl would read {value!r} (set by {origin}); the run "
+                f"has {wanted!r} ({what}: set it there)")
 
 
 def _checkpoint_checks(r: _Rules, ckpt_check: Mapping[str, Any] | None) -> None:
@@ -1036,6 +1068,7 @@ def check_rules(cfg: Config, res: Resolution, eff: Mapping[str, Any],
     s = Shape.of(cfg.cluster, eff, cfg.trains)
     _numbers(r, eff)
     _knobs(r, res)
+    _owned_keys(r, res)
     _verl(r, verl_checks)
     _checkpoint_checks(r, ckpt_check)
     _bridge(r, s.gpu, bridge, bridge_path)
