@@ -195,3 +195,36 @@ def test_a_carved_heldout_set_is_training_data():
             "train": {"total_training_steps": 2}}
     assert identity.train_trigger_values(own, content={}) == identity.train_trigger_values(
         own2, content={})
+
+
+def test_training_keys_count_typed_values_and_resolved_paths(tmp_path):
+    """The training keys (what plans a training job while the DAG is built) count what verl
+    reads: a knob or an override respelled (``'1e-6'``, ``1.0e-6``; ``128``, ``'128'``; a
+    nested mapping for a dotted key) and a local path respelled (relative, ``./``, a
+    trailing slash, a symlink) plan no job; another value does."""
+    import os
+
+    data = tmp_path / "dapo"
+    data.mkdir()
+    (data / "train.parquet").write_bytes(b"rows")
+    (tmp_path / "link").symlink_to(data)
+
+    def keys(env: dict, overrides: dict, source: str) -> str:
+        cfg = {"data": {"train": {"source": source}},
+               "train": {"env": env, "verl_overrides": overrides, "total_training_steps": 2}}
+        return identity.train_keys_params(cfg, "final")
+
+    here = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        first = keys({"ACTOR_LR": "1e-6", "TRAIN_BATCH_SIZE": 128},
+                     {"actor_rollout_ref.actor.optim.lr": 1e-6}, str(data))
+        for spelled in ("./dapo", "dapo/", str(tmp_path / "link")):
+            assert keys({"ACTOR_LR": 1.0e-6, "TRAIN_BATCH_SIZE": "128"},
+                        {"actor_rollout_ref.actor.optim": {"lr": "1.0e-6"}}, spelled) == first
+        assert keys({"ACTOR_LR": 2e-6, "TRAIN_BATCH_SIZE": 128},
+                    {"actor_rollout_ref.actor.optim.lr": 1e-6}, str(data)) != first
+        assert keys({"ACTOR_LR": "1e-6", "TRAIN_BATCH_SIZE": 128},
+                    {"actor_rollout_ref.actor.optim": {"lr": 5e-6}}, str(data)) != first
+    finally:
+        os.chdir(here)

@@ -395,14 +395,14 @@ def test_unknown_key_is_an_error_naming_it(verl, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "compose:" in err and "trainer.totl_training_steps" in err
     plan = json.loads(Path(Layout.from_config(cfg).preflight_refused).read_text())
-    assert plan["ok"] is False and plan["rules"][2]["name"] == "compose"
+    assert plan["ok"] is False and plan["rules"][3]["name"] == "compose"
     assert "trainer.totl_training_steps" in plan["errors"][0]
     # nothing composed, so none of verl's own checks ran: recorded, and why
     assert plan["verl_checks"]["counts"] == {"pass": 0, "fail": 0, "not run": 1}
     (check,) = plan["verl_checks"]["checks"]
     assert (check["name"], check["status"]) == ("verl_checks", "not run")
     assert check["reason"].startswith("not composed")
-    for i, name in ((3, "owned_keys"), (4, "verl")):
+    for i, name in ((4, "owned_keys"), (5, "verl")):
         assert plan["rules"][i] == {"name": name, "status": "not run",
                                     "messages": ["not run: the config did not compose"]}
 
@@ -1719,3 +1719,56 @@ def test_the_fsdp_engines_schedule_is_read_by_its_own_keys(eff, why):
             "actor_rollout_ref.actor.optim.lr_warmup_steps": -1,
             "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio": 0.0}
     assert rules.non_constant_schedule({**base, **eff}) == why
+
+
+def test_a_pinned_clone_with_local_changes_is_refused_or_counted(verl, tmp_path):
+    """Issue 40, pinned trees: a line of the verl clone patched in place and an untracked
+    recipe file added run as the Ray job's working directory while HEAD is still the pin.
+    Preflight refuses them (rule pins_clean, not waivable), naming each file; with
+    deps.allow_local_changes they run, counted: the diff's sha256 joins the pin in the
+    trajectory (another diff, another trajectory), and the plan keeps the diff for the
+    report. A training attempt refuses a clone edited after preflight."""
+    from types import SimpleNamespace
+
+    from hy3rl.train import Job, TrainError
+
+    cfg = paper_cfg(tmp_path)
+    clean = plan_for(cfg, verl, tmp_path, "clean")
+    assert clean.ok and rule(clean, "pins_clean").status == "pass"
+    assert clean.pins["verl"]["changes"] == [] and clean.pins["verl"]["diff_sha256"] is None
+    assert clean.identity["trajectory"]["values"]["pin.verl"] == verl.commit
+
+    (verl.path / "verl/__init__.py").write_text("WEIGHT_DECAY = 0.5  # patched in place\n")
+    (verl.path / "recipe/mine.py").write_text("print('an added recipe')\n")
+    cfg["preflight"]["waive"] = ["disk", "pins_clean"]  # not waivable: the schema refuses it
+    with pytest.raises(ConfigError, match="pins_clean"):
+        Config.from_dict(cfg)
+    cfg["preflight"]["waive"] = ["disk"]
+    dirty = plan_for(cfg, verl, tmp_path, "dirty")
+    assert not dirty.ok
+    (msg,) = rule(dirty, "pins_clean").messages
+    assert rule(dirty, "pins_clean").status == "error"
+    assert f"verl: {verl.path} differs from its pin {verl.commit}" in msg, msg
+    assert "M verl/__init__.py" in msg and "?? recipe/mine.py" in msg, msg
+    assert "deps.allow_local_changes" in msg
+    assert not (tmp_path / "dirty" / "plan.json").exists()
+
+    cfg["deps"]["allow_local_changes"] = True
+    counted = plan_for(cfg, verl, tmp_path, "counted")
+    assert counted.ok and rule(counted, "pins_clean").status == "warning"
+    pin = counted.identity["trajectory"]["values"]["pin.verl"]
+    sha = counted.pins["verl"]["diff_sha256"]
+    assert pin == f"{verl.commit}+local:{sha}", pin
+    assert "+WEIGHT_DECAY = 0.5" in counted.pins["verl"]["diff"]
+    assert "untracked: recipe/mine.py" in counted.pins["verl"]["diff"]
+    assert counted.identity["trajectory"]["id"] != clean.identity["trajectory"]["id"]
+    (verl.path / "recipe/mine.py").write_text("print('another recipe')\n")
+    other = plan_for(cfg, verl, tmp_path, "other")
+    assert other.identity["trajectory"]["id"] != counted.identity["trajectory"]["id"]
+
+    # the attempt's own check: the clone as preflight saw it, or a refusal naming it
+    job = SimpleNamespace(plan={"pins": other.pins})
+    Job.check_clones(job)
+    (verl.path / "verl/__init__.py").write_text("WEIGHT_DECAY = 0.9  # patched again\n")
+    with pytest.raises(TrainError, match="pinned clone verl .* changed since preflight"):
+        Job.check_clones(job)

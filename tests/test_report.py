@@ -1074,3 +1074,22 @@ def test_a_runtime_change_between_attempts_is_a_column_and_a_marker(report_run_f
     assert runtime_changes(found.attempts, found.logs) == []
     assert 'id="runtime-changes"' not in page.render(
         found, Redactor(), {}, {n: b"" for n in REPORT_FIGURES}, [])["index.html"].decode()
+
+
+def test_local_changes_a_run_ran_are_shown_with_their_diff(report_run_factory):
+    """Issue 40: a run under deps.allow_local_changes shows each clone's diff and its sha256
+    (the run identity's pin.<name> suffix); a clean run shows none."""
+    results = report_run_factory()
+    clean = _build(results, _config())["index.html"].decode()
+    assert 'id="local-diff-' not in clean
+    path = results / "preflight" / "plan.json"
+    plan = json.loads(path.read_text())
+    plan["pins"] = {"verl": {"path": "/deps/verl", "head": "220e" * 10, "changes": [
+        " M verl/trainer/config/actor/actor.yaml"], "diff_sha256": "cd" * 32,
+        "diff": "-  weight_decay: 0.01\n+  weight_decay: 0.5\n"}}
+    path.write_text(json.dumps(plan))
+    files = _build(results, _config())
+    html = files["index.html"].decode()
+    assert 'id="local-diff-verl"' in html and "+  weight_decay: 0.5" in html
+    rows = {r["name"]: r["value"] for r in _csv(files["provenance.csv"])}
+    assert rows["verl diff sha256 (pin.verl)"] == "cd" * 32

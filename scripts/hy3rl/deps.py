@@ -195,6 +195,41 @@ def local_changes(repo: Path) -> list[str]:
     return [line for line in out.splitlines() if line.strip()]
 
 
+DIFF_SHOWN_BYTES = 200_000  # of a clone's diff, kept in the plan for the report
+
+
+def tree_state(repo: Path) -> dict[str, Any]:
+    """What a pinned clone runs, against its HEAD: ``head``; ``changes``, the porcelain lines
+    of every modified, staged, deleted and untracked (not ignored) path; ``diff_sha256``, the
+    sha256 of the binary diff against HEAD and of each untracked file's path and bytes (None
+    when clean); ``diff``, that diff as text (untracked files listed; at most
+    :data:`DIFF_SHOWN_BYTES`, cut with a note). The Ray job uploads the clone as its
+    working directory: this is the code that would run."""
+    import hashlib
+
+    changes = local_changes(repo)
+    state: dict[str, Any] = {"head": head_of(repo), "changes": changes, "diff_sha256": None,
+                             "diff": ""}
+    if not changes:
+        return state
+    digest = hashlib.sha256()
+    diff = subprocess.run(["git", "diff", "--binary", "HEAD"], cwd=repo, env=_git_env(),
+                          capture_output=True, check=True).stdout
+    digest.update(diff)
+    untracked = [p for p in git("ls-files", "--others", "--exclude-standard", "-z",
+                                cwd=repo).stdout.split("\0") if p]
+    for rel in sorted(untracked):
+        path = repo / rel
+        digest.update(b"\0untracked\0" + rel.encode() + b"\0")
+        digest.update(path.read_bytes() if path.is_file() and not path.is_symlink()
+                      else os.readlink(path).encode() if path.is_symlink() else b"")
+    text = diff.decode(errors="replace") + "".join(f"untracked: {rel}\n" for rel in untracked)
+    if len(text) > DIFF_SHOWN_BYTES:
+        text = text[:DIFF_SHOWN_BYTES] + f"\n... (cut at {DIFF_SHOWN_BYTES} bytes)\n"
+    state.update(diff_sha256=digest.hexdigest(), diff=text)
+    return state
+
+
 def is_clone_root(path: Path) -> bool:
     proc = git("rev-parse", "--show-toplevel", cwd=path, check=False)
     return proc.returncode == 0 and Path(proc.stdout.strip()).resolve() == path.resolve()

@@ -57,6 +57,9 @@ CONFIG_KINDS: dict[str, tuple[str, str]] = {
     "run.results_root": (LOCATION, "holds the checkpoint directory when "
                          "train.checkpoint_root is empty"),
     "deps.dir": (OPERATIONAL, "where the clones live; their commits identify them"),
+    "deps.allow_local_changes": (OPERATIONAL, "whether a clone may differ from its pin; the "
+                                 "difference itself counts (`pin.<name>` holds its diff's "
+                                 "sha256)"),
     "deps.repos.*.url": (OPERATIONAL, "where a repository is fetched from: its commit, not "
                          "its url, is what runs"),
     "deps.repos.*.commit": (TRAJECTORY, "the code that trains (`pin.<name>`)"),
@@ -378,12 +381,16 @@ def content_stats(config: Mapping[str, Any]) -> dict[str, tuple[str, tuple[Path,
     ``model.identity``) exists only once rule data or model has run again. A replaced
     file changes a value, so the training keys name a missing record and the job is
     planned in the same invocation; its own identity check then compares the content."""
+    import os
+
     from hy3rl.data import local_source_path
     from hy3rl.hub import is_local_source, list_files, local_file_stats
     from hy3rl.layout import TINY_MODEL_DIR
     from hy3rl.runtime_id import sha256_file
 
     def stats(paths: list[Path]) -> tuple[str, tuple[Path, ...]]:
+        # by the path resolved: a relative, ./ or symlinked spelling of one path is one value
+        paths = [Path(os.path.realpath(p)) for p in paths]
         rows = [[str(p), sorted(local_file_stats(p).values())] for p in paths]
         files = [f for p in paths
                  for f in ([p] if p.is_file() else [p / rel for rel in list_files(p)]
@@ -416,6 +423,65 @@ def content_triggers(config: Mapping[str, Any]) -> dict[str, str]:
             for name, (value, _) in sorted(content_stats(config).items())}
 
 
+# Config keys that name a local path (a hub id is left as it is): counted by the path they
+# resolve to, so that `./data.parquet`, `data.parquet`, a trailing slash and a symlink are
+# one value.
+PATH_KEYS = ("data.train.source", "data.val.source", "model.source",
+             "train.reward_function.path")
+
+
+def real_paths(config: Mapping[str, Any]) -> dict[str, Any]:
+    """``config`` with each local path of :data:`PATH_KEYS` resolved (``os.path.realpath``
+    of the expanded path, when it exists here): the value a training key counts."""
+    import copy
+    import os
+
+    from hy3rl.hub import is_local_source
+
+    out = copy.deepcopy(dict(config))
+    for key in PATH_KEYS:
+        *parents, last = key.split(".")
+        node: Any = out
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        value = node.get(last) if isinstance(node, dict) else None
+        if not isinstance(value, str) or not value or not is_local_source(value):
+            continue
+        path = os.path.expanduser(value)
+        if os.path.exists(path):
+            node[last] = os.path.realpath(path)
+    return out
+
+
+def knob_typed(value: Any) -> Any:
+    """A launch-script knob as verl reads it: the text the script gets
+    (``hy3rl.preflight.resolve.knob_value``) parsed as Hydra parses an override, so
+    ``ACTOR_LR: '1e-6'`` and ``1.0e-6``, ``TRAIN_BATCH_SIZE: 128`` and ``'128'``, are one
+    value."""
+    from hy3rl.preflight.resolve import knob_value
+
+    return typed_value(knob_value(value))
+
+
+def flat_overrides(overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """``train.verl_overrides`` as the leaves verl reads, in order (a later entry wins, as
+    Hydra applies them): a nested mapping by its dotted leaves, each value typed as Hydra
+    reads it (:func:`typed_value` of its rendering), so the flat and the nested spelling of
+    one value, and ``1e-6`` and ``1.0e-6``, are one training key."""
+    from hy3rl.preflight.resolve import hydra_value
+    from hy3rl.smk import _leaves
+
+    out: dict[str, Any] = {}
+    for key, value in overrides.items():
+        bare = str(key).lstrip("+~")
+        leaves = _leaves(value, bare) if isinstance(value, Mapping) and value else [
+            (bare, value)]
+        for leaf, v in leaves:
+            out.pop(leaf, None)  # re-inserted: the order of the last setting
+            out[leaf] = typed_value(hydra_value(v))
+    return out
+
+
 def heldout_kind(config: Mapping[str, Any]) -> str:
     """The kind of ``data.heldout``: trajectory when ``from_train`` carves it out of the
     training set (its seed, size or source choose which prompts train), operational when it
@@ -436,16 +502,17 @@ def train_trigger_values(config: Mapping[str, Any], extent: bool = True,
     (choosing ``fresh`` after a refusal re-runs preflight, which passes, and the job that
     was missing runs); counted, a change of the choice alone planned a job that trained
     nothing."""
-    from hy3rl.smk import _leaves, triggers  # the leaves a trigger names
+    from hy3rl.smk import _leaves, triggers
 
     kinds = TRIGGER_KINDS if extent else (TRAJECTORY, LOCATION)
     keys = [leaf for section in sorted(config) for leaf, _ in _leaves(config[section], section)
             if (heldout_kind(config) if leaf.startswith("data.heldout.")
                 else config_kind(leaf)) in kinds]
-    out = triggers(config, *keys)
+    out = triggers(real_paths(config), *keys)
     train = config.get("train") or {}
-    env = {k: v for k, v in (train.get("env") or {}).items() if knob_kind(k) == TRAJECTORY}
-    ovr = {k: v for k, v in (train.get("verl_overrides") or {}).items()
+    env = {k: knob_typed(v) for k, v in (train.get("env") or {}).items()
+           if knob_kind(k) == TRAJECTORY}
+    ovr = {k: v for k, v in flat_overrides(train.get("verl_overrides") or {}).items()
            if verl_kind(k) == TRAJECTORY}
     out.update(triggers({"train": {"env": env, "verl_overrides": ovr}},
                         "train.env", "train.verl_overrides"))

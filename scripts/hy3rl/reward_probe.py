@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -108,11 +107,9 @@ def run_runner(payload: Mapping[str, Any], *, verl_dir: Path, python: Sequence[s
     """This file as the runner in ``python`` (the training runtime's interpreter command)
     with ``verl_dir`` first on ``PYTHONPATH``: its JSON lines, and why it stopped early
     ("" when it exited 0)."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(verl_dir)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from hy3rl.verl_checks import verl_env
+
+    env = verl_env(verl_dir)
     with tempfile.TemporaryDirectory(prefix="hy3rl-reward-probe-") as tmp:
         out = Path(tmp) / "scores.jsonl"
         cmd = [*python, "-P", str(Path(__file__).resolve()), "--out", str(out)]

@@ -50,6 +50,7 @@ class Repos:
 class Deps:
     dir: str
     repos: Repos
+    allow_local_changes: bool
 
 
 @dataclass(frozen=True)

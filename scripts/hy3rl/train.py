@@ -936,10 +936,30 @@ class Job:
                              f"checkpoint: step {stop['last_healthy_step']}; "
                              f"{stop['how_to_go_on']}")
 
+    def check_clones(self) -> None:
+        """Each pinned clone is as preflight saw it (plan.json ``pins``: HEAD and the sha256
+        of its local changes, which the run identity counts): a clone edited since (a patched
+        file, an added one) would run code no record names. A difference raises TrainError
+        (a bad input: not resubmitted) naming the clone and its files."""
+        from hy3rl.deps import tree_state
+
+        for name, seen in sorted((self.plan.get("pins") or {}).items()):
+            now = tree_state(Path(seen["path"]))
+            if (now["head"], now["diff_sha256"]) != (seen.get("head"), seen.get("diff_sha256")):
+                shown = ", ".join(now["changes"][:10]) or "no local changes now"
+                raise TrainError(
+                    f"pinned clone {name} ({seen['path']}) changed since preflight: HEAD "
+                    f"{now['head']} (preflight saw {seen.get('head')}), local changes "
+                    f"{now['diff_sha256'] or 'none'} (preflight saw "
+                    f"{seen.get('diff_sha256') or 'none'}): {shown}. Restore it, or run "
+                    f"preflight again (snakemake reruns it when the config changes; "
+                    f"`-R preflight` otherwise)")
+
     def check_identity(self, k: int) -> list[str]:
         """Before attempt ``k`` starts the trainer: the checkpoint directory's identity
         against the plan's; a refusal raises TrainError (a bad input: not resubmitted),
         anything else is carried out and written (hy3rl.ckptdir.apply_identity)."""
+        self.check_clones()
         ckpt = self.layout.checkpoint_dir
         d = decide_identity(ckpt, self.identity["trajectory"], self.total,
                             self.train.on_config_change)

@@ -74,6 +74,22 @@ class VerlCheck:
     verl_call: str = ""  # the verl call this mirrors, and where verl makes it
 
 
+def verl_env(verl_dir: Path) -> dict[str, str]:
+    """The environment of a subprocess that imports the pinned verl from its clone: the clone
+    first on ``PYTHONPATH``; its bytecode cached outside the clone (``PYTHONPYCACHEPREFIX``),
+    so that importing it leaves the pinned tree as it was (rule pins_clean reads its
+    untracked files); the hub never reached for (the model is local)."""
+    import tempfile
+
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(verl_dir)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env.setdefault("PYTHONPYCACHEPREFIX", str(Path(tempfile.gettempdir()) / "hy3rl-pycache"))
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return env
+
+
 def run_verl_checks(verl_dir: Path, composed: Any, model_dir: Path, *, timeout_s: float = 180,
                     python: str | None = None, reward_fn: bytes | None = None
                     ) -> list[VerlCheck]:
@@ -103,11 +119,7 @@ def run_verl_checks(verl_dir: Path, composed: Any, model_dir: Path, *, timeout_s
             composed["reward"]["custom_reward_function"]["path"] = str(stand_in)
     payload = json.dumps({"verl_dir": str(verl_dir), "model_dir": str(Path(model_dir).absolute()),
                           "composed": composed}, default=str)
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(verl_dir)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    env.setdefault("HF_HUB_OFFLINE", "1")  # the model is local: never reach for the hub
-    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env = verl_env(verl_dir)
     with tmp_dir as tmp:
         out = Path(tmp) / "checks.jsonl"
         cmd = [python or sys.executable, "-P", str(Path(__file__).resolve()), "--out", str(out)]

@@ -44,6 +44,7 @@ from hy3rl.preflight.rules import (
     RULES,
     RuleResult,
     check_health_metrics,
+    check_pins_clean,
     check_rules,
     check_verl_pin,
     effective_values,
@@ -144,9 +145,40 @@ def verl_record(checks: list[VerlCheck], model_dir: Path) -> dict[str, Any]:
 # --------------------------------------------------------------------------- the stage
 
 
+def clone_trees(lock_doc: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """Each locked clone's :func:`hy3rl.deps.tree_state` (its ``path`` added); a clone that
+    is missing or no git repository is left out (rule verl_pin, and rule deps, name it)."""
+    from hy3rl.deps import DepsError, tree_state
+
+    out = {}
+    for name, entry in sorted((lock_doc.get("repos") or {}).items()):
+        path = Path(str(entry.get("path") or ""))
+        if not entry.get("path") or not (path / ".git").exists():
+            continue
+        try:
+            out[name] = {"path": str(path), **tree_state(path)}
+        except (DepsError, OSError, subprocess.CalledProcessError) as exc:
+            raise PreflightError(f"deps: cannot read the state of the clone {path} ({exc})"
+                                 ) from None
+    return out
+
+
+def pins_of(lock_doc: Mapping[str, Any], trees: Mapping[str, Mapping[str, Any]]
+            ) -> dict[str, str]:
+    """The run identity's pins: each clone's commit, with ``+local:<diff sha256>`` when it
+    runs local changes (:func:`clone_trees`)."""
+    pins = {}
+    for name, entry in sorted((lock_doc.get("repos") or {}).items()):
+        pin = str(entry.get("head") or entry.get("commit"))
+        diff = (trees.get(name) or {}).get("diff_sha256")
+        pins[name] = f"{pin}+local:{diff}" if diff else pin
+    return pins
+
+
 def run_identity(cfg: Config, res: Any, lock_doc: Mapping[str, Any],
                  summary: Mapping[str, Any] | None, model_manifest: Path | None,
-                 reward_sha: str | None) -> dict:
+                 reward_sha: str | None,
+                 trees: Mapping[str, Mapping[str, Any]] | None = None) -> dict:
     """plan.json ``identity``: the trajectory of this launch, the extent and
     ``train.on_config_change``. The trajectory is that of the configuration verl runs with
     (:func:`hy3rl.identity.composed_trajectory` over the composed, resolved config's leaves),
@@ -156,8 +188,7 @@ def run_identity(cfg: Config, res: Any, lock_doc: Mapping[str, Any],
     plan is refused) gets the trajectory of its override list (:func:`..trajectory`)."""
     from hy3rl import identity
 
-    pins = {name: str(entry.get("head") or entry.get("commit"))
-            for name, entry in sorted((lock_doc.get("repos") or {}).items())}
+    pins = pins_of(lock_doc, trees or {})
     train_sha = (((summary or {}).get("splits") or {}).get("train") or {}).get("sha256")
     manifest = read_json(model_manifest, "model manifest")
     model = identity.model_identity(manifest) if manifest else None
@@ -220,8 +251,9 @@ def run(cfg: Config, *, lock: Path, data_summary: Path | None, train_files: Path
     weights, weights_from = model_bytes(cfg)
 
     model_dir = Path(cfg.model.path)
+    trees = clone_trees(lock_doc)
     ident = run_identity(cfg, res, lock_doc, summary, model_manifest,
-                         hashlib.sha256(reward[0]).hexdigest() if reward else None)
+                         hashlib.sha256(reward[0]).hexdigest() if reward else None, trees)
     if res.composed is None:
         eff: dict[str, Any] = {}
         verl_checks = [VerlCheck(RUNNER, NOT_RUN, reason=NOT_COMPOSED_VERL)]
@@ -241,6 +273,7 @@ def run(cfg: Config, *, lock: Path, data_summary: Path | None, train_files: Path
         estimate = estimate_gpu_hours(cfg, eff, facts, weights)
         add_costs(rules, estimate)
     check_verl_pin(rules, verl_dir, head, commit, cfg.preflight.waive)
+    check_pins_clean(rules, trees, cfg.deps.allow_local_changes)
 
     launch_text = render_launch(res, cfg.run.name, commit)
     result = build_plan(run=cfg.run.name, trains=cfg.trains, res=res, commit=commit,
@@ -248,6 +281,8 @@ def run(cfg: Config, *, lock: Path, data_summary: Path | None, train_files: Path
                         verl_checks=verl_record(verl_checks, model_dir),
                         estimate=estimate, launch=launch, launch_text=launch_text,
                         identity=ident, selection=selection_record(cfg, heldout))
+    result.pins = {name: {k: tree[k] for k in ("path", "head", "changes", "diff_sha256", "diff")}
+                   for name, tree in trees.items()}
     if result.errors:
         write_json_atomic(refused, asdict(result), default=str)
         _log_summary(result, refused)

@@ -67,6 +67,9 @@ class Plan:
     # for it (each with why), the environment of verl's processes, the trainer ranks and
     # Ray's logical CPUs, the workarounds; null on GPUs.
     cpu_path: dict[str, Any] | None = None
+    # Each pinned clone as it is (hy3rl.preflight.clone_trees): path, HEAD, local changes,
+    # the sha256 of their diff (the run identity's ``pin.<name>`` suffix) and the diff.
+    pins: dict[str, Any] | None = None
 
 
 def render_launch(res: Resolution, run: str, commit: str) -> str:

@@ -32,6 +32,9 @@ from hy3rl.verl_checks import FAIL, NOT_RUN, VerlCheck
 # Every rule, by its stable name (used in plan.json and in `preflight.waive`).
 RULES: dict[str, str] = {
     "verl_pin": "the verl clone is at the commit recorded in deps/lock.json",
+    "pins_clean": "every pinned clone (verl, Megatron-Bridge, TransferQueue) is its pin and "
+                  "nothing else: no modified, staged, deleted or untracked file, unless "
+                  "deps.allow_local_changes counts the diff in the run identity",
     "knobs": "every train.env knob is read by the launch script and not owned by another key",
     "compose": "the overrides compose with the pinned verl's Hydra config (no unknown key), "
                "and the numeric values the rules read are numbers",
@@ -94,7 +97,7 @@ RULES: dict[str, str] = {
                       "(its source in the clone, the rollout log-probs it needs); set a "
                       "rule to ignore rather than watch a metric that never comes",
 }
-NOT_WAIVABLE = {"compose", "owned_keys", "run_identity", "health_metrics"}
+NOT_WAIVABLE = {"compose", "owned_keys", "pins_clean", "run_identity", "health_metrics"}
 
 EFFECTIVE_KEYS = (
     "trainer.nnodes", "trainer.n_gpus_per_node", "trainer.total_training_steps",
@@ -1133,6 +1136,35 @@ def check_health_metrics(rules: list[RuleResult], cfg: Config, verl_dir: Path,
     if problems:
         rules[list(RULES).index("health_metrics")] = RuleResult(
             "health_metrics", "error", problems)
+
+
+def check_pins_clean(rules: list[RuleResult], trees: Mapping[str, Mapping[str, Any]],
+                     allow: bool) -> None:
+    """pins_clean (set in ``rules`` in place): ``trees`` is each clone's
+    :func:`hy3rl.deps.tree_state` with its ``path``. A clone with local changes is an error
+    naming its files, or with ``deps.allow_local_changes`` a warning naming the diff's
+    sha256, which the run identity counts (``pin.<name>``)."""
+    errors, warnings = [], []
+    for name, tree in sorted(trees.items()):
+        changes = list(tree.get("changes") or [])
+        if not changes:
+            continue
+        shown = ", ".join(changes[:10]) + (f", ... ({len(changes)} in all)"
+                                           if len(changes) > 10 else "")
+        if allow:
+            warnings.append(f"{name}: {tree['path']} runs with local changes ({shown}); "
+                            f"deps.allow_local_changes counts them in the run identity "
+                            f"(pin.{name} with diff sha256 {tree['diff_sha256']})")
+        else:
+            errors.append(f"{name}: {tree['path']} differs from its pin {tree.get('head')} "
+                          f"({shown}): the Ray job would upload and run these changes, which "
+                          f"no pin records. Restore the clone (`git -C {tree['path']} "
+                          f"checkout -- . && git -C {tree['path']} clean -fd`), or set "
+                          f"deps.allow_local_changes: true to run them, counted in the run "
+                          f"identity")
+    if errors or warnings:
+        rules[list(RULES).index("pins_clean")] = RuleResult(
+            "pins_clean", "error" if errors else "warning", errors + warnings)
 
 
 def check_verl_pin(rules: list[RuleResult], verl_dir: Path, head: str | None, commit: str,

@@ -560,6 +560,15 @@ def runtime_rows(found: Found) -> list[dict[str, Any]]:
     return [{"section": sec, "name": n, "value": v} for n, v in rows]
 
 
+def local_diffs(found: Found) -> dict[str, str]:
+    """The local changes each pinned clone ran with (plan.json ``pins``: only under
+    ``deps.allow_local_changes``, which counts them in the run identity): name -> diff."""
+    plan = found.docs.get("plan")
+    pins = plan.get("pins") if isinstance(plan, dict) else None
+    return {name: str(pin["diff"]) for name, pin in sorted((pins or {}).items())
+            if isinstance(pin, Mapping) and pin.get("diff")}
+
+
 def provenance_rows(found: Found, env: Mapping[str, str]) -> list[dict[str, Any]]:
     opts = found.cfg.report
     rows = deps_rows(found)
@@ -582,6 +591,10 @@ def provenance_rows(found: Found, env: Mapping[str, str]) -> list[dict[str, Any]
     if isinstance(plan, dict) and isinstance(plan.get("launch"), Mapping):
         rows.append({"section": "preflight", "name": "launch.sh sha256",
                      "value": plan["launch"].get("sha256")})
+    for name in local_diffs(found):
+        rows.append({"section": "deps (local changes, deps.allow_local_changes)",
+                     "name": f"{name} diff sha256 (pin.{name})",
+                     "value": plan["pins"][name].get("diff_sha256")})
     for e in found.evals:
         meta, sec = e.samples_meta, f"evaluation {e.tag}"
         for key in ("model_path", "backend", "preset", "sampling", "backend_settings",
@@ -675,6 +688,7 @@ def render(found: Found, redact: Redactor, env: Mapping[str, str], figs: Mapping
         health=health_view(found),
         wandb=wandb_runs(found),
         identity_notes=found.identity_notes,
+        local_diffs=local_diffs(found),
         trajectory=((found.identity or {}).get("trajectory") or {}).get("id"),
         resume=resume_points(found.attempts, found.logs),
         runtime_changes=runtime_changes(found.attempts, found.logs),
