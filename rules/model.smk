@@ -11,8 +11,15 @@
 # rewritten in place re-runs rule model, Snakemake's reason naming the file with its size
 # and mtime before and now; the new manifest changes the run identity, which preflight and
 # every training job check (a run trained on the old files is refused, docs/formats/train.md).
+# A hub checkpoint is checked too, while the DAG is built (hub_model_in_place, common.smk):
+# every file's size, and the small files (config, tokenizer, chat template) by the hub's
+# hash; a file edited in place is refused before any job, naming it.
 
 STAGE_TARGETS.append(model_targets)
+
+# A hub checkpoint edited in place (its identity is repo@commit) is refused here, before any
+# job: every file's size and the small files' hashes against the manifest.
+hub_model_in_place()
 
 
 # On the submit host: a hub download needs the network (compute nodes often have none).

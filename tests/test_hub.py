@@ -338,6 +338,47 @@ def test_rule_model_reruns_for_a_local_directory_changed_in_place(tiny_hy3_copy,
             f"now: '{SHARD}: {len(data)} bytes, mtime_ns {new}'") in out, out[-3000:]
 
 
+def test_a_hub_checkpoint_edited_in_place_is_refused_while_the_dag_is_built(
+        fake_hub: FakeHub, tmp_path: Path) -> None:
+    """Issue 40: a hub model's identity is repo@commit, so its chat template edited in
+    ``model.dir`` would change what every start reads under the same identity. Every DAG
+    build checks each file's size and the small files' hub hashes (hy3rl.hub.
+    in_place_problems): a dry run is refused before any job, naming the file; restored,
+    nothing is said."""
+    import shutil
+
+    from fixtures.common import REPO_ROOT, run_snakemake
+
+    fetch(fake_hub, tmp_path)
+    manifest, model = tmp_path / "out/manifest.json", tmp_path / "model"
+    assert hub.in_place_problems(manifest, model, REPO_ID, fake_hub.commit) == []
+    small = next(p for p in sorted(fake_hub.files) if p.endswith(".json")
+                 and p not in fake_hub.lfs)
+    data = (model / small).read_bytes()
+    (model / small).write_bytes(data.replace(b'"', b"'", 1))  # same size, other bytes
+    (problem,) = hub.in_place_problems(manifest, model, REPO_ID, fake_hub.commit)
+    assert problem.startswith(f"{small}: git_blob ") and "(manifest)" in problem, problem
+    # another revision's manifest: rule model runs again, nothing to say here
+    assert hub.in_place_problems(manifest, model, REPO_ID, "0" * 40) == []
+
+    work = tmp_path / "work"
+    layout_manifest = work / "results/tiny-default/model/manifest.json"
+    layout_manifest.parent.mkdir(parents=True)
+    shutil.copy(manifest, layout_manifest)
+    override = tmp_path / "model.yaml"
+    override.write_text(f"model: {{source: {REPO_ID}, revision: {fake_hub.commit}, "
+                        f"dir: {model}}}\n")
+    args = ["results/tiny-default/model/manifest.json", "-n", "--profile",
+            str(REPO_ROOT / "profiles/local"), "--configfile",
+            str(REPO_ROOT / "config/config.yaml"), str(override)]
+    refused = run_snakemake(args, work, check=False)
+    out = refused.stdout + refused.stderr
+    assert refused.returncode != 0 and f"model.dir {model} no longer holds" in out, out[-3000:]
+    assert f"{small}: git_blob" in out and "snakemake -R model" in out
+    (model / small).write_bytes(data)
+    assert "Nothing to be done" in run_snakemake(args, work).stdout
+
+
 def test_missing_local_directory_named(tmp_path: Path) -> None:
     with pytest.raises(hub.HubError, match=r"model\.source: .*is not a directory"):
         hub.run(str(tmp_path / "nope"), None, tmp_path / "m", manifest=tmp_path / "x.json")

@@ -28,7 +28,11 @@ from hy3rl.ckptdir import check_complete, is_fsdp, read_identity, scan
 from hy3rl.verl_log import merged_attempts, read_metrics
 from hy3rl.watchdog import SAVE_LINE, STARTUP_MARKS
 
-pytestmark = [pytest.mark.slow, pytest.mark.real]
+pytestmark = [pytest.mark.slow, pytest.mark.real,
+              # the shared pipeline run is the first test's setup (about 3.5 min alone, 14
+              # min in CI's busiest stretch): pytest's 900 s would fail all eleven tests on
+              # a loaded machine; each Snakemake run has its own timeout (1500 s)
+              pytest.mark.timeout(1800)]
 
 RUN = "tiny-default"
 # Ray outside SLURM for this scope: apart from the Ray scope's

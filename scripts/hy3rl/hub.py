@@ -316,13 +316,14 @@ def local_file_stats(root: str | Path) -> dict[str, str]:
 
 
 def verify(manifest_path: str | Path, model_dir: str | Path, *, sha256: bool, threads: int,
-           progress: bool = True) -> list[str]:
+           progress: bool = True, hash_up_to: int | None = None) -> list[str]:
     """Problems of ``model_dir`` against the manifest (empty: it matches).
 
     Sizes are always compared, and files missing or not in the manifest reported. With
-    ``sha256``, every file whose size matches is hashed (``threads`` in parallel, each read
-    once) and compared: sha256 entries by sha256, git-blob entries by their git blob id. A
-    mismatch names the file and both hashes."""
+    ``sha256``, every file whose size matches (of at most ``hash_up_to`` bytes, when given)
+    is hashed (``threads`` in parallel, each read once) and compared: sha256 entries by
+    sha256, git-blob entries by their git blob id. A mismatch names the file and both
+    hashes."""
     m = read_manifest(manifest_path)
     root = Path(model_dir)
     if not root.is_dir():
@@ -342,7 +343,7 @@ def verify(manifest_path: str | Path, model_dir: str | Path, *, sha256: bool, th
             if st.st_mtime_ns != e.mtime_ns:
                 problems.append(f"{e.path}: modified after the manifest was written (mtime "
                                 f"{st.st_mtime_ns} != {e.mtime_ns} ns): rerun rule model")
-        elif sha256:
+        elif sha256 and (hash_up_to is None or e.size <= hash_up_to):
             to_hash.append(e)
     listed = {e.path for e in m.files}
     problems += [f"{rel}: in {root} but not in the manifest {manifest_path}"
@@ -354,6 +355,30 @@ def verify(manifest_path: str | Path, model_dir: str | Path, *, sha256: bool, th
         if digest != e.digest:
             problems.append(f"{e.path}: {e.kind} {digest} (on disk) != {e.digest} (manifest)")
     return problems
+
+
+# The files hashed while the DAG is built: the config, the tokenizer, the chat template,
+# the generation config (a weight shard is far larger).
+SMALL_FILE_BYTES = 32 << 20
+
+
+def in_place_problems(manifest_path: str | Path, model_dir: str | Path, repo_id: str,
+                      revision: str | None) -> list[str]:
+    """A hub checkpoint's directory against its manifest, cheap enough for every DAG build:
+    every file's size, and the small files (at most :data:`SMALL_FILE_BYTES`: config,
+    tokenizer, chat template, generation config) by the hub's hash. A hub model's identity
+    is ``repo@commit``, so a file edited in place (the chat template in
+    ``tokenizer_config.json``) would change what every start reads under the same identity.
+    Empty when it matches, when there is no manifest or directory yet, or when the manifest
+    is of another ``repo_id``/``revision`` (rule model runs again)."""
+    path, root = Path(manifest_path), Path(model_dir)
+    if not path.is_file() or not root.is_dir():
+        return []
+    src = read_manifest(path).source
+    if src.kind != "hub" or (src.repo_id, src.requested_revision) != (repo_id, revision):
+        return []
+    return verify(path, root, sha256=True, threads=2, progress=False,
+                  hash_up_to=SMALL_FILE_BYTES)
 
 
 # --------------------------------------------------------------------------- run
