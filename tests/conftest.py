@@ -4,10 +4,19 @@ loaded here as plugins, so each stage's fixtures stay in its own file."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
+
+# One intra-op thread for torch (OpenMP, MKL) in the test processes and everything they
+# start (Snakemake, the rules' scripts, the trainers, Ray's workers, which keep a value set
+# here): four xdist workers share two cores, and a second thread per process only spins and
+# contends there (benchmarks/bench_suite.py: the quick loop's CPU -8 %, its wall -15 %).
+# Set before anything imports torch; a value the caller set is kept.
+for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT / "tests"))

@@ -6,10 +6,8 @@ on the tiny Hy3 on CPU, resume after an interruption (in-process and a real SIGK
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 import hashlib
-import io
 import json
 import os
 import shutil
@@ -22,9 +20,9 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import yaml
-from fixtures.common import REPO_ROOT, make_config, run_snakemake
+from fixtures.common import REPO_ROOT, make_config
 from fixtures.eval import make_val_parquet
-from hy3rl import evaluate, hub
+from hy3rl import evaluate
 from hy3rl.config import ConfigError, deep_merge
 from hy3rl.evaluate import (
     EvalError,
@@ -384,79 +382,9 @@ def test_resume_after_sigkill(tmp_path, tiny_hy3_dir, reference):
 # ---------------------------------------------------------------------- workflow
 
 
-@pytest.mark.slow
-def test_snakemake_evaluate_on_embedded_default(tmp_path, tiny_hy3_copy):
-    """`snakemake evaluate` with the embedded default's eval settings (30 problems x 4
-    samples x 32 tokens, transformers on CPU): real samples, scores and metrics. The data
-    and deps outputs are put in place (their own stages are tested elsewhere); the lock
-    names a clone holding the pinned math_dapo.py when the verl mirror is available."""
-    work = tmp_path / "work"
-    model = work / "model"
-    shutil.copytree(tiny_hy3_copy("m"), model)
-    res = work / "results" / "t"
-    # rule model's manifest of the local model, older than the data put in place
-    hub.run(str(model), None, "", manifest=res / "model" / "manifest.json", progress=False)
-    make_val_parquet(res / "data" / "val.parquet", copies=32)
-    # the held-out set of the embedded default (data.heldout), small: base is evaluated on it
-    make_val_parquet(res / "data" / "heldout.parquet", n_problems=3, copies=1, seed=2)
-    lock = {"schema_version": 1, "repos": {}}
-    mirror = Path("/work/.mirror/verl-project+verl/repo")
-    pin = "220e9039902c6db56860e2afd659803dc34ec005"
-    rel = "verl/utils/reward_score/math_dapo.py"
-    pinned = subprocess.run(["git", "-C", str(mirror), "show", f"{pin}:{rel}"],
-                            capture_output=True, text=True)
-    if pinned.returncode == 0:
-        (tmp_path / "verl" / rel).parent.mkdir(parents=True)
-        (tmp_path / "verl" / rel).write_text(pinned.stdout)
-        lock["repos"]["verl"] = {"name": "verl", "commit": pin, "head": pin,
-                                 "path": str(tmp_path / "verl")}
-    (res / "deps").mkdir(parents=True)
-    (res / "deps" / "lock.json").write_text(json.dumps(lock))
-    override = tmp_path / "local.yaml"
-    # base alone: the embedded default's training (the CPU path) is tests/test_real_verl.py's
-    override.write_text(yaml.safe_dump({"run": {"name": "t"}, "model": {"source": str(model)},
-                                        "train": {"cpu": {"enable": False}}}))
-    run_snakemake(["--configfile", str(REPO_ROOT / "config/config.yaml"), str(override),
-                   "--cores", "2", "--", "evaluate"], work)
-    ev = res / "eval"
-    samples = _lines(ev / "base" / "samples.jsonl")
-    assert len(samples) == 120 and {s["problem_id"] for s in samples} == {str(i) for i in
-                                                                          range(30)}
-    assert all(s["num_tokens"] <= 32 for s in samples)
-    m = json.loads((ev / "base" / "metrics.json").read_text())
-    assert m["num_problems"] == 30 and m["n"] == 4 and len(m["per_problem"]) == 30
-    assert set(m["by_grader"]["math_dapo"]["pass@k"]) == {"1", "2", "4"}
-    expected = "pinned verl file" if pinned.returncode == 0 else "hy3rl reimplementation"
-    assert m["graders"]["math_dapo"]["implementation"] == expected
-    summary = json.loads((ev / "summary.json").read_text())
-    assert summary["tags"] == ["base"] and summary["heldout"]["tags"] == ["heldout/base"]
-    held = json.loads((ev / "heldout" / "base" / "metrics.json").read_text())
-    assert held["num_problems"] == 3 and held["n"] == 4
-    # the report reads what this chain wrote: the page's numbers are metrics.json's
-    from hy3rl import config as cfgmod
-    from hy3rl import report
-    from hy3rl.settings import Config
-
-    cfg = Config.from_dict(deep_merge(cfgmod.load(REPO_ROOT / "config/config.yaml", override),
-                                      {"report": {"dpi": 50}}))
-    files = report.build(cfg, Layout.of_results(res), {})
-    html = files["index.html"].decode()
-    assert 'id="training-not-run"' in html and 'id="eval-settings"' in html
-    rows = csv.DictReader(io.StringIO(files["eval_headline.csv"].decode()))
-    head = {r["grader"].removesuffix(" (primary)"): r for r in rows}
-    assert set(head) == {"math_dapo", "math_verify"}
-    for g, row in head.items():
-        bg = m["by_grader"][g]
-        assert float(row["avg@n"]) == pytest.approx(bg["avg@n"], abs=1e-6)
-        assert float(row["pass@n"]) == pytest.approx(bg["pass@k"]["4"], abs=1e-6)
-        assert float(row["truncation_rate"]) == pytest.approx(m["truncation_rate"], abs=1e-6)
-    prov = files["provenance.csv"].decode()
-    assert f"evaluation base,model_path,{model}" in prov
-    assert '"max_tokens"": 32' in prov and f"grader math_dapo,{expected}" in prov
-    # a second run has nothing to do
-    proc = run_snakemake(["--configfile", str(REPO_ROOT / "config/config.yaml"), str(override),
-                          "--cores", "2", "-n", "--", "evaluate"], work)
-    assert "Nothing to be done" in proc.stdout + proc.stderr
+# The embedded default's evaluation through Snakemake (30 problems x 4 samples x 32 tokens,
+# the pinned verl's math_dapo.py, the report's numbers) is asserted on the real tier's run of
+# the whole default (tests/test_real_verl.py), which evaluates base, step 1 and final.
 
 
 # ---------------------------------------------------------------------- tags and models

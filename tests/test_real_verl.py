@@ -196,6 +196,29 @@ def test_evaluation_reads_the_trained_checkpoints_while_training_goes_on(real_ru
     assert selected["selected"]["tag"] in ("step1", "final")
     page = (res / "report/index.html").read_text()
     assert 'id="training-not-run"' not in page and 'id="fig-training-published"' in page
+    # the embedded default's evaluation settings (30 problems x 4 samples x 32 tokens,
+    # transformers on CPU), graded by the pinned verl's own math_dapo.py: real samples,
+    # scores and metrics, on the test set and the held-out set; the report's headline
+    # numbers are metrics.json's
+    samples = [json.loads(x) for x in (res / "eval/base/samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 120 and len({s["problem_id"] for s in samples}) == 30
+    assert all(s["num_tokens"] <= 32 for s in samples)
+    m = json.loads((res / "eval/base/metrics.json").read_text())
+    assert m["num_problems"] == 30 and m["n"] == 4 and len(m["per_problem"]) == 30
+    assert set(m["by_grader"]["math_dapo"]["pass@k"]) == {"1", "2", "4"}
+    assert m["graders"]["math_dapo"]["implementation"] == "pinned verl file"
+    summary = json.loads((res / "eval/summary.json").read_text())
+    assert sorted(summary["tags"]) == ["base", "final", "step1"], summary["tags"]
+    assert "heldout/base" in summary["heldout"]["tags"]
+    import csv
+
+    with open(res / "report/eval_headline.csv", newline="") as fh:
+        head = {(r["tag"], r["grader"].removesuffix(" (primary)")): r
+                for r in csv.DictReader(fh)}
+    for g in ("math_dapo", "math_verify"):
+        bg = m["by_grader"][g]
+        assert float(head["base", g]["avg@n"]) == pytest.approx(bg["avg@n"], abs=1e-6)
+        assert float(head["base", g]["pass@n"]) == pytest.approx(bg["pass@k"]["4"], abs=1e-6)
     # nothing left to do: a second invocation is a no-op (nothing retrains)
     again = real_run.snakemake("-n")
     assert "Nothing to be done" in again.stdout + again.stderr
