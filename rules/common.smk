@@ -84,21 +84,25 @@ def hub_model_in_place():
     """A hub model.dir against its manifest while the DAG is built (hy3rl.hub.
     in_place_problems: every file's size, the small files by the hub's hash): a file
     edited in place under an unchanged repo@commit is refused before any job, naming it.
-    Nothing is read for a local source (model_local_files re-runs rule model instead)."""
+    Nothing is read for a local source (model_local_files re-runs rule model instead).
+    """
     from hy3rl.hub import in_place_problems
 
     if CFG.model.is_local:
         return
-    problems = in_place_problems(LAYOUT.model_manifest, CFG.model.path, CFG.model.source,
-                                 CFG.model.revision)
+    problems = in_place_problems(
+        LAYOUT.model_manifest, CFG.model.path, CFG.model.source, CFG.model.revision
+    )
     if problems:
         raise WorkflowError(
             f"model.dir {CFG.model.path} no longer holds {CFG.model.source}@"
             f"{CFG.model.revision} as its manifest {LAYOUT.model_manifest} records it (a file "
             "edited in place would change what every start reads under the same identity):\n  "
-            + "\n  ".join(problems[:20]) + "\nRestore the files (delete each one named and "
+            + "\n  ".join(problems[:20])
+            + "\nRestore the files (delete each one named and "
             "run `snakemake -R model`: it fetches them again, checked against the hub's "
-            "hashes), or use a local directory as model.source for an edited model")
+            "hashes), or use a local directory as model.source for an edited model"
+        )
 
 
 def model_manifest():

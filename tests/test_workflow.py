@@ -68,6 +68,27 @@ def test_default_pipeline_runs_end_to_end_offline(tmp_path: Path):
     again = run_snakemake([*args, "-n"], work)
     assert "Nothing to be done" in again.stdout + again.stderr
 
+    # Issue 40, end to end: what verl would read is checked, not how the config spells it.
+    # A nested mapping that moves the checkpoint directory is refused by preflight, naming
+    # the key, the value verl would read and the key to set; nothing downstream runs.
+    nested = tmp_path / "nested.yaml"
+    nested.write_text(yaml.safe_dump({"train": {"verl_overrides": {
+        "trainer": {"default_local_dir": "/elsewhere/ckpt"}}}}))
+    refused = run_snakemake([*args, str(nested)], work, check=False)
+    log = (res / "logs/preflight.log").read_text()
+    assert refused.returncode != 0, refused.stdout[-3000:]
+    assert ("owned_keys: trainer.default_local_dir: verl would read '/elsewhere/ckpt'"
+            in log), log[-3000:]
+    assert "train.checkpoint_root / run.name" in log
+    # A file patched into the pinned verl clone after rule deps is refused too (rule
+    # pins_clean), naming it.
+    (work / "deps/verl/patch.py").write_text("print('not the pinned code')\n")
+    dirty = run_snakemake([*args, "--forcerun", "preflight", "--", str(
+        res / "preflight/plan.json")], work, check=False)
+    log = (res / "logs/preflight.log").read_text()
+    assert dirty.returncode != 0 and "pins_clean: verl: " in log, log[-3000:]
+    assert "?? patch.py" in log and "deps.allow_local_changes" in log
+
 
 def test_paper_config_dry_run_with_slurm_profile(tmp_path: Path, tiny_hy3_dir: Path):
     site = tmp_path / "site.yaml"

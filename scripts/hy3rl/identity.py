@@ -432,12 +432,14 @@ PATH_KEYS = ("data.train.source", "data.val.source", "model.source",
 
 def real_paths(config: Mapping[str, Any]) -> dict[str, Any]:
     """``config`` with each local path of :data:`PATH_KEYS` resolved (``os.path.realpath``
-    of the expanded path, when it exists here): the value a training key counts."""
+    of the expanded path, whether it exists yet or not): the value a training key counts."""
     import copy
     import os
 
     from hy3rl.hub import is_local_source
 
+    # not only when the path exists: the tiny model's directory appears with its first run,
+    # and a key must be the same before and after
     out = copy.deepcopy(dict(config))
     for key in PATH_KEYS:
         *parents, last = key.split(".")
@@ -447,9 +449,7 @@ def real_paths(config: Mapping[str, Any]) -> dict[str, Any]:
         value = node.get(last) if isinstance(node, dict) else None
         if not isinstance(value, str) or not value or not is_local_source(value):
             continue
-        path = os.path.expanduser(value)
-        if os.path.exists(path):
-            node[last] = os.path.realpath(path)
+        node[last] = os.path.realpath(os.path.expanduser(value))
     return out
 
 
@@ -471,15 +471,16 @@ def flat_overrides(overrides: Mapping[str, Any]) -> dict[str, Any]:
     from hy3rl.preflight.resolve import hydra_value
     from hy3rl.smk import _leaves
 
-    out: dict[str, Any] = {}
+    by_bare: dict[str, tuple[str, Any]] = {}  # bare key -> (the key as spelled, value)
     for key, value in overrides.items():
-        bare = str(key).lstrip("+~")
-        leaves = _leaves(value, bare) if isinstance(value, Mapping) and value else [
-            (bare, value)]
+        leaves = _leaves(value, str(key)) if isinstance(value, Mapping) and value else [
+            (str(key), value)]
         for leaf, v in leaves:
-            out.pop(leaf, None)  # re-inserted: the order of the last setting
-            out[leaf] = typed_value(hydra_value(v))
-    return out
+            bare = leaf.lstrip("+~")
+            by_bare.pop(bare, None)  # re-inserted: the order of the last setting
+            by_bare[bare] = (leaf, typed_value(hydra_value(v)))
+    # each leaf under its own spelling (``++`` kept: the keys of runs begun before stay)
+    return dict(by_bare.values())
 
 
 def heldout_kind(config: Mapping[str, Any]) -> str:
