@@ -83,8 +83,8 @@ def test_default_pipeline_runs_end_to_end_offline(tmp_path: Path):
     # A file patched into the pinned verl clone after rule deps is refused too (rule
     # pins_clean), naming it.
     (work / "deps/verl/patch.py").write_text("print('not the pinned code')\n")
-    dirty = run_snakemake([*args, "--forcerun", "preflight", "--", str(
-        res / "preflight/plan.json")], work, check=False)
+    dirty = run_snakemake([*args, "--forcerun", "preflight", "--",
+                           "results/tiny-default/preflight/plan.json"], work, check=False)
     log = (res / "logs/preflight.log").read_text()
     assert dirty.returncode != 0 and "pins_clean: verl: " in log, log[-3000:]
     assert "?? patch.py" in log and "deps.allow_local_changes" in log
