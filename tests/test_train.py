@@ -567,7 +567,7 @@ def test_scope_kill_stops_only_its_processes() -> None:
 
 
 @pytest.mark.slow  # quick loop: left out (a workflow run or a heavy subprocess)
-def test_segment_steps_chain_in_the_dag(tmp_path: Path) -> None:
+def test_segment_steps_chain_in_the_dag(tmp_path: Path, monkeypatch) -> None:
     from fixtures.common import run_snakemake
 
     override = tmp_path / "seg.yaml"
@@ -592,6 +592,7 @@ def test_segment_steps_chain_in_the_dag(tmp_path: Path) -> None:
     from hy3rl.config import load
 
     config = load(root / "config" / "config.yaml", override)
+    monkeypatch.chdir(tmp_path)  # the keys count local paths resolved in the working dir
     final = f"results/tiny-default/train/keys/final.{train.keys_digest(config, True)}.json"
     assert f"output: results/tiny-default/train/done.json, " \
            f"results/tiny-default/train/metrics.jsonl, {final}" in out, out[-3000:]
