@@ -753,13 +753,19 @@ def composed_leaves(composed: Any) -> dict[str, Any]:
     return out
 
 
+def touches(override_key: str, key: str) -> bool:
+    """Whether an override of ``override_key`` (``+``/``~`` prefix ignored) sets ``key``: the
+    key itself, a section above it or a key below it."""
+    bare = override_key.lstrip("+~")
+    return bare == key or key.startswith(bare + ".") or bare.startswith(key + ".")
+
+
 def origin_of(key: str, overrides: list[tuple[str, str]]) -> str | None:
-    """The origin of the last override (``(key, origin)`` in launch order) that sets ``key``,
-    a section above it or a key below it (Hydra: later overrides win); None: verl's default."""
+    """The origin of the last override (``(key, origin)`` in launch order) that sets ``key``
+    (:func:`touches`; Hydra: later overrides win); None: verl's default."""
     hit = None
     for okey, origin in overrides:
-        bare = okey.lstrip("+~")
-        if bare == key or key.startswith(bare + ".") or bare.startswith(key + "."):
+        if touches(okey, key):
             hit = origin
     return hit
 

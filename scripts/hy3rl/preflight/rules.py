@@ -198,11 +198,13 @@ def effective_sources(eff: Mapping[str, Any], overrides: list[Override]
     """The source of each effective value: that of the last override setting the key, a key
     below it or above it (Hydra: later overrides win); a key no override touches keeps verl's
     config default, which the published run used as well (``paper default``)."""
+    from hy3rl.identity import touches
+
     out: dict[str, dict[str, str]] = {}
     for key in eff:
         hit = None
         for o in overrides:
-            if o.key == key or o.key.startswith(key + ".") or key.startswith(o.key + "."):
+            if touches(o.key, key):
                 hit = o
         out[key] = ({"source": hit.source, "origin": hit.origin} if hit else
                     {"source": PAPER_DEFAULT, "origin": "verl config default (not overridden)"})
