@@ -740,17 +740,10 @@ def composed_leaves(composed: Any) -> dict[str, Any]:
         key = getattr(exc, "full_key", None) or "?"
         raise ValueError(f"{key}: does not resolve as verl would resolve it "
                          f"({str(exc).splitlines()[0]})") from None
-    out: dict[str, Any] = {}
+    from hy3rl.smk import _leaves  # the config's own flattening (an empty mapping a leaf)
 
-    def walk(value: Any, key: str) -> None:
-        if isinstance(value, Mapping) and value:
-            for k, v in value.items():
-                walk(v, f"{key}.{k}" if key else str(k))
-        else:
-            out[key] = value
-
-    walk(data, "")
-    return out
+    return {leaf: value for section in data for leaf, value in _leaves(data[section],
+                                                                      str(section))}
 
 
 def touches(override_key: str, key: str) -> bool:
