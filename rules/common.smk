@@ -2,7 +2,8 @@
 # (style: stage files hold rules only). Every path comes from hy3rl.layout (LAYOUT); every
 # value from the typed config (CFG, built in the Snakefile). Rules run their stage through
 # a `script:` adapter under scripts/adapters/ (hy3rl.smk.rule_job). Nothing here has a side
-# effect while the DAG is built: no environment edits, no cluster queries (onstart below).
+# effect while the DAG is built (no environment edits, no cluster queries: onstart below)
+# but one: the run's content cache of local files' sha256 (Layout.content_sha_cache).
 import functools
 
 from hy3rl.layout import TAG_PATTERN, TINY_MODEL_DIR, Layout
@@ -132,18 +133,45 @@ def rehearsal_model_triggers():
 
 
 # ---- data ----
-def data_inputs(wildcards):
-    """The model's manifest (the tokenizer + chat template are read from CFG.model.path)
-    and the local source files; hub sources are fetched by the job itself."""
+def data_local_sources():
+    """Split -> the local source file of data.<split> (hub sources: none)."""
     from hy3rl.data import local_source_path
 
-    inputs = {"model_manifest": model_manifest()}
+    out = {}
     for split in ("train", "val", "heldout"):
         src = getattr(CFG.data, split)
         local = local_source_path(src.source) if src and src.source else None
         if local is not None:
-            inputs[split] = local
+            out[split] = local
+    return out
+
+
+def data_inputs(wildcards):
+    """The model's manifest (the tokenizer + chat template are read from CFG.model.path)
+    and the local source files, ancient: a source re-runs rule data by its content
+    (data_source_params), not by its mtime, so a file only touched or copied back with the
+    same bytes rewrites nothing downstream. Hub sources are fetched by the job itself.
+    """
+    inputs = {"model_manifest": model_manifest()}
+    inputs.update({k: ancient(v) for k, v in data_local_sources().items()})
     return inputs
+
+
+def data_source_params():
+    """Rule data's params: the sha256 of each local source file's content, from the run's
+    content cache (hy3rl.runtime_id.cached_sha256: read again only when the file's size,
+    mtime or inode changed), so new bytes under the same path re-run rule data."""
+    import os
+    from pathlib import Path
+    from hy3rl.runtime_id import cached_sha256
+
+    out = {}
+    for split, path in data_local_sources().items():
+        if Path(path).is_file():
+            out[f"source_{split}_sha256"] = cached_sha256(
+                Path(os.path.realpath(path)), Path(LAYOUT.content_sha_cache)
+            )[0]
+    return out
 
 
 def data_outputs():

@@ -24,5 +24,6 @@ rule data:
         runtime=60,
     params:
         **triggers("data", "model.source", "model.revision", "model.dir"),
+        **data_source_params(),
     script:
         "../scripts/adapters/data.py"

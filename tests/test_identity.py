@@ -233,6 +233,40 @@ def test_names_urls_validation_and_memory_knobs_rerun_no_training():
         assert identity.train_trigger_values(variant(edit)) != base
 
 
+def test_how_an_engine_is_laid_out_re_evaluates_no_tag():
+    """Issue 40: an evaluation request (and rule eval_generate's params) counts what the
+    samples depend on: the sampling settings, the context length, the model's identity. The
+    engine's layout and memory (a new gpu_memory_utilization after an out-of-memory, another
+    tensor parallelism, eager mode) and the directory the model is copied to re-evaluate no
+    tag; the sampling settings do."""
+    import copy
+
+    from hy3rl.smk import triggers
+
+    raw = make_config().raw
+    tags = ("base", "step2", "final")
+    before = {t: identity.eval_request_digest(raw, t) for t in tags}
+    params = triggers(raw, *identity.EVAL_GENERATION_KEYS)
+    for key, value in (("gpu_memory_utilization", 0.5), ("tensor_parallel_size", 4),
+                       ("data_parallel_size", 2), ("enforce_eager", True), ("nodes", 2),
+                       ("gpus_per_node", 4)):
+        cfg = copy.deepcopy(raw)
+        cfg["eval"]["vllm"][key] = value
+        assert {t: identity.eval_request_digest(cfg, t) for t in tags} == before, key
+        assert triggers(cfg, *identity.EVAL_GENERATION_KEYS) == params, key
+    cfg = copy.deepcopy(raw)
+    cfg["model"]["dir"] = "/elsewhere/tiny"
+    assert {t: identity.eval_request_digest(cfg, t) for t in tags} == before
+    for section, key, value in (("eval", "temperature", 0.6), ("eval", "max_tokens", 77),
+                                ("eval", "seed", 7)):
+        cfg = copy.deepcopy(raw)
+        cfg[section][key] = value
+        assert all(identity.eval_request_digest(cfg, t) != before[t] for t in tags), key
+    cfg = copy.deepcopy(raw)
+    cfg["eval"]["vllm"]["max_model_len"] = 1024
+    assert identity.eval_request_digest(cfg, "base") != before["base"]
+
+
 def test_kinds_of_knobs_and_verl_keys():
     """Item 2 and 8: checkpoint location keys are `location`; memory-only knobs operational;
     a knob is as strong as the strongest key it sets."""
@@ -349,10 +383,12 @@ def test_on_config_change_alone_names_the_same_keys_record():
     assert train.keys_digest(lr, True) != train.keys_digest(base, True)
 
 
-def test_a_file_changed_under_the_same_path_names_another_keys_record(tmp_path: Path):
+def test_a_file_changed_under_the_same_path_names_another_keys_record(tmp_path: Path,
+                                                                      monkeypatch):
     """The training keys count what the job reads from files whose path stays: the custom
     reward function by its sha256 (as the run identity counts it), a local training data
-    source by its files' sizes and mtimes; a file replaced in place names a missing record
+    source by its content (hashed again when its stats change); a local model directory by
+    its files' sizes and mtimes; a file replaced in place names a missing record
     (the job is planned in the same invocation) and another request for a checkpoint tag."""
     import copy
     import os
@@ -360,7 +396,9 @@ def test_a_file_changed_under_the_same_path_names_another_keys_record(tmp_path: 
     import pyarrow as pa
     import pyarrow.parquet as pq
     from hy3rl import train
+    from hy3rl.layout import Layout
 
+    monkeypatch.chdir(tmp_path)  # the run's results (its content cache) under tmp_path
     reward = tmp_path / "reward.py"
     reward.write_text("def compute_score(*a, **k):\n    return 1.0\n")
     data = tmp_path / "train.parquet"
@@ -383,8 +421,20 @@ def test_a_file_changed_under_the_same_path_names_another_keys_record(tmp_path: 
     assert names() == before
     values = identity.train_keys_params(cfg, "final")
     sha = identity.content_stats(cfg)["reward_function.sha256"][0]
-    assert f'reward_function.sha256="{sha}"' in values and "data.train.source.stats=" in values
+    assert f'reward_function.sha256="{sha}"' in values and "data.train.source.sha256=" in values
 
+    # the data source only touched, or copied back with the same bytes: no change (its
+    # content is hashed again, the run's content cache keeps the digest)
+    cache = Path(Layout.from_config(cfg).content_sha_cache)
+    assert cache.is_file() and str(data.resolve()) in json.loads(cache.read_text())
+    st = data.stat()
+    os.utime(data, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    assert names() == before
+    copy_back = tmp_path / "copy.parquet"
+    copy_back.write_bytes(data.read_bytes())
+    copy_back.replace(data)
+    assert names() == before
+    # ... new content under the same path and stats: another record
     st = data.stat()
     pq.write_table(pa.table({"prompt": ["a", "b"], "answer": ["1", "2"]}), data)
     os.utime(data, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))

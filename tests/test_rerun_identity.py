@@ -26,7 +26,9 @@ rule can be edited there). Each change is ONE invocation:
    (nothing deleted), training from step 0; the curves hold only the new lineage; step 1
    evaluated again on the new lineage (the invocation refused just before left no request of
    the new values behind); the final model released (issue 31): its checks pass, its weights
-   are the ones evaluated; then nothing is left to do.
+   are the ones evaluated; then nothing is left to do;
+9. the same learning rate moved from the script's knob to a verl override: the finished
+   job's keys record adopted on the submit host, nothing trains.
 """
 
 from __future__ import annotations
@@ -215,6 +217,19 @@ def test_each_change_is_one_invocation_that_does_the_right_thing(tmp_path: Path,
     assert code == 0, out[-3000:]
     assert not _ran(out, "train"), out[-3000:]
     assert _ran(out, "preflight"), out[-3000:]
+    # ... the learning rate set to the value verl already reads (issue 40): the training
+    # keys change, the trajectory verl composes does not; decided on the submit host, the
+    # finished job's record is adopted (rule train_adopt), no training job is planned. The
+    # training data source only touched: its content is the same, so neither rule data nor
+    # a training key changes.
+    run.cfg["train"]["env"] = {"ACTOR_LR": "1.0e-6"}
+    source = Path(run.cfg["data"]["train"]["source"])
+    st = source.stat()
+    os.utime(source, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    code, out = run("-n")
+    assert code == 0, out[-3000:]
+    assert not _ran(out, "train") and _ran(out, "train_adopt"), out[-3000:]
+    assert not _ran(out, "data"), out[-3000:]
     del run.cfg["train"]["env"]
 
     # (5) a learning-rate change on existing checkpoints: refused before any training job
@@ -318,3 +333,19 @@ def test_each_change_is_one_invocation_that_does_the_right_thing(tmp_path: Path,
     assert 'href="releases.html"' in (run.res / "report" / "index.html").read_text()
     code, out = run("-n")
     assert code == 0 and "Nothing to be done" in out, out[-3000:]
+
+    # (9) the learning rate moved from the launch script's knob to a verl override, same value
+    # (issue 40): another spelling, the same composed configuration. Nothing trains: the
+    # record is adopted on the submit host, after preflight's decision says `same`.
+    run.cfg["train"]["env"] = {}
+    run.cfg["train"]["verl_overrides"] = {"actor_rollout_ref.actor.optim.lr": 2e-5}
+    run.cfg["release"]["tags"] = []  # released above
+    code, out = run()
+    assert code == 0, out[-6000:]
+    assert _ran(out, "train_adopt") and not _ran(out, "train"), out[-3000:]
+    assert run.attempts() == [1, 2, 3, 4, 5]
+    record = next((run.res / "train" / "keys").glob("final.*.json"))
+    adopted = json.loads(record.read_text())
+    assert adopted["origin"] == "adopted", adopted
+    assert adopted["adopted"]["trajectory_id"] == a5["trajectory_id"], adopted
+    assert adopted["adopted"]["identity_decision"]["action"] == "same", adopted

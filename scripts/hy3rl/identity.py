@@ -372,30 +372,52 @@ def content_stats(config: Mapping[str, Any]) -> dict[str, tuple[str, tuple[Path,
     (:data:`CONTENT_NAMES`, computed the same way where that is cheap):
     ``reward_function.sha256``, the sha256 of ``train.reward_function.path`` (a small file,
     read whole; null when it is unset, ``missing`` when absent: preflight names it);
-    ``data.train.source.stats``, ``model.source.stats`` (a local model directory other than
-    the generated tiny model, whose weights its config keys give) and
-    ``override_paths.stats`` (:func:`override_paths`): ``sha256:`` of each file's path,
-    size and mtime (:func:`hy3rl.hub.local_file_stats`, a stat per file and nothing read,
-    the same stats that re-run rule model), since hashing the data or the weights at every
-    DAG build is too slow and their content identity (``data.train.sha256``,
-    ``model.identity``) exists only once rule data or model has run again. A replaced
-    file changes a value, so the training keys name a missing record and the job is
-    planned in the same invocation; its own identity check then compares the content."""
+    ``data.train.source.sha256`` (a local training data source) and
+    ``override_paths.sha256`` (:func:`override_paths`): ``sha256:`` of each file's content
+    (a directory's files by relative path), each file's sha256 taken from the run's content
+    cache (``Layout.content_sha_cache``) while its size, mtime and inode are unchanged and
+    read again otherwise (:func:`hy3rl.runtime_id.cached_sha256`), so a file only touched,
+    or copied back with the same bytes, changes no value; and ``model.source.stats`` (a
+    local model directory other than the generated tiny model): ``sha256:`` of each file's
+    path, size and mtime (:func:`hy3rl.hub.local_file_stats`, a stat per file and nothing
+    read, the same stats that re-run rule model), since hashing the weights at every DAG
+    build is too slow and their content identity (``model.identity``) exists only once rule
+    model has run again. A changed value names a missing training keys record, so the job
+    is planned in the same invocation; its own identity check then compares the content."""
     import os
 
     from hy3rl.data import local_source_path
     from hy3rl.hub import is_local_source, list_files, local_file_stats
-    from hy3rl.layout import TINY_MODEL_DIR
-    from hy3rl.runtime_id import sha256_file
+    from hy3rl.layout import TINY_MODEL_DIR, Layout
+    from hy3rl.runtime_id import cached_sha256, sha256_file
+
+    def files_of(paths: list[Path]) -> tuple[Path, ...]:
+        return tuple(f for p in paths
+                     for f in ([p] if p.is_file() else [p / rel for rel in list_files(p)]
+                               if p.is_dir() else []))
 
     def stats(paths: list[Path]) -> tuple[str, tuple[Path, ...]]:
         # by the path resolved: a relative, ./ or symlinked spelling of one path is one value
         paths = [Path(os.path.realpath(p)) for p in paths]
         rows = [[str(p), sorted(local_file_stats(p).values())] for p in paths]
-        files = [f for p in paths
-                 for f in ([p] if p.is_file() else [p / rel for rel in list_files(p)]
-                           if p.is_dir() else [])]
-        return "sha256:" + digest({"stats": rows}), tuple(files)
+        return "sha256:" + digest({"stats": rows}), files_of(paths)
+
+    try:
+        cache: Path | None = Path(Layout.from_config(dict(config)).content_sha_cache)
+    except (KeyError, TypeError):
+        cache = None
+
+    def contents(paths: list[Path]) -> tuple[str, tuple[Path, ...]]:
+        rows: list[Any] = []
+        for p in (Path(os.path.realpath(p)) for p in paths):
+            if p.is_file():
+                rows.append(cached_sha256(p, cache)[0])
+            elif p.is_dir():
+                rows.append([[rel, cached_sha256(p / rel, cache)[0]] for rel in list_files(p)])
+            else:
+                rows.append(None)
+        return "sha256:" + digest({"contents": rows}), files_of(
+            [Path(os.path.realpath(p)) for p in paths])
 
     train = config.get("train") or {}
     out: dict[str, tuple[str, tuple[Path, ...]]] = {}
@@ -406,13 +428,13 @@ def content_stats(config: Mapping[str, Any]) -> dict[str, tuple[str, tuple[Path,
     source = str(((config.get("data") or {}).get("train") or {}).get("source") or "")
     local = local_source_path(source) if source else None
     if local:
-        out["data.train.source.stats"] = stats([Path(local)])
+        out["data.train.source.sha256"] = contents([Path(local)])
     model = str((config.get("model") or {}).get("source") or "")
     if model and is_local_source(model) and model != TINY_MODEL_DIR:
         out["model.source.stats"] = stats([Path(model).expanduser()])
     paths = override_paths(config)
     if paths:
-        out["override_paths.stats"] = stats([Path(p) for p in paths])
+        out["override_paths.sha256"] = contents([Path(p) for p in paths])
     return out
 
 
@@ -537,7 +559,11 @@ def train_keys_params(config: Mapping[str, Any], stretch: str,
 
 
 # The settings of a generation (params of rule eval_generate; with the training keys of a
-# checkpoint tag, what names its request, eval_request_digest).
+# checkpoint tag, what names its request, eval_request_digest): what the samples depend on.
+# How an engine is laid out and fed is not among them (EVAL_ENGINE_KEYS): a new
+# eval.vllm.gpu_memory_utilization after an out-of-memory, another tensor or data
+# parallelism, eager mode, or the model copied to another model.dir re-evaluates no tag
+# already evaluated (the sampling distribution, the prompts and the weights are the same).
 EVAL_GENERATION_KEYS = (
     "eval.backend",
     "eval.preset",
@@ -548,15 +574,17 @@ EVAL_GENERATION_KEYS = (
     "eval.num_problems",
     "eval.seed",
     "eval.transformers",
+    "eval.vllm.max_model_len",  # a shorter context cuts generations
+    "model.source",
+    "model.revision",
+)
+EVAL_ENGINE_KEYS = (
     "eval.vllm.tensor_parallel_size",
     "eval.vllm.data_parallel_size",
     "eval.vllm.nodes",
     "eval.vllm.gpus_per_node",
     "eval.vllm.gpu_memory_utilization",
-    "eval.vllm.max_model_len",
     "eval.vllm.enforce_eager",
-    "model.source",
-    "model.revision",
     "model.dir",
 )
 

@@ -234,6 +234,13 @@ class Layout:
         return f"{self.train_attempts}/notified.json"
 
     @property
+    def content_sha_cache(self) -> str:
+        """The sha256 of the local files the training keys count by content, by path + size
+        + mtime + inode (hy3rl.identity.content_stats; written while the DAG is built, not a
+        rule output)."""
+        return self._p("train/content_sha256_cache.json")
+
+    @property
     def runtime_id_cache(self) -> str:
         """The sha256 of a local runtime image (.sif), by path + size + mtime
         (hy3rl.runtime_id; not a rule output)."""

@@ -114,19 +114,33 @@ def sif_image(path: Path, cache: Path | None) -> dict[str, Any]:
     if not path.is_file():
         return unknown(f"image file {path} not found on this host")
     st = path.stat()
-    key = {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
-    entries = _read_cache(cache)
-    hit = entries.get(str(path))
-    if isinstance(hit, dict) and {k: hit.get(k) for k in key} == key and hit.get("sha256"):
-        digest, how = hit["sha256"], "cache"
-    else:
-        digest, how = sha256_file(path), "hashed"
-        if cache is not None:
-            entries[str(path)] = {**key, "sha256": digest}
-            write_json_atomic(Path(cache), entries)
+    digest, how = cached_sha256(path, cache)
     return {"kind": "sif", "id": f"{path} sha256:{digest}", "image": str(path),
             "sha256": digest, "size": st.st_size, "mtime_ns": st.st_mtime_ns,
             "pinned": True, "sha256_from": how}
+
+
+def cached_sha256(path: Path, cache: Path | None) -> tuple[str, str]:
+    """The sha256 of file ``path`` and how it was had (``cache`` or ``hashed``): from the JSON
+    file ``cache`` when it holds an entry for the path with the file's current size, mtime
+    and inode, else by reading the file, the entry then written (atomically; two writers
+    lose at worst an entry, which is hashed again). A file touched or copied (same bytes, a
+    new mtime) is hashed again and gives the same digest; a file rewritten in place within
+    one mtime tick at the same size is not seen (as by ``make``)."""
+    st = path.stat()
+    key = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ino": st.st_ino}
+    entries = _read_cache(cache)
+    hit = entries.get(str(path))
+    if isinstance(hit, dict) and all(hit.get(k) == v for k, v in key.items() if k in hit) \
+            and {"size", "mtime_ns"} <= hit.keys() and hit.get("sha256"):
+        return hit["sha256"], "cache"
+    digest = sha256_file(path)
+    if cache is not None:
+        entries = _read_cache(cache)  # as it is now: another writer's entries are kept
+        entries[str(path)] = {**key, "sha256": digest}
+        Path(cache).parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(Path(cache), entries)
+    return digest, "hashed"
 
 
 def sha256_file(path: Path) -> str:

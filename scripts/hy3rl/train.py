@@ -545,13 +545,21 @@ class Adoption:
     sentinel: Path
     vouching: Path
     unseen: tuple[str, ...]
+    # set when the run identity vouched (the checkpoint directory's identity file): the
+    # trajectory computed on the submit host
+    trajectory_id: str | None = None
 
     def record(self, decision: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """The keys record's ``adopted`` entry."""
+        note = ("no training job ran: the launch's trajectory, computed on the submit host, "
+                f"is the checkpoint directory's ({self.trajectory_id}) and its steps are "
+                "reached; the training keys changed only in how the configuration spells it"
+                if self.trajectory_id else
+                "no training job ran: the sentinel was written under these training keys, by "
+                "a job that wrote no record of them")
         return {"sentinel": str(self.sentinel), "vouching_record": str(self.vouching),
                 "unseen_keys": list(self.unseen), "identity_decision": dict(decision or {}),
-                "note": "no training job ran: the sentinel was written under these training "
-                        "keys, by a job that wrote no record of them"}
+                "trajectory_id": self.trajectory_id, "note": note}
 
 
 def _older_record(layout: Layout, stretch: str, current: Path,
@@ -583,19 +591,31 @@ def adoption(layout: Layout, stretch: str, config: Mapping[str, Any],
              content: Mapping[str, str] | None = None) -> Adoption | None:
     """Whether job ``stretch`` (``final`` or ``step<N>``) is done under the current training
     keys although their record is missing (:class:`Adoption`), read from files while the DAG
-    is built, nothing written: its sentinel exists, and the newest older record of the
+    is built, nothing written. Its sentinel exists, and either the newest older record of the
     stretch vouches for it (:func:`_older_record`) and holds each current training key
-    (``hy3rl.identity.train_keys_params``) with its current value; a key it does not hold at
-    all is accepted only for a file content (code that did not count contents), when no file
-    of it was modified after the sentinel. A key it holds that is no longer a training key
-    (``train.on_config_change``, an operational knob) is ignored. None: the job runs, as for
-    any missing record. ``content`` as for :func:`keys_digest`."""
-    from hy3rl.identity import content_stats, train_keys_params
-
+    (``hy3rl.identity.train_keys_params``) with its current value (a key it does not hold at
+    all is accepted only for a file content, code that did not count contents, when no file
+    of it was modified after the sentinel; a key it holds that is no longer a training key,
+    ``train.on_config_change`` or an operational knob, is ignored), or the launch's trajectory
+    computed now on the submit host (:func:`_same_launch`) is the checkpoint directory's with
+    the job's steps reached: keys that changed only in how they are spelled (a knob set to
+    the value verl already reads, a value moved between a knob and an override, an
+    interpolation, ``train.segment_steps``). None: the job runs, as for any missing record.
+    ``content`` as for :func:`keys_digest`."""
     current = keys_record(layout, stretch, config, content)
     sentinel = Path(layout.stretch_sentinel(stretch))
     if current.exists() or not sentinel.is_file():
         return None
+    return (_vouched(layout, stretch, config, content, current, sentinel)
+            or _same_launch(layout, stretch, config, sentinel))
+
+
+def _vouched(layout: Layout, stretch: str, config: Mapping[str, Any],
+             content: Mapping[str, str] | None, current: Path,
+             sentinel: Path) -> Adoption | None:
+    """:func:`adoption` by an older record holding the current values."""
+    from hy3rl.identity import content_stats, train_keys_params
+
     older = _older_record(layout, stretch, current, sentinel)
     if older is None:
         return None
@@ -620,6 +640,50 @@ def adoption(layout: Layout, stretch: str, config: Mapping[str, Any],
     return Adoption(stretch, sentinel, vouching, tuple(unseen))
 
 
+# Preflight's decisions under which a finished stretch has nothing to train: the same
+# trajectory, under the same or (a segment of a run since extended) a larger total.
+NOTHING_TO_TRAIN = ("same", "extend")
+
+
+def stretch_end(stretch: str, total: int) -> int:
+    """The last step of job ``stretch``: the total for ``final``, else N of ``step<N>``."""
+    return int(total) if stretch == "final" else int(stretch.removeprefix("step"))
+
+
+def _same_launch(layout: Layout, stretch: str, config: Mapping[str, Any],
+                 sentinel: Path) -> Adoption | None:
+    """:func:`adoption` by the run identity: the trajectory preflight would give the launch
+    now (``hy3rl.preflight.launch_trajectory``, computed on the submit host only in this
+    case: a finished stretch whose keys changed) against the checkpoint directory's identity
+    (``hy3rl.ckptdir.decide_identity``): ``same`` (or ``extend``) with the newest complete
+    checkpoint at or past the stretch's end. Rule train_adopt checks preflight's own
+    decision again once preflight ran."""
+    from hy3rl.ckptdir import CheckpointDirError, decide_identity, identity_path
+    from hy3rl.preflight import launch_trajectory
+    from hy3rl.settings import Config
+
+    ckpt_dir = layout.checkpoint_dir
+    if not identity_path(ckpt_dir).is_file():
+        return None
+    try:
+        cfg = Config.from_dict(config)
+    except Exception:  # an invalid config: Snakemake's own validation names it
+        return None
+    trajectory = launch_trajectory(cfg, layout)
+    if trajectory is None:
+        return None
+    total = cfg.train.total_training_steps
+    try:
+        decision = decide_identity(ckpt_dir, trajectory, total, cfg.train.on_config_change)
+    except CheckpointDirError:
+        return None
+    end = stretch_end(stretch, total)
+    if decision.action not in NOTHING_TO_TRAIN or decision.newest_step < end:
+        return None
+    return Adoption(stretch, sentinel, identity_path(ckpt_dir), ("trajectory",),
+                    trajectory_id=str(trajectory.get("id")))
+
+
 def adopt(layout: Layout, stretch: str, path: Path, config: Mapping[str, Any],
           plan: Path) -> Adoption:
     """Rule train_adopt: job ``stretch``'s keys record ``path`` for a sentinel written under
@@ -637,17 +701,21 @@ def adopt(layout: Layout, stretch: str, path: Path, config: Mapping[str, Any],
     doc = read_plan(Path(plan))
     identity = doc.get("identity") or {}
     decision = identity.get("decision") or {}
-    end = (int(identity.get("total_training_steps") or 0) if stretch == "final"
-           else int(stretch.removeprefix("step")))
+    end = stretch_end(stretch, int(identity.get("total_training_steps") or 0))
     newest = decision.get("newest_step")
-    if decision.get("action") != "same" or not isinstance(newest, int) or newest < end:
+    action = decision.get("action")
+    if action not in NOTHING_TO_TRAIN or not isinstance(newest, int) or newest < end:
+        undo = ("run again: the configuration or a file upstream of preflight changed "
+                "during this invocation, and the job is then planned"
+                if found.trajectory_id else
+                f"remove {found.vouching} to let the training job run")
         raise TrainError(
             f"{path}: not adopted: preflight's run identity decision in {plan} is "
-            f"{decision.get('action')!r} with the newest complete checkpoint at "
-            f"{newest}, not 'same' at step {end}, so {found.sentinel} does not describe what "
-            f"the job would do; remove {found.vouching} to let the training job run")
+            f"{action!r} with the newest complete checkpoint at {newest}, not 'same' at "
+            f"step {end}, so {found.sentinel} does not describe what the job would do; "
+            + undo)
     record_keys(layout, stretch, path, config,
-                adopted=found.record({"action": "same", "newest_step": newest}))
+                adopted=found.record({"action": action, "newest_step": newest}))
     log.info("training keys record %s adopted: %s was written under these keys", path.name,
              found.sentinel)
     return found

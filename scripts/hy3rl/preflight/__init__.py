@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -56,7 +57,9 @@ from hy3rl.settings import Config
 from hy3rl.verl_checks import FAIL, NOT_RUN, PASS, RUNNER, VerlCheck, run_verl_checks
 
 __all__ = ["NOT_WAIVABLE", "RULES", "Override", "Plan", "PreflightError", "RuleResult",
-           "RulesFailed", "kept_for_eval", "required_rollout_tp", "run"]
+           "RulesFailed", "kept_for_eval", "launch_trajectory", "required_rollout_tp", "run"]
+
+log = logging.getLogger(__name__)
 
 
 class RulesFailed(PreflightError):
@@ -212,6 +215,40 @@ def run_identity(cfg: Config, res: Any, lock_doc: Mapping[str, Any],
             "total_training_steps": cfg.train.total_training_steps,
             "segment_steps": cfg.train.segment_steps,
             "on_config_change": cfg.train.on_config_change}
+
+
+def launch_trajectory(cfg: Config, layout: Layout) -> dict | None:
+    """The trajectory preflight would give the launch now (:func:`run_identity`), computed on
+    the submit host while the DAG is built from the run's files as they are (deps/lock.json,
+    the data summary, the model manifest, the reward function's bytes) and the pinned verl's
+    composition, nothing written: what lets a training job whose configuration is only
+    spelled another way go unsubmitted (hy3rl.train.adoption). None when an input is
+    missing, does not parse or the launch does not compose (the job is planned, and its
+    own preflight says why)."""
+    lock_path = Path(layout.deps_lock)
+    try:
+        lock_doc = read_json(lock_path, "deps lock")
+        summary = read_json(Path(layout.data_summary), "data summary")
+        if lock_doc is None or summary is None or not Path(layout.model_manifest).is_file():
+            return None
+        verl_dir, _ = verl_from_lock(lock_doc, lock_path)
+        if not verl_dir.is_dir():
+            return None
+        reward = reward_copy(cfg, layout.preflight_reward_fn)
+        res = resolve(cfg, verl_dir, train_files=Path(layout.data_train).absolute(),
+                      val_files=Path(layout.data_val).absolute(),
+                      val_n=summary_facts(summary).get("val_n"),
+                      checkpoint_dir=layout.checkpoint_dir,
+                      reward_fn=reward[1] if reward else Path(os.devnull))
+    except (PreflightError, OSError, ValueError, KeyError, TypeError) as exc:
+        log.info("launch trajectory not computed on the submit host: %s", exc)
+        return None
+    if res.leaves is None:
+        return None
+    ident = run_identity(cfg, res, lock_doc, summary, Path(layout.model_manifest),
+                         hashlib.sha256(reward[0]).hexdigest() if reward else None,
+                         clone_trees(lock_doc))
+    return ident["trajectory"]
 
 
 def run(cfg: Config, *, lock: Path, data_summary: Path | None, train_files: Path,
