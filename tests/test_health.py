@@ -378,6 +378,39 @@ def test_metric_problems_read_the_pinned_clone(tmp_path: Path):
     assert len({m.key for m in VERL_METRICS}) == len(VERL_METRICS)
 
 
+def test_metric_problems_hold_at_the_pin_and_name_what_the_composed_config_switches_off(
+        real_verl: Path):
+    """Issue 41: every key the paper's rules watch is logged by the pinned verl's own files
+    (the v1 trainer main_ppo runs, not the legacy ray_trainer.py); under
+    algorithm.rollout_correction.bypass_mode the v1 trainer logs neither actor/entropy nor
+    training/rollout_probs_diff_*, and the rules over them are refused by name; a
+    validation key is refused for a data source the validation set lacks and for an n other
+    than the responses per prompt verl generates (it logs mean@<that n> only)."""
+    from hy3rl.health import BYPASS_MODE, VAL_N, metric_problems
+
+    paper = Config.from_dict(PAPER).train.health
+    ok = dict(val_sources=["math_dapo"], val_n=1)
+    assert metric_problems(paper, real_verl, True, **ok) == []
+    # the texts the proofs cite are the v1 trainer's
+    v1 = (real_verl / "verl/trainer/ppo/v1/trainer_base.py").read_text()
+    assert '"actor/entropy": entropy_agg' in v1 and 'metric_sec = "val-core"' in v1
+    off = metric_problems(paper, real_verl, True, bypass_mode=True, **ok)
+    assert [m.split(":")[0] for m in off] == ["train.health.drift.metric",
+                                             "train.health.entropy.metric"], off
+    assert all(f"{BYPASS_MODE}=True" in m for m in off)
+    assert "'actor/entropy' is not logged" in off[1]
+    wrong = metric_problems(paper, real_verl, True, val_sources=["aime2024"], val_n=32)
+    assert wrong == [
+        "train.health.validation.metric: 'val-core/math_dapo/acc/mean@1' names data source "
+        "'math_dapo', which the validation set does not hold (data summary: aime2024): verl "
+        "logs val-core/<data_source>/... per data source of the validation rows",
+        "train.health.validation.metric: 'val-core/math_dapo/acc/mean@1' asks for mean@1, "
+        f"but the validation generates 32 response(s) per prompt ({VAL_N} composed 32): verl "
+        "logs mean@32 only; use val-core/math_dapo/acc/mean@32"]
+    # without a data summary (rule data not run) the key's source and n are not checked
+    assert metric_problems(paper, real_verl, True) == []
+
+
 # --------------------------------------------------------------------------- the schema
 
 

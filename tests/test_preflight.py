@@ -675,6 +675,28 @@ def test_health_rule_naming_a_metric_verl_does_not_log_is_refused(verl, tmp_path
     # the other refusals (a line the clone lacks, no rollout log-probs): tests/test_health.py
 
 
+def test_health_rules_over_what_the_composed_config_switches_off_are_refused(verl, tmp_path):
+    """Issue 41, through preflight: bypass_mode composed true refuses the rules over
+    actor/entropy and training/rollout_probs_diff_*; a validation key whose data source
+    the data summary's validation set lacks is refused naming both."""
+    cfg = paper_cfg(tmp_path)
+    cfg["train"]["verl_overrides"] = {
+        **(cfg["train"].get("verl_overrides") or {}),
+        "+algorithm.rollout_correction.bypass_mode": True}
+    summary = tmp_path / "summary.json"
+    summary.write_text(json.dumps({"val_n": 1, "splits": {
+        "train": {"rows": 256, "data_sources": {"math_dapo": 256}},
+        "val": {"rows": 960, "data_sources": {"aime2024": 960}}}}))
+    plan = plan_for(cfg, verl, tmp_path, summary=summary)
+    res = rule(plan, "health_metrics")
+    assert res.status == "error" and not plan.ok, res
+    keys = sorted(m.split(":")[0] for m in res.messages)
+    assert keys == ["train.health.drift.metric", "train.health.entropy.metric",
+                    "train.health.validation.metric"], res.messages
+    assert any("bypass_mode=True" in m for m in res.messages)
+    assert any("(data summary: aime2024)" in m for m in res.messages)
+
+
 WANDB_CASES = {  # environment, netrc text (None: no file) -> status, message part
     "netrc login": ({}, "keep", "pass", None),
     "api key": ({"WANDB_API_KEY": FAKE_KEY}, None, "pass", None),

@@ -530,6 +530,9 @@ class VerlMetric:
     key: str
     sources: tuple[tuple[str, str], ...]
     needs_rollout_log_probs: bool = False
+    # not logged under algorithm.rollout_correction.bypass_mode (the v1 trainer's
+    # _compute_old_log_prob takes the rollout's log-probs and returns before computing it)
+    not_in_bypass_mode: bool = False
 
     def matches(self, key: str) -> bool:
         parts = re.split(r"(<[a-z_]+>)", self.key)
@@ -538,7 +541,9 @@ class VerlMetric:
 
 
 _LOSSES = "verl/workers/utils/losses.py"
-_TRAINER = "verl/trainer/ppo/ray_trainer.py"
+# the v1 trainer: what main_ppo runs at the pin (trainer.use_v1; the legacy ray_trainer.py is
+# main_ppo_v0's)
+_TRAINER = "verl/trainer/ppo/v1/trainer_base.py"
 _ALGOS = "verl/trainer/ppo/core_algos.py"
 _METRICS = "verl/trainer/ppo/metric_utils.py"
 _DEBUG = "verl/utils/debug/metrics.py"
@@ -551,16 +556,20 @@ VERL_METRICS: tuple[VerlMetric, ...] = (
     VerlMetric("actor/pg_loss", ((_LOSSES, 'metrics["actor/pg_loss"]'),)),
     # compute_variance_proxy_metrics reads it from the actor's output
     VerlMetric("actor/grad_norm", ((_TRAINER, 'metrics.get("actor/grad_norm"'),)),
-    VerlMetric("actor/entropy", ((_TRAINER, '"actor/entropy": entropy_agg'),)),
+    # _compute_old_log_prob, after the bypass-mode return
+    VerlMetric("actor/entropy", ((_TRAINER, '"actor/entropy": entropy_agg'),
+                                 (_TRAINER, "if bypass_recomputing_logprobs:")), False, True),
     VerlMetric("actor/pg_clipfrac", ((_ALGOS, '"actor/pg_clipfrac":'),)),
     # compute_data_metrics
     *(VerlMetric(f"critic/{k}", ((_METRICS, f'"critic/{k}":'),)) for k in (
         "score/mean", "score/max", "score/min", "rewards/mean", "rewards/max", "rewards/min")),
     *(VerlMetric(f"response_length/{k}", ((_METRICS, f'"response_length/{k}":'),))
       for k in ("mean", "max", "min", "clip_ratio")),
-    # calculate_debug_metrics, called when the batch has rollout_log_probs
+    # calculate_debug_metrics, called by _compute_old_log_prob with calculate_log_probs (not
+    # in bypass mode, which returns before it, as before actor/entropy)
     *(VerlMetric(f"training/rollout_probs_diff_{k}",
-                 ((_DEBUG, f'"training/rollout_probs_diff_{k}":'),), True)
+                 ((_DEBUG, f'"training/rollout_probs_diff_{k}":'),
+                  (_TRAINER, "metrics.update(calculate_debug_metrics(data))")), True, True)
       for k in ("mean", "max", "std")),
     # compute_rollout_corr_metrics_from_logprobs / the IS weights, prefixed rollout_corr/
     *(VerlMetric(f"rollout_corr/{k}", ((_CORR, f'metrics["{k}"]'), _CORR_PREFIX), True)
@@ -579,14 +588,28 @@ def verl_metric(key: str) -> VerlMetric | None:
     return next((m for m in VERL_METRICS if m.matches(key)), None)
 
 
-def metric_problems(health: Health, verl_dir: Path, calculate_log_probs: Any) -> list[str]:
+# The composed key under which verl's v1 trainer takes the rollout's log-probs as the old
+# ones and logs neither actor/entropy nor training/rollout_probs_diff_*.
+BYPASS_MODE = "algorithm.rollout_correction.bypass_mode"
+VAL_N = "actor_rollout_ref.rollout.val_kwargs.n"
+_VAL_KEY = re.compile(r"val-core/(?P<source>[^/]+)/(?P<variable>[^/]+)/mean@(?P<n>\d+)")
+
+
+def metric_problems(health: Health, verl_dir: Path, calculate_log_probs: Any, *,
+                    bypass_mode: Any = False, val_sources: Iterable[str] | None = None,
+                    val_n: Any = None) -> list[str]:
     """What makes a watched metric one the pinned verl at ``verl_dir`` does not log: a key
     not in :data:`VERL_METRICS`, a key whose source text the checkout lacks, a rollout
     log-prob metric while ``calculate_log_probs`` (the composed value, read as a flag) is
-    false. Each
-    message names the config key and the metric."""
+    false, a metric the v1 trainer skips under ``bypass_mode`` (the composed
+    :data:`BYPASS_MODE`) while it is true, and a validation key
+    ``val-core/<data_source>/<variable>/mean@<n>`` whose data source is not one of the
+    validation set's (``val_sources``: the data summary's) or whose n is not the responses
+    per prompt the validation generates (``val_n``: the composed :data:`VAL_N`; verl logs
+    ``mean@<that n>`` only). Each message names the config key and the metric."""
     out: list[str] = []
     seen: dict[str, int] = {}
+    sources = sorted(val_sources) if val_sources is not None else None
     for rule, key in health.watched():
         if rule == "nonfinite":
             i = seen[rule] = seen.get(rule, -1) + 1
@@ -611,4 +634,33 @@ def metric_problems(health: Health, verl_dir: Path, calculate_log_probs: Any) ->
         if found.needs_rollout_log_probs and not calculate_log_probs:
             out.append(f"{where}: {key!r} is logged only with {ROLLOUT_LOG_PROBS}=True "
                        f"(composed: {calculate_log_probs!r})")
+        if found.not_in_bypass_mode and bypass_mode:
+            out.append(f"{where}: {key!r} is not logged with {BYPASS_MODE}=True (composed: "
+                       f"{bypass_mode!r}): verl's v1 trainer then takes the rollout's "
+                       "log-probs as the old ones and computes neither actor/entropy nor "
+                       "training/rollout_probs_diff_*; the rule would judge nothing. Watch "
+                       "another metric, or set its action to ignore")
+        m = _VAL_KEY.fullmatch(key)
+        if m is None:
+            continue
+        if sources is not None and m["source"] not in sources:
+            out.append(f"{where}: {key!r} names data source {m['source']!r}, which the "
+                       f"validation set does not hold (data summary: "
+                       f"{', '.join(sources) or 'none'}): verl logs "
+                       f"val-core/<data_source>/... per data source of the validation rows")
+        n = _as_int(val_n)
+        if n is not None and int(m["n"]) != n:
+            out.append(f"{where}: {key!r} asks for mean@{m['n']}, but the validation "
+                       f"generates {n} response(s) per prompt ({VAL_N} composed {n}): verl "
+                       f"logs mean@{n} only; use val-core/{m['source']}/{m['variable']}/"
+                       f"mean@{n}")
     return out
+
+
+def _as_int(value: Any) -> int | None:
+    if isinstance(value, bool):
+        return None
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None

@@ -306,7 +306,7 @@ def run(cfg: Config, *, lock: Path, data_summary: Path | None, train_files: Path
                                 bridge_path=bridge_check, identity=ident,
                                 data_files={"train": train_files, "val": val_files,
                                             "heldout": heldout})
-        check_health_metrics(rules, cfg, verl_dir, eff)
+        check_health_metrics(rules, cfg, verl_dir, eff, summary)
         estimate = estimate_gpu_hours(cfg, eff, facts, weights)
         add_costs(rules, estimate)
     check_verl_pin(rules, verl_dir, head, commit, cfg.preflight.waive)

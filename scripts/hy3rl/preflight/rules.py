@@ -24,7 +24,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from hy3rl import wandb_run
-from hy3rl.health import ROLLOUT_LOG_PROBS, metric_problems
+from hy3rl.health import BYPASS_MODE, ROLLOUT_LOG_PROBS, VAL_N, metric_problems
 from hy3rl.preflight.resolve import PAPER_DEFAULT, Override, Resolution, select
 from hy3rl.settings import Cluster, Config
 from hy3rl.verl_checks import FAIL, NOT_RUN, VerlCheck
@@ -157,6 +157,7 @@ EFFECTIVE_KEYS = (
     "algorithm.norm_adv_by_std_in_grpo",
     "algorithm.rollout_correction.rollout_is",
     "algorithm.rollout_correction.rollout_is_threshold",
+    "algorithm.rollout_correction.bypass_mode",
     "reward.reward_manager.name", "reward.reward_kwargs",
     "reward.custom_reward_function.path",
 )
@@ -1131,10 +1132,19 @@ def not_composed(res: Resolution) -> list[RuleResult]:
 
 
 def check_health_metrics(rules: list[RuleResult], cfg: Config, verl_dir: Path,
-                         eff: Mapping[str, Any]) -> None:
+                         eff: Mapping[str, Any],
+                         summary: Mapping[str, Any] | None = None) -> None:
     """health_metrics: the watched metrics are logged by the verl clone at ``verl_dir`` with
-    the composed values ``eff`` (hy3rl.health.metric_problems; set in ``rules`` in place)."""
-    problems = metric_problems(cfg.train.health, verl_dir, truthy(eff.get(ROLLOUT_LOG_PROBS)))
+    the composed values ``eff``, and the validation key names a data source of the
+    validation set (``summary``: data/summary.json; not checked without it) and the composed
+    responses per prompt (hy3rl.health.metric_problems; set in ``rules`` in place)."""
+    val = (((summary or {}).get("splits") or {}).get("val") or {}) if summary else None
+    sources = (val or {}).get("data_sources")
+    problems = metric_problems(
+        cfg.train.health, verl_dir, truthy(eff.get(ROLLOUT_LOG_PROBS)),
+        bypass_mode=truthy(eff.get(BYPASS_MODE)),
+        val_sources=list(sources) if isinstance(sources, Mapping) else None,
+        val_n=eff.get(VAL_N))
     if problems:
         rules[list(RULES).index("health_metrics")] = RuleResult(
             "health_metrics", "error", problems)
