@@ -518,3 +518,51 @@ def test_the_paper_thresholds_catch_the_failures_they_are_for():
                      "response_length": (64, 60, "warn"), "validation": (60, 60, "warn"),
                      "entropy": (71, 52, "warn"), "nonfinite": (100, 100, "stop")}, first
     assert last_healthy(range(20, 201, 20), events) == 40
+
+
+def test_a_blind_rule_says_so_on_verls_own_lines(real_verl: Path, tmp_path: Path):
+    """Issue 41: lines written by the pinned verl's own FileLogger where the drift key is
+    renamed (absent), the entropy is NaN (null) and the validation logs another n than the
+    rule's key: each of those rules raises one `blind` warn naming its key, after
+    train.health.blind_lines logged lines (the validation rule: 2 validation lines), once
+    until the key comes again; the rules whose metrics come judge every line and stay
+    quiet. A blind event is a warn, never a stop: it names no checkpoint sick."""
+    from fixtures.verl_records import write_like_verl
+    from hy3rl.health import Watcher, last_healthy
+    from hy3rl.verl_log import read_metrics
+
+    h = Config.from_dict(PAPER).train.health
+    assert h.blind_lines == 5
+    datas = []
+    for step in range(1, 21):
+        d = {"actor/pg_loss": 0.01, "actor/grad_norm": 0.5, "critic/score/mean": 0.5,
+             "response_length/mean": 3000.0, "response_length/clip_ratio": 0.01,
+             "training/rollout_probs_diff_avg": 0.001,  # renamed: the rule's key is absent
+             "actor/entropy": math.nan if step <= 12 else 0.4}
+        if step % 2 == 0:
+            d["val-core/math_dapo/acc/mean@32"] = 0.4  # the rule watches mean@1
+        datas.append(d)
+    path = write_like_verl(real_verl, tmp_path / "metrics.jsonl", datas)
+    assert '"actor/entropy":null' in path.read_text()  # verl's own encoding of NaN
+    w = Watcher(h)
+    for rec in read_metrics(path):
+        w.feed(rec)
+    blind = [(e.rule, e.metric, e.first_step, e.step, e.action) for e in w.events
+             if e.kind == "blind"]
+    assert blind == [("validation", "val-core/math_dapo/acc/mean@1", 2, 4, "warn"),
+                     ("drift", "training/rollout_probs_diff_mean", 1, 5, "warn"),
+                     ("entropy", "actor/entropy", 1, 5, "warn")], blind
+    assert [e for e in w.events if e.kind != "blind"] == []  # no threshold fired
+    msg = next(e.message for e in w.events if e.rule == "drift")
+    assert msg.startswith("health rule drift is blind: training/rollout_probs_diff_mean "
+                          "absent or null in the last 5 logged lines (steps 1-5); it judged "
+                          "0 step(s) so far"), msg
+    judged = w.judged()
+    assert judged == {"nonfinite": 20, "drift": 0, "entropy": 8, "response_length": 20,
+                      "clip_ratio": 20, "reward_floor": 20, "validation": 0}, judged
+    assert last_healthy([4, 8, 12, 16, 20], w.events) == 20  # blind is no sickness
+    # the entropy came back at step 13: null again for 5 lines is a new blind episode
+    for step in range(21, 26):
+        w.feed({"step": step, "data": {**datas[0], "actor/entropy": None}})
+    again = [e for e in w.events if e.kind == "blind" and e.rule == "entropy"]
+    assert [(e.first_step, e.step) for e in again] == [(1, 5), (21, 25)]

@@ -28,10 +28,10 @@ def _torch() -> None:
     import torch  # noqa: F401
 
 
-def _run(tmp_path: Path, drift: bool) -> tuple:
+def _run(tmp_path: Path, drift: bool, drop: str | None = None) -> tuple:
     """A run whose attempt 1 logged steps 0-7 (the double's metrics; drift from step 5 when
-    ``drift``), saved steps 3 and 6 and, with drift, was stopped by the guard after the save
-    of step 6 (its record as the launcher writes it)."""
+    ``drift``; metric ``drop`` never logged), saved steps 3 and 6 and, with drift, was
+    stopped by the guard after the save of step 6 (its record as the launcher writes it)."""
     cfg = make_config(run={"name": "r"}, cluster={"gpu": True},
                       train={"checkpoint_root": str(tmp_path / "ckpt"),
                              "health": {"drift": {"steps": 2}}},
@@ -46,6 +46,7 @@ def _run(tmp_path: Path, drift: bool) -> tuple:
         data = double.metrics(step, 8)
         if drift and step >= DRIFT_FROM:
             data["training/rollout_probs_diff_mean"] = 0.05
+        data.pop(drop, None)
         lines.append({"step": step, "data": data})
     Path(layout.attempt_metrics(1)).write_text("".join(json.dumps(x) + "\n" for x in lines))
     job = train.Job(cfg.train, cfg.cluster, layout, {}, target=8, total=8, keep_steps=[],
@@ -101,8 +102,30 @@ def test_health_panel_of_a_healthy_run(tmp_path: Path):
     cfg, layout = _run(tmp_path, drift=False)
     view = health_view(report.gather(cfg, layout))
     assert all(r["fired"] == "never" for r in view["rules"]) and view["events"] == []
+    assert all(r["blind"] == "never" for r in view["rules"])
+    # each threshold rule judged every logged step (8)
+    judged = {r["rule"]: r["judged"] for r in view["rules"]}
+    assert all(judged[r] == 8 for r in ("nonfinite", "drift", "entropy", "response_length",
+                                        "reward_floor")), judged
     assert view["last_healthy"] == "step 6 (no stop rule fired: the newest)"
     assert view["stops"] == []
+
+
+def test_health_panel_shows_a_blind_rule(tmp_path: Path):
+    """Issue 41: a rule whose metric never came judged 0 steps and went blind (a warn in the
+    attempt record, as the launcher recorded it, and a column of the panel), where a
+    healthy rule's "never" would otherwise read the same."""
+    cfg, layout = _run(tmp_path, drift=False, drop="training/rollout_probs_diff_mean")
+    view = health_view(report.gather(cfg, layout))
+    drift = next(r for r in view["rules"] if r["rule"] == "drift")
+    assert (drift["judged"], drift["fired"]) == (0, "never"), drift
+    assert drift["blind"] == "step 4 (training/rollout_probs_diff_mean)", drift
+    rec = json.loads(Path(layout.attempt_record(1)).read_text())
+    assert [(e["rule"], e["kind"], e["action"]) for e in rec["health"]] == [
+        ("drift", "blind", "warn")], rec["health"]
+    html = _page(cfg, layout)
+    assert "health rule drift is blind: training/rollout_probs_diff_mean" in html
+    assert '<td class="status-blind">0 of 8</td>' in html
 
 
 def test_selection_never_picks_a_checkpoint_past_a_fired_stop_rule(tmp_path: Path):

@@ -96,6 +96,9 @@ class Event:
     values: tuple[tuple[int, float | str], ...]
     reference: float | None
     message: str
+    # "fired": the rule's metric crossed its threshold; "blind": the metric did not come
+    # (absent or null) in train.health.blind_lines logged lines in a row (always a warn)
+    kind: str = "fired"
 
 
 def _fmt(v: float | str) -> str:
@@ -323,6 +326,50 @@ def validation_se(best: float, acc: float, responses: int) -> float:
     return math.sqrt(var / responses)
 
 
+# Validation lines in a row without the validation rule's key before it is blind (verl
+# validates every test_freq steps: each such line is one chance to judge).
+BLIND_VALIDATIONS = 2
+
+
+class _Coverage:
+    """What one rule could judge of one watched key: the logged lines where the key had a
+    value the rule reads (``judged``: any value, null included, for ``nonfinite``; a finite
+    one for the threshold rules, where null is the ``nonfinite`` rule's), and the run of
+    lines in a row without one (for the validation rule, of lines holding any ``val-*`` key:
+    verl validates every test_freq steps). A run of ``lines`` raises a ``blind`` warn naming
+    the key, once until the key comes again."""
+
+    def __init__(self, rule: str, key: str, lines: int, *, nonfinite: bool,
+                 validation: bool) -> None:
+        self.rule, self.key = rule, key
+        self.nonfinite, self.validation = nonfinite, validation
+        self.lines = BLIND_VALIDATIONS if validation else lines
+        self.judged = 0
+        self.run: list[int] = []
+        self.warned = False
+
+    def feed(self, step: int, data: Mapping[str, Any]) -> Event | None:
+        if self.validation and not any(str(k).startswith("val-") for k in data):
+            return None  # no validation at this step: nothing to judge
+        raw = logged_value(dict(data), self.key)
+        v = metric_value(raw)
+        if v is not None and (self.nonfinite or math.isfinite(v)):
+            self.judged += 1
+            self.run, self.warned = [], False
+            return None
+        self.run.append(step)
+        if len(self.run) < self.lines or self.warned:
+            return None
+        self.warned = True
+        what = "validation lines" if self.validation else "logged lines"
+        how = "absent" if self.nonfinite else "absent or null"
+        msg = (f"health rule {self.rule} is blind: {self.key} {how} in the last "
+               f"{len(self.run)} {what} (steps {self.run[0]}-{self.run[-1]}); it judged "
+               f"{self.judged} step(s) so far and cannot fire while its metric does not come "
+               "(a renamed key, a metric the configuration switched off)")
+        return Event(self.rule, "warn", step, self.run[0], self.key, (), None, msg, "blind")
+
+
 def build_rules(health: Health) -> list[_Rule]:
     """The rules of ``train.health`` that are not ``ignore``, in the schema's order."""
     out: list[_Rule] = []
@@ -353,6 +400,20 @@ class Watcher:
         self.records: dict[int, dict[str, Any]] = {}
         self.events: list[Event] = []
         self._rules = build_rules(health)
+        self._coverage = [
+            _Coverage(name, key, health.blind_lines, nonfinite=name == "nonfinite",
+                      validation=isinstance(section, HealthValidation))
+            for name, section in health.rules()
+            for key in (section.metrics if isinstance(section, HealthNonfinite)
+                        else [section.metric])]
+
+    def judged(self) -> dict[str, int]:
+        """Rule name -> the logged lines it judged (for a rule over several keys, the fewest
+        of any of them): the report's coverage column."""
+        out: dict[str, int] = {}
+        for c in self._coverage:
+            out[c.rule] = min(out.get(c.rule, c.judged), c.judged)
+        return out
 
     def feed(self, record: Mapping[str, Any]) -> list[Event]:
         """Feed one ``{"step": N, "data": {...}}`` record; the events it raises."""
@@ -360,6 +421,7 @@ class Watcher:
         if not self.records or step > max(self.records):
             self.records[step] = data
             new = [e for rule in self._rules for e in rule.feed(step, data)]
+            new += [e for c in self._coverage if (e := c.feed(step, data)) is not None]
             self.events += new
             return new
         old = self.records.get(step)
@@ -378,6 +440,7 @@ class Watcher:
         for step in sorted(records):
             fresh.feed({"step": step, "data": records[step]})
         self.records, self._rules, self.events = fresh.records, fresh._rules, fresh.events
+        self._coverage = fresh._coverage
 
     def open_from(self) -> int | None:
         """The earliest checkpoint a ``stop`` rule may still call sick over the steps fed

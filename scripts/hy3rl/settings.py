@@ -337,11 +337,13 @@ class Health:
     clip_ratio: HealthAbove
     reward_floor: HealthRewardFloor
     validation: HealthValidation
+    blind_lines: int  # logged lines in a row without a rule's metric: a blind warn
 
     def rules(self) -> list[tuple[str, Any]]:
         """(name, rule section) of every rule not ``ignore``, in the schema's order."""
         return [(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)
-                if getattr(self, f.name).action != "ignore"]
+                if dataclasses.is_dataclass(getattr(self, f.name))
+                and getattr(self, f.name).action != "ignore"]
 
     def watched(self) -> list[tuple[str, str]]:
         """(rule name, metric key) of every metric a rule not ``ignore`` reads."""

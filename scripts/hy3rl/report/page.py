@@ -214,23 +214,30 @@ def _threshold(section: Any) -> str:
 
 def health_view(found: Found) -> dict[str, Any]:
     """The health panel: ``train.health``'s rules each with its metric(s), action, threshold
-    band and the steps where it fired, over the lineage's merged metrics (the rules of this
+    band, the logged steps it judged (hy3rl.health.Watcher.judged), the steps where it fired
+    and where it went blind, over the lineage's merged metrics (the rules of this
     config, hy3rl.health.watch); the events; the last healthy checkpoint (the newest
     complete checkpoint in the checkpoint directory before every stop rule's first step);
     and the stops the launcher recorded (attempt records ``health_stop``)."""
     from hy3rl import ckptdir
-    from hy3rl.health import last_healthy, watch
+    from hy3rl.health import Watcher, last_healthy
 
     health = found.cfg.train.health
-    events = watch(health, ({"step": s, "data": found.metrics[s]}
-                            for s in sorted(found.metrics)))
+    watcher = Watcher(health)
+    for s in sorted(found.metrics):
+        watcher.feed({"step": s, "data": found.metrics[s]})
+    events = list(watcher.events)
+    judged = watcher.judged()
     rules = []
     for name, section in health.rules():
         metrics = section.metrics if hasattr(section, "metrics") else [section.metric]
-        fired = [e for e in events if e.rule == name]
+        fired = [e for e in events if e.rule == name and e.kind != "blind"]
+        blind = [e for e in events if e.rule == name and e.kind == "blind"]
         rules.append({"rule": name, "action": section.action, "metrics": ", ".join(metrics),
-                      "threshold": _threshold(section),
-                      "fired": ", ".join(f"step {e.step}" for e in fired) or "never"})
+                      "threshold": _threshold(section), "judged": judged.get(name, 0),
+                      "fired": ", ".join(f"step {e.step}" for e in fired) or "never",
+                      "blind": ", ".join(f"step {e.step} ({e.metric})" for e in blind)
+                      or "never"})
     try:
         complete = [c.step for c in ckptdir.scan(found.layout.checkpoint_dir) if c.complete]
     except OSError:
