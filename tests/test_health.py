@@ -257,7 +257,7 @@ def test_a_nan_stops_at_once_while_another_stop_waits_for_its_save():
     after the save (which would hold NaN weights), and names both events."""
     from hy3rl.health import Guard
 
-    h = health(drift={"action": "stop", "steps": 2},
+    h = health(drift={"action": "stop", "steps": 2, "when": "next_save"},
                nonfinite={"action": "stop", "metrics": ["actor/pg_loss"]})
     events = []
     monitor = _Lines()

@@ -110,7 +110,8 @@ def test_drift_stops_right_after_the_next_save_and_retention_keeps_the_last_heal
     double waits before step 7 until it is stopped (pause_at, never released): however slow
     the poll on a loaded machine, no save after step 6 can come before the stop."""
     monkeypatch.setenv("HY3RL_DOUBLE_RELEASE", str(tmp_path / "never-released"))
-    setup, run = guarded({"drift_from": 5, "pause_at": 7}, health={"drift": {"steps": 2}},
+    setup, run = guarded({"drift_from": 5, "pause_at": 7},
+                         health={"drift": {"steps": 2, "when": "next_save"}},
                          total=12, save_freq=3, keep=1)
     rec = _stopped(setup, run, r"health rule drift .* fired at step 6 \(from step 5; values "
                    r"0.05@5, 0.05@6\).*right after the complete save of step 6.*last "
@@ -214,11 +215,32 @@ def test_a_normal_double_run_raises_nothing(guarded) -> None:
 
 
 def test_reward_floor_stops_after_the_save(guarded) -> None:
-    setup, run = guarded({"reward_min_from": 2}, health={"reward_floor": {"steps": 2}},
+    setup, run = guarded({"reward_min_from": 2},
+                         health={"reward_floor": {"steps": 2, "when": "next_save"}},
                          total=6, save_freq=2)
     rec = _stopped(setup, run, r"health rule reward_floor \(critic/score/mean\) fired at "
                    r"step 3 .*save of step 4.*no complete checkpoint")
     assert rec["health_stop"]["last_healthy_step"] is None
+
+
+def test_a_stop_rule_stops_at_once_by_default(guarded, monkeypatch, tmp_path: Path) -> None:
+    """Issue 41, `when` per stop rule: by default (at_once; validation: next_save) the drift
+    from step 6 that fires at step 7 stops the trainer there, without waiting for the save
+    of step 8 (past the first sick step, so never the last healthy checkpoint); the record
+    says so. Step 6 generated with checkpoint 5's weights: the last healthy checkpoint is
+    4, which retention (keep 1) kept. The double waits before step 8 until stopped."""
+    monkeypatch.setenv("HY3RL_DOUBLE_RELEASE", str(tmp_path / "never-released"))
+    setup, run = guarded({"drift_from": 6, "pause_at": 8}, health={"drift": {"steps": 2}},
+                         total=12, save_freq=2, keep=1)
+    assert setup.cfg().train.health.drift.when == "at_once"
+    assert setup.cfg().train.health.validation.when == "next_save"
+    rec = _stopped(setup, run, r"health rule drift .* fired at step 7 .*the trainer was "
+                   r"stopped at once \(train.health.drift.when: at_once\).*last healthy "
+                   r"checkpoint: step 4")
+    stop = rec["health_stop"]
+    assert stop["stopped_after_save"] is None and stop["last_healthy_step"] == 4, stop
+    assert rec["last_logged_step"] == 7, rec
+    assert _complete(setup) == [4, 6]  # no save of step 8: stopped before it
 
 
 def test_resubmit_refuses_an_unhealthy_record_without_job_exit(tmp_path: Path) -> None:
@@ -247,7 +269,8 @@ def test_a_stop_rule_that_fired_before_the_trainer_ended_on_its_own(guarded) -> 
     """Drift fires at step 3, the next save is step 6, and the trainer crashes at step 4
     before it: the attempt is still unhealthy (not a crash to restart), and says how the
     trainer ended."""
-    setup, run = guarded({"drift_from": 2, "crash_at": 4}, health={"drift": {"steps": 2}},
+    setup, run = guarded({"drift_from": 2, "crash_at": 4},
+                         health={"drift": {"steps": 2, "when": "next_save"}},
                          total=6, save_freq=6)
     rec = _stopped(setup, run, r"health rule drift .* fired at step 3 .*the trainer ended "
                    r"\(failed: exit 1\) before the guard stopped it; last healthy "

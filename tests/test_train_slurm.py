@@ -519,7 +519,10 @@ def test_health_guard_stops_names_the_last_healthy_and_a_rewind_goes_on(slurm_tr
     import sys
 
     st = slurm_train(total=8, save_freq=2, step_s=0.3, restarts_per_job=1,
-                     max_submissions=2, checkpoint_keep=1, health={"drift": {"steps": 2}},
+                     max_submissions=2, checkpoint_keep=1,
+                     # next_save: this scenario proves the wait for the save (the default,
+                     # at_once, is tests/test_train_health.py's)
+                     health={"drift": {"steps": 2, "when": "next_save"}},
                      watchdog={"poll_s": 0.5})
     # the steps after the stop point are slow (the double's slow_from: 5 s a step), so that
     # the Ray job's stop is never raced by the next save

@@ -12,9 +12,11 @@ logs of the lineage so far (baselines, the best so far; their events are history
 by no one), then wrapped with the watchdog's monitor in a :class:`Guard`, which the launcher
 polls in the monitor's place. The guard feeds the watcher the lines the monitor read, hands
 each new event to the launcher (``warn``: logged, recorded, notified) and ends the attempt
-with outcome ``unhealthy`` on a ``stop`` event: at once for ``nonfinite``, else right after
-the next complete save (the first save step at or after the step where the rule fired); a
-``nonfinite`` stop while another waits for its save stops at once.
+with outcome ``unhealthy`` on a ``stop`` event: at once for a rule whose ``when`` is
+``at_once`` (the default but for ``validation``: the save after the step a stop fires is
+never the last healthy checkpoint), else right after the next complete save (the first
+save step at or after the step where the rule fired); an ``at_once`` stop while another
+waits for its save stops at once.
 
 Semantics:
 
@@ -462,12 +464,21 @@ def watch(health: Health, records: Iterable[Mapping[str, Any]]) -> list[Event]:
 UNHEALTHY = "unhealthy"  # the attempt record's outcome (and exit_reason) of a stop
 
 
-def stopped_when(rule: str, after_save: int | None) -> str:
-    """When the guard stopped the trainer, in words."""
+def stopped_when(rule: str, after_save: int | None, when: str = "next_save") -> str:
+    """When the guard stopped the trainer, in words (``when``: the rule's
+    ``train.health.<rule>.when``)."""
     if after_save is not None:
         return f"right after the complete save of step {after_save}"
-    return "at once (" + ("a non-finite value" if rule == "nonfinite"
-                          else "the run saves no checkpoint to wait for") + ")"
+    if rule == "nonfinite":
+        return "at once (a non-finite value)"
+    if when == "at_once":
+        return f"at once (train.health.{rule}.when: at_once)"
+    return "at once (the run saves no checkpoint to wait for)"
+
+
+def stop_when(health: Health, rule: str) -> str:
+    """``train.health.<rule>.when`` (``at_once`` for a rule without one)."""
+    return getattr(getattr(health, rule, None), "when", "at_once")
 
 
 class Guard:
@@ -510,7 +521,7 @@ class Guard:
         if e is None or (self.save_step is not None and not self.is_saved(self.save_step)):
             return request
         self.stop, self.stopped_after_save = e, self.save_step
-        when = stopped_when(e.rule, self.save_step)
+        when = stopped_when(e.rule, self.save_step, stop_when(self.watcher.health, e.rule))
         return StopRequest(UNHEALTHY, f"{e.message}; the trainer was stopped {when}",
                            self.monitor.last_step)
 
@@ -518,15 +529,15 @@ class Guard:
         for rec in lines[self.fed:]:
             for event in self.watcher.feed(rec):
                 self.on_event(event)
-                # A non-finite value stops at once, also while another stop waits for
-                # its save: every update until then would train on it (that stop's event
-                # stays in the record, and last_healthy counts from the first sick step)
+                # A stop whose rule says at_once (a non-finite value by default) stops at
+                # once, also while another stop waits for its save: every update until then
+                # trains on what it found (that stop's event stays in the record, and
+                # last_healthy counts from the first sick step)
+                at_once = stop_when(self.watcher.health, event.rule) == "at_once"
                 waiting = self.pending is not None and self.save_step is not None
-                if event.action == "stop" and (
-                        self.pending is None or (waiting and event.rule == "nonfinite")):
+                if event.action == "stop" and (self.pending is None or (waiting and at_once)):
                     self.pending = event
-                    self.save_step = (None if event.rule == "nonfinite"
-                                      else self.next_save(event.step))
+                    self.save_step = None if at_once else self.next_save(event.step)
         self.fed = max(self.fed, len(lines))
 
     def finish(self) -> bool:

@@ -271,6 +271,7 @@ class Watchdog:
 @dataclass(frozen=True)
 class HealthNonfinite:
     action: str
+    when: str  # at_once | next_save: when a stop ends the trainer
     metrics: list[str]
 
 
@@ -279,6 +280,7 @@ class HealthAbove:
     """A metric above ``max`` for ``steps`` consecutive logged steps (drift, clip ratio)."""
 
     action: str
+    when: str  # at_once | next_save: when a stop ends the trainer
     metric: str
     max: float
     steps: int
@@ -287,6 +289,7 @@ class HealthAbove:
 @dataclass(frozen=True)
 class HealthEntropy:
     action: str
+    when: str  # at_once | next_save: when a stop ends the trainer
     metric: str
     floor: float | None
     steps: int
@@ -303,6 +306,7 @@ class HealthEntropy:
 @dataclass(frozen=True)
 class HealthLength:
     action: str
+    when: str  # at_once | next_save: when a stop ends the trainer
     metric: str
     baseline_steps: int
     min_ratio: float
@@ -313,6 +317,7 @@ class HealthLength:
 @dataclass(frozen=True)
 class HealthRewardFloor:
     action: str
+    when: str  # at_once | next_save: when a stop ends the trainer
     metric: str
     minimum: float
     steps: int
@@ -321,6 +326,7 @@ class HealthRewardFloor:
 @dataclass(frozen=True)
 class HealthValidation:
     action: str
+    when: str  # at_once | next_save: when a stop ends the trainer
     metric: str
     k: float
     responses: int

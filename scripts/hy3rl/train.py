@@ -68,6 +68,7 @@ from hy3rl.health import (
     Watcher,
     describes_checkpoint,
     last_healthy,
+    stop_when,
     stopped_when,
 )
 from hy3rl.layout import ATTEMPT_RE, Layout
@@ -966,7 +967,8 @@ class Job:
         ended, when not by the guard's stop."""
         ckpt = self.layout.checkpoint_dir
         best = self.last_healthy()
-        stopped = ended or f"the trainer was stopped {stopped_when(event.rule, after_save)}"
+        when = stopped_when(event.rule, after_save, stop_when(self.train.health, event.rule))
+        stopped = ended or f"the trainer was stopped {when}"
         if best is None:
             where = ("none (no complete checkpoint was saved before the one the rule's first "
                      "step describes)")

@@ -207,7 +207,7 @@ def failed_attempts(found: Found) -> list[dict[str, Any]]:
 
 def _threshold(section: Any) -> str:
     """A health rule's threshold band in words (its section's fields, hy3rl.settings)."""
-    skip = {"action", "metric", "metrics"}
+    skip = {"action", "when", "metric", "metrics"}
     return ", ".join(f"{k} {v}" for k, v in asdict(section).items()
                      if k not in skip and v is not None) or "any non-finite value"
 
@@ -233,7 +233,8 @@ def health_view(found: Found) -> dict[str, Any]:
         metrics = section.metrics if hasattr(section, "metrics") else [section.metric]
         fired = [e for e in events if e.rule == name and e.kind != "blind"]
         blind = [e for e in events if e.rule == name and e.kind == "blind"]
-        rules.append({"rule": name, "action": section.action, "metrics": ", ".join(metrics),
+        rules.append({"rule": name, "action": section.action, "when": section.when,
+                      "metrics": ", ".join(metrics),
                       "threshold": _threshold(section), "judged": judged.get(name, 0),
                       "fired": ", ".join(f"step {e.step}" for e in fired) or "never",
                       "blind": ", ".join(f"step {e.step} ({e.metric})" for e in blind)
