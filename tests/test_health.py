@@ -21,7 +21,7 @@ BASE = cfgmod.load(REPO / "config/config.yaml")
 PAPER = cfgmod.load(REPO / "config/config.yaml", REPO / "config/paper.yaml")
 OFF = {name: {"action": "ignore"} for name in (
     "nonfinite", "drift", "entropy", "response_length", "clip_ratio", "reward_floor",
-    "validation")}
+    "reward_fall", "validation")}
 
 
 def health(base: dict = BASE, only: bool = True, **rules: dict) -> Health:
@@ -125,7 +125,8 @@ def test_entropy_floor():
 
 
 def test_entropy_fall_over_a_window():
-    h = health(entropy={"action": "warn", "floor": None, "max_fall": 0.5, "window": 3})
+    h = health(entropy={"action": "warn", "floor": None, "max_fall": 0.5, "window": 3,
+                        "max_rise": None})
     # windows (1, 1, 1) then (0.6, 0.5, 0.3): mean 0.467 < 0.5 x 1 fires at step 6
     assert fired(h, recs("actor/entropy", [1, 1, 1, 0.6, 0.5, 0.3])) == [("entropy", 6, 4)]
     # mean exactly half is not a fall beyond it; fewer than two windows never fires
@@ -438,10 +439,68 @@ def test_schema_refuses_a_wrong_type_or_sign_naming_the_key(rule, key, bad, says
 
 
 def test_an_entropy_rule_that_watches_nothing_is_refused():
-    with pytest.raises(cfgmod.ConfigError, match=r"train.health.entropy: floor and max_fall "
-                       r"are both null, so the rule \(warn\) would watch nothing"):
-        health(entropy={"action": "warn", "floor": None, "max_fall": None})
-    assert health(entropy={"action": "ignore", "floor": None, "max_fall": None}).rules() == []
+    with pytest.raises(cfgmod.ConfigError, match=r"train.health.entropy: floor, max_fall and "
+                       r"max_rise are all null, so the rule \(warn\) would watch nothing"):
+        health(entropy={"action": "warn", "floor": None, "max_fall": None, "max_rise": None})
+    assert health(entropy={"action": "ignore", "floor": None, "max_fall": None,
+                           "max_rise": None}).rules() == []
+
+
+def test_the_collapse_shapes_outside_the_first_rules():
+    """Issue 41: a reward falling to -0.97 or -0.6 from a run at 0.8 (the floor fires only at
+    exactly -1), an entropy rising (verl #2738), a slow entropy collapse to 0.013 that never
+    halves window over window, a length explosion from a baseline of 2,048 (4 x 2,048 is the
+    8,192 cap, which a mean never exceeds): each fires its rule, by default."""
+    schema = {**BASE, "train": {k: v for k, v in BASE["train"].items() if k != "health"}}
+    rise = np.r_[np.full(20, 0.4), np.full(20, 1.0)]
+    slow = np.geomspace(0.4, 0.013, 300)  # 20 steps: x 0.8, never a halving
+    reward = "critic/score/mean"
+    for low in (-0.97, -0.6):
+        h = health(schema, reward_fall={})
+        events = watch(h, recs(reward, [0.8] * 30 + [low] * 10))
+        assert [(e.rule, e.action, e.first_step) for e in events] == [
+            ("reward_fall", "stop", 31)], (low, events)
+        assert health(schema, reward_floor={}).reward_floor.minimum == -1
+        assert watch(health(schema, reward_floor={}), recs(reward, [0.8] * 30 + [low] * 10)) \
+            == [], low  # the floor alone never saw it
+    h = health(schema, entropy={})
+    assert (h.entropy.floor, h.entropy.max_rise) == (0.02, 1)
+    fired_rise = [e for e in watch(h, recs("actor/entropy", list(rise))) if "rose" in e.message]
+    assert fired_rise and fired_rise[0].rule == "entropy", fired_rise
+    slow_events = watch(h, recs("actor/entropy", list(slow)))
+    assert [e.message.split(": ", 1)[1][:40] for e in slow_events] == [
+        "actor/entropy below the floor 0.02 for 5"], slow_events
+    assert watch(health(schema, entropy={"floor": None}), recs("actor/entropy", list(slow))) \
+        == []  # the fall rule alone never saw it
+    key = "response_length/mean"
+    grow = [2048.0] * 5 + list(np.linspace(2048, 8100, 30)) + [8100.0] * 5
+    h = health(schema, response_length={})
+    assert watch(h, recs(key, grow)) == []  # without the cap: 4 x 2,048 is never exceeded
+    events = [e for e in watch(h, recs(key, grow), response_cap=8192) if e.rule ==
+              "response_length"]
+    assert events and "0.9 x data.max_response_length" in events[0].message, events
+    assert events[0].values[0][1] > 0.9 * 8192
+
+
+def test_no_false_alarm_of_the_new_rules_on_noisy_published_curves():
+    """The reward fall, the entropy rise and floor and the length cap bound stay silent on
+    200 noisy copies of the published run (the reward with a batch mean's noise several
+    times the real one: sd 0.05 where 2,048 responses of a -1/1 score give about 0.02)."""
+    rng = np.random.default_rng(0)
+    h = health(PAPER, only=False)
+    base = published_run(300)
+    quiet = 0
+    for _ in range(200):
+        records = copy.deepcopy(base)
+        for r in records:
+            d = r["data"]
+            d["critic/score/mean"] += float(rng.normal(0, 0.05))
+            d["actor/entropy"] *= float(1 + rng.normal(0, 0.1))
+            d["response_length/mean"] *= float(1 + rng.normal(0, 0.05))
+        events = [e for e in watch(h, records, response_cap=8192)
+                  if e.rule in ("reward_fall", "entropy", "response_length")]
+        quiet += not events
+    assert quiet == 200
 
 
 # --------------------------------------------------------------------------- no false alarm
@@ -515,6 +574,7 @@ def test_the_paper_thresholds_catch_the_failures_they_are_for():
     for e in events:
         first.setdefault(e.rule, (e.step, e.first_step, e.action))
     assert first == {"drift": (64, 60, "stop"), "reward_floor": (64, 60, "stop"),
+                     "reward_fall": (63, 60, "stop"),
                      "response_length": (64, 60, "warn"), "validation": (60, 60, "warn"),
                      "entropy": (71, 52, "warn"), "nonfinite": (100, 100, "stop")}, first
     assert last_healthy(range(20, 201, 20), events) == 40
@@ -559,7 +619,8 @@ def test_a_blind_rule_says_so_on_verls_own_lines(real_verl: Path, tmp_path: Path
                           "0 step(s) so far"), msg
     judged = w.judged()
     assert judged == {"nonfinite": 20, "drift": 0, "entropy": 8, "response_length": 20,
-                      "clip_ratio": 20, "reward_floor": 20, "validation": 0}, judged
+                      "clip_ratio": 20, "reward_floor": 20, "reward_fall": 20,
+                      "validation": 0}, judged
     assert last_healthy([4, 8, 12, 16, 20], w.events) == 20  # blind is no sickness
     # the entropy came back at step 13: null again for 5 lines is a new blind episode
     for step in range(21, 26):

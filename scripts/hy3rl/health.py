@@ -57,6 +57,7 @@ from hy3rl.settings import (
     HealthEntropy,
     HealthLength,
     HealthNonfinite,
+    HealthRewardFall,
     HealthRewardFloor,
     HealthValidation,
 )
@@ -221,25 +222,27 @@ def _below(name: str, s: HealthEntropy) -> _Consecutive:
 
 class _Fall(_Rule):
     """The mean of the latest ``window`` values below (1 - max_fall) x the mean of the
-    ``window`` values before them."""
+    ``window`` values before them; with ``rise``, above (1 + max_rise) x it."""
 
     section: HealthEntropy
 
-    def __init__(self, name: str, section: HealthEntropy) -> None:
+    def __init__(self, name: str, section: HealthEntropy, rise: bool = False) -> None:
         super().__init__(name, section)
+        self.rise = rise
+        self.limit = section.max_rise if rise else section.max_fall
         self.values: deque[tuple[int, float]] = deque(maxlen=2 * section.window)
         self.firing = False
 
     def open_from(self) -> int | None:
         """A later window holds the latest ``window - 1`` values fed."""
         k = self.section.window - 1
-        if self.section.max_fall is None or k == 0 or not self.values:
+        if self.limit is None or k == 0 or not self.values:
             return None
         return self.values[-min(k, len(self.values))][0]
 
     def feed(self, step: int, data: Mapping[str, Any]) -> list[Event]:
         v = metric_value(data.get(self.section.metric))
-        if v is None or not math.isfinite(v) or self.section.max_fall is None:
+        if v is None or not math.isfinite(v) or self.limit is None:
             return []
         self.values.append((step, v))
         w = self.section.window
@@ -248,25 +251,83 @@ class _Fall(_Rule):
         before = sum(x for _, x in list(self.values)[:w]) / w
         latest = list(self.values)[w:]
         now = sum(x for _, x in latest) / w
-        limit = (1 - self.section.max_fall) * before
-        fell = before > 0 and now < limit
+        if self.rise:
+            moved = before > 0 and now > (1 + self.limit) * before
+            word, way = "rose", "above"
+        else:
+            moved = before > 0 and now < (1 - self.limit) * before
+            word, way = "fell", "below"
+        fired = moved and not self.firing
+        self.firing = moved
+        if not fired:
+            return []
+        return [self._event(step, self.section.metric, latest, before,
+                            f"mean {now:.4g} of the latest {w} logged steps {word} more than "
+                            f"{self.limit:g} {way} the mean {before:.4g} of the {w} before")]
+
+
+class _RewardFall(_Rule):
+    """The mean of the latest ``window`` values more than ``max_drop`` below the best mean of
+    ``window`` consecutive values so far (HealthRewardFall)."""
+
+    section: HealthRewardFall
+
+    def __init__(self, name: str, section: HealthRewardFall) -> None:
+        super().__init__(name, section)
+        self.values: deque[tuple[int, float]] = deque(maxlen=section.window)
+        self.best: tuple[int, float] | None = None  # (last step of the window, its mean)
+        self.firing = False
+
+    def below(self) -> list[tuple[int, float]]:
+        """The values of the latest window more than ``max_drop`` below the best mean so far:
+        the steps that fell (an event's values; its first step, the first sick one)."""
+        if self.best is None:
+            return []
+        return [(s, x) for s, x in self.values if x < self.best[1] - self.section.max_drop]
+
+    def open_from(self) -> int | None:
+        """A later window holds the latest ``window - 1`` values fed: the first of them that
+        already fell (against the best so far) may be a later event's first step."""
+        k = self.section.window - 1
+        if k == 0:
+            return None
+        kept = {s for s, _ in list(self.values)[-k:]}
+        return next((s for s, _ in self.below() if s in kept), None)
+
+    def feed(self, step: int, data: Mapping[str, Any]) -> list[Event]:
+        v = metric_value(data.get(self.section.metric))
+        if v is None or not math.isfinite(v):
+            return []
+        self.values.append((step, v))
+        w = self.section.window
+        if len(self.values) < w:
+            return []
+        now = sum(x for _, x in self.values) / w
+        if self.best is None or now > self.best[1]:
+            self.best = (step, now)
+        fell = self.best[1] - now > self.section.max_drop
         fired = fell and not self.firing
         self.firing = fell
         if not fired:
             return []
-        return [self._event(step, self.section.metric, latest, before,
-                            f"mean {now:.4g} of the latest {w} logged steps fell more than "
-                            f"{self.section.max_fall:g} below the mean {before:.4g} of the "
-                            f"{w} before")]
+        return [self._event(step, self.section.metric, self.below(), self.best[1],
+                            f"mean {now:.4g} of the latest {w} logged steps more than "
+                            f"{self.section.max_drop:g} below the run's best mean "
+                            f"{self.best[1]:.4g} of {w} (to step {self.best[0]}); the steps "
+                            "that fell")]
 
 
 class _Length(_Consecutive):
     section: HealthLength
 
-    def __init__(self, name: str, section: HealthLength) -> None:
+    def __init__(self, name: str, section: HealthLength, cap: float | None = None) -> None:
         super().__init__(name, section, section.steps)
         self.early: list[float] = []
         self.baseline: float | None = None
+        # the composed data.max_response_length: a mean near it is an explosion whatever
+        # the baseline (max_ratio x a large baseline is the cap itself)
+        self.cap_limit = (section.max_cap_fraction * cap
+                          if cap and section.max_cap_fraction is not None else None)
 
     def feed(self, step: int, data: Mapping[str, Any]) -> list[Event]:
         if self.baseline is None:
@@ -280,15 +341,19 @@ class _Length(_Consecutive):
 
     def crossed(self, v: float) -> bool:
         assert self.baseline is not None
+        if self.cap_limit is not None and v > self.cap_limit:
+            return True
         if self.baseline <= 0:
             return False
         ratio = v / self.baseline
         return ratio < self.section.min_ratio or ratio > self.section.max_ratio
 
     def what(self) -> str:
+        cap = (f", or above {self.cap_limit:.4g} ({self.section.max_cap_fraction:g} x "
+               "data.max_response_length)" if self.cap_limit is not None else "")
         return (f"outside {self.section.min_ratio:g}-{self.section.max_ratio:g} x its baseline "
                 f"{self.baseline:.4g} (the mean of its first {self.section.baseline_steps} "
-                "logged steps)")
+                f"logged steps){cap}")
 
     def reference(self) -> float | None:
         return self.baseline
@@ -372,8 +437,9 @@ class _Coverage:
         return Event(self.rule, "warn", step, self.run[0], self.key, (), None, msg, "blind")
 
 
-def build_rules(health: Health) -> list[_Rule]:
-    """The rules of ``train.health`` that are not ``ignore``, in the schema's order."""
+def build_rules(health: Health, response_cap: float | None = None) -> list[_Rule]:
+    """The rules of ``train.health`` that are not ``ignore``, in the schema's order
+    (``response_cap``: the composed data.max_response_length, for response_length)."""
     out: list[_Rule] = []
     for name, section in health.rules():
         if isinstance(section, HealthNonfinite):
@@ -381,11 +447,14 @@ def build_rules(health: Health) -> list[_Rule]:
         elif isinstance(section, HealthAbove):
             out.append(_above(name, section))
         elif isinstance(section, HealthEntropy):
-            out += [_below(name, section), _Fall(name, section)]
+            out += [_below(name, section), _Fall(name, section),
+                    _Fall(name, section, rise=True)]
         elif isinstance(section, HealthLength):
-            out.append(_Length(name, section))
+            out.append(_Length(name, section, response_cap))
         elif isinstance(section, HealthRewardFloor):
             out.append(_at_most(name, section))
+        elif isinstance(section, HealthRewardFall):
+            out.append(_RewardFall(name, section))
         elif isinstance(section, HealthValidation):
             out.append(_Validation(name, section))
         else:  # a new section in settings.Health without a rule here
@@ -397,11 +466,12 @@ class Watcher:
     """The guard over one run lineage (see the module docstring): :meth:`feed` records in
     arrival order; :attr:`events` is every event of the steps kept, in step order."""
 
-    def __init__(self, health: Health) -> None:
+    def __init__(self, health: Health, response_cap: float | None = None) -> None:
         self.health = health
+        self.response_cap = response_cap
         self.records: dict[int, dict[str, Any]] = {}
         self.events: list[Event] = []
-        self._rules = build_rules(health)
+        self._rules = build_rules(health, response_cap)
         self._coverage = [
             _Coverage(name, key, health.blind_lines, nonfinite=name == "nonfinite",
                       validation=isinstance(section, HealthValidation))
@@ -438,7 +508,7 @@ class Watcher:
     def _replay(self, records: dict[int, dict[str, Any]]) -> None:
         # built apart, then swapped: a reader in another thread (retention asks for the
         # last healthy checkpoint) never sees the events half rebuilt
-        fresh = Watcher(self.health)
+        fresh = Watcher(self.health, self.response_cap)
         for step in sorted(records):
             fresh.feed({"step": step, "data": records[step]})
         self.records, self._rules, self.events = fresh.records, fresh._rules, fresh.events
@@ -453,9 +523,26 @@ class Watcher:
                     if r.action == "stop" if (s := r.open_from()) is not None), default=None)
 
 
-def watch(health: Health, records: Iterable[Mapping[str, Any]]) -> list[Event]:
+RESPONSE_CAP = "data.max_response_length"
+
+
+def response_cap(plan: Mapping[str, Any] | None) -> float | None:
+    """The composed data.max_response_length of preflight's plan (its ``effective`` values),
+    the cap the response_length rule's ``max_cap_fraction`` is a fraction of; None when the
+    plan has none."""
+    value = ((plan or {}).get("effective") or {}).get(RESPONSE_CAP)
+    if isinstance(value, bool):
+        return None
+    try:
+        return float(value) if value is not None and float(value) > 0 else None
+    except (TypeError, ValueError):
+        return None
+
+
+def watch(health: Health, records: Iterable[Mapping[str, Any]],
+          response_cap: float | None = None) -> list[Event]:
     """Every event of ``records`` fed in order (the events of steps kept)."""
-    w = Watcher(health)
+    w = Watcher(health, response_cap)
     for rec in records:
         w.feed(rec)
     return w.events

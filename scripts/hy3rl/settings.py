@@ -295,12 +295,14 @@ class HealthEntropy:
     steps: int
     max_fall: float | None
     window: int
+    max_rise: float | None
 
     def __post_init__(self) -> None:
-        if self.action != "ignore" and self.floor is None and self.max_fall is None:
-            raise ConfigError("train.health.entropy: floor and max_fall are both null, so the "
-                              f"rule ({self.action}) would watch nothing: set one, or "
-                              "action: ignore")
+        if self.action != "ignore" and self.floor is None and self.max_fall is None \
+                and self.max_rise is None:
+            raise ConfigError("train.health.entropy: floor, max_fall and max_rise are all "
+                              f"null, so the rule ({self.action}) would watch nothing: set "
+                              "one, or action: ignore")
 
 
 @dataclass(frozen=True)
@@ -312,6 +314,7 @@ class HealthLength:
     min_ratio: float
     max_ratio: float
     steps: int
+    max_cap_fraction: float | None
 
 
 @dataclass(frozen=True)
@@ -321,6 +324,18 @@ class HealthRewardFloor:
     metric: str
     minimum: float
     steps: int
+
+
+@dataclass(frozen=True)
+class HealthRewardFall:
+    """The mean of the latest ``window`` values more than ``max_drop`` below the best mean
+    of ``window`` consecutive values so far."""
+
+    action: str
+    when: str  # at_once | next_save: when a stop ends the trainer
+    metric: str
+    window: int
+    max_drop: float
 
 
 @dataclass(frozen=True)
@@ -342,6 +357,7 @@ class Health:
     response_length: HealthLength
     clip_ratio: HealthAbove
     reward_floor: HealthRewardFloor
+    reward_fall: HealthRewardFall
     validation: HealthValidation
     blind_lines: int  # logged lines in a row without a rule's metric: a blind warn
 

@@ -68,6 +68,7 @@ from hy3rl.health import (
     Watcher,
     describes_checkpoint,
     last_healthy,
+    response_cap,
     stop_when,
     stopped_when,
 )
@@ -907,7 +908,7 @@ class Job:
     def lineage_watcher(self) -> Watcher:
         """``train.health``'s watcher fed the lineage's merged logs so far (baselines, the
         best so far; their events are history: nothing acts on them)."""
-        watcher = Watcher(self.train.health)
+        watcher = Watcher(self.train.health, response_cap(self.plan))
         for line in run_metrics(self.layout):
             watcher.feed(line)
         return watcher

@@ -220,10 +220,11 @@ def health_view(found: Found) -> dict[str, Any]:
     complete checkpoint in the checkpoint directory before every stop rule's first step);
     and the stops the launcher recorded (attempt records ``health_stop``)."""
     from hy3rl import ckptdir
-    from hy3rl.health import Watcher, last_healthy
+    from hy3rl.health import Watcher, last_healthy, response_cap
 
     health = found.cfg.train.health
-    watcher = Watcher(health)
+    plan = found.docs.get("plan")
+    watcher = Watcher(health, response_cap(plan if isinstance(plan, dict) else None))
     for s in sorted(found.metrics):
         watcher.feed({"step": s, "data": found.metrics[s]})
     events = list(watcher.events)
