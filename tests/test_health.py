@@ -161,7 +161,7 @@ def test_reward_stuck_at_its_minimum():
 
 
 def test_validation_k_standard_errors_below_the_best():
-    h = health(validation={"action": "warn", "k": 3, "responses": 960,
+    h = health(validation={"action": "warn", "k": 3, "responses": 960, "validations": 1,
                            "metric": "val-core/math_dapo/acc/mean@1"})
     key = "val-core/math_dapo/acc/mean@1"
     se = validation_se(0.88, 0.80, 960)
@@ -173,6 +173,18 @@ def test_validation_k_standard_errors_below_the_best():
     # the published dip (0.84 -> 0.81) and end (0.88 -> 0.86), as config/paper.yaml says
     assert 0.03 / validation_se(0.84, 0.81, 960) == pytest.approx(1.73, abs=0.01)
     assert 0.02 / validation_se(0.88, 0.86, 960) == pytest.approx(1.30, abs=0.01)
+
+    # once an episode: a fall that lasts warns once, again only after it came back
+    seq = recs(key, [0.88, 0.80, 0.79, 0.80, 0.88, 0.79, 0.78])
+    assert [e.step for e in watch(h, seq)] == [2, 6]
+    # two validations in a row (the default): one low validation alone warns nothing
+    h2 = health(validation={"action": "warn", "k": 4, "responses": 960,
+                            "metric": "val-core/math_dapo/acc/mean@1"})
+    assert h2.validation.validations == 2
+    assert watch(h2, recs(key, [0.88, 0.78, 0.88, 0.88])) == []
+    events = watch(h2, recs(key, [0.88, 0.78, 0.78, 0.77, 0.78]))
+    assert [(e.step, e.first_step) for e in events] == [(3, 2)], events
+    assert "in 2 validations in a row" in events[0].message
 
 
 def test_off_rules_never_fire():
@@ -207,7 +219,8 @@ def test_a_resume_drops_the_steps_after_it_and_rebuilds_the_state():
 def test_a_repeated_step_returns_only_new_events_and_validation_lines_merge():
     key = "val-core/math_dapo/acc/mean@32"
     h = health(nonfinite={"action": "stop"},
-               validation={"action": "warn", "k": 1, "responses": 100, "metric": key})
+               validation={"action": "warn", "k": 1, "responses": 100, "metric": key,
+                           "validations": 1})
     w = Watcher(h)
     w.feed({"step": 1, "data": {key: 0.9}})
     first = w.feed({"step": 2, "data": {"actor/grad_norm": "nan"}})
@@ -575,7 +588,7 @@ def test_the_paper_thresholds_catch_the_failures_they_are_for():
         first.setdefault(e.rule, (e.step, e.first_step, e.action))
     assert first == {"drift": (64, 60, "stop"), "reward_floor": (64, 60, "stop"),
                      "reward_fall": (63, 60, "stop"),
-                     "response_length": (64, 60, "warn"), "validation": (60, 60, "warn"),
+                     "response_length": (64, 60, "warn"), "validation": (70, 60, "warn"),
                      "entropy": (71, 52, "warn"), "nonfinite": (100, 100, "stop")}, first
     assert last_healthy(range(20, 201, 20), events) == 40
 

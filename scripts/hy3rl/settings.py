@@ -345,6 +345,7 @@ class HealthValidation:
     metric: str
     k: float
     responses: int
+    validations: int  # in a row below the line before the rule fires
 
 
 @dataclass(frozen=True)
