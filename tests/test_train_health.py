@@ -152,6 +152,24 @@ def test_rerun_is_refused_then_a_rewind_goes_on_in_a_new_lineage(guarded) -> Non
                        r"health rule drift .*last healthy checkpoint: step 3.*hy3rl rewind"):
         run()
     assert train.attempt_numbers(setup.layout()) == [1]
+    # issue 41: the records decide that refusal before any job is submitted (the
+    # controller's first-submission decision, hy3rl.resubmit.decide), for a plan resuming
+    # from step 6; not for one that starts afresh
+    from hy3rl.resubmit import decide
+
+    layout = setup.layout()
+    plan = json.loads(Path(layout.train_plan).read_text())
+    for action, refused in (("same", True), ("resume_changed", True), ("fresh", False)):
+        plan.setdefault("identity", {})["decision"] = {"action": action, "newest_step": 6}
+        Path(layout.train_plan).write_text(json.dumps(plan))
+        stop = decide(layout, 1, "2026-01-01T00:00:00+00:00").stop
+        assert bool(stop) is refused, (action, stop)
+    assert stop is None
+    plan["identity"]["decision"] = {"action": "same", "newest_step": 6}
+    Path(layout.train_plan).write_text(json.dumps(plan))
+    assert train.sick_resume(layout).startswith(
+        "the launch would resume from step 6 in ") and "hy3rl rewind --step 3" in \
+        train.sick_resume(layout)
     conf = setup.config_file()
     cwd = os.getcwd()
     os.chdir(setup.root)  # results/ is relative to where hy3rl runs
@@ -167,6 +185,10 @@ def test_rerun_is_refused_then_a_rewind_goes_on_in_a_new_lineage(guarded) -> Non
     assert len(aside) == 1 and (aside[0] / "global_step_6").is_dir()
     ident = ckptdir.read_identity(setup.ckpt)
     assert ident["lineage"] == 2 and ident["rewinds"][0]["step"] == 3
+    # after the rewind the newest checkpoint (3) is healthy: nothing refuses the submission
+    plan["identity"]["decision"] = {"action": "resume_changed", "newest_step": 3}
+    Path(layout.train_plan).write_text(json.dumps(plan))
+    assert train.sick_resume(layout) is None
     setup.faults.write_text("{}")  # the cause fixed by the changed configuration
     setup.write_plan(plan_json(setup.ckpt, 8, 3, setup.run, lr="5e-7"))
     run()

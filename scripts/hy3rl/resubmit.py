@@ -402,14 +402,20 @@ def decide(layout: Layout, attempt: int, since: str, *,
            node_state: Callable[[Sequence[str]], Mapping[str, str]] = slurm_node_states,
            max_failed: int | None = None) -> Decision:
     """The decision for Snakemake's submission ``attempt`` of a training job of the run in
-    ``layout``, ``since`` being the controller's start (module doc). ``job_state`` and
-    ``node_state`` ask SLURM (:func:`slurm_job`, :func:`slurm_node_states`). Attempt >= 2
-    appends the decision to ``submissions.jsonl``. ``max_failed``
+    ``layout``, ``since`` being the controller's start (module doc). The first submission
+    is stopped only for a resume the records already refuse (hy3rl.train.sick_resume).
+    ``job_state`` and ``node_state`` ask SLURM (:func:`slurm_job`,
+    :func:`slurm_node_states`). Attempt >= 2 appends the decision to ``submissions.jsonl``.
+    ``max_failed``
     (``train.max_submissions``): the failed submissions of this job allowed in this
     invocation; a job that ended as planned (:func:`planned`) is not one. Raises
     :class:`ResubmitError` for an unreadable record."""
     if attempt < 2:
-        return Decision()
+        # the first submission: refused only when the records already decide it (a resume
+        # from a checkpoint a health stop rule calls sick), before any allocation
+        from hy3rl.train import sick_resume
+
+        return Decision(sick_resume(layout))
     start = parse(since)
     if start is None:
         raise ResubmitError(f"the controller's start time {since!r} is not an ISO 8601 time")

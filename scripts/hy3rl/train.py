@@ -211,6 +211,42 @@ def health_stop_at(layout: Layout) -> int | None:
     return min(firsts, default=None)
 
 
+# Preflight's identity decisions under which the launch resumes from the directory's newest
+# complete checkpoint (fresh, restart_changed and new start from step 0).
+RESUMES = ("same", "extend", "resume_changed", "adopt")
+
+
+def sick_resume(layout: Layout, plan: Path | None = None) -> str | None:
+    """Why the training job would be refused (the message) when the records already decide
+    it, on the submit host before any job is submitted: the plan the job runs (``plan``,
+    default ``Layout.train_plan``) resumes (:data:`RESUMES`) from the newest complete
+    checkpoint, and a ``stop`` rule of the lineage calls it sick (:func:`health_stop_at`: a
+    rerun after an ``unhealthy`` stop without ``hy3rl rewind``). The job's own
+    ``Job.check_healthy_start`` would refuse the same after its allocation started. None:
+    submit."""
+    sick = health_stop_at(layout)
+    if sick is None:
+        return None
+    try:
+        doc = read_plan(Path(plan or layout.train_plan))
+    except TrainError:
+        return None  # the job names it
+    decision = ((doc.get("identity") or {}).get("decision") or {})
+    newest = decision.get("newest_step")
+    if decision.get("action") not in RESUMES or not isinstance(newest, int) or newest < sick:
+        return None
+    ckpt = layout.checkpoint_dir
+    healthy = [c.step for c in scan(ckpt) if c.complete and c.step < sick]
+    way = (f"go on from step {max(healthy)} in a new lineage: `hy3rl rewind --step "
+           f"{max(healthy)} --configfile <the run's config files>`, then change the "
+           "configuration with train.on_config_change: resume" if healthy else
+           "start afresh under a changed configuration: train.on_config_change: fresh")
+    return (f"the launch would resume from step {newest} in {ckpt}, which a health stop "
+            f"rule of this lineage calls sick (from checkpoint {sick}; the rule and its "
+            f"values are in {layout.train_attempts}/attempt-*.json `health_stop`): {way}; "
+            "not submitted")
+
+
 def last_step(lines: list[dict[str, Any]]) -> int | None:
     return max((r["step"] for r in lines), default=None)
 
