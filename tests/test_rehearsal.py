@@ -666,10 +666,12 @@ def test_good_records_record_the_figures_of_the_state_and_reward_checks() -> Non
 
 
 def _double_saves(tmp_path: Path, monkeypatch, source: Path, faults: dict | None = None,
-                  resumed_at: int = 0) -> Layout:
+                  resumed_at: int = 0, mtp: bool = False) -> Layout:
     """Steps 2 and 3 saved by the trainer double (its HF export "trained" from ``source``,
     data.pt, the optimizer's common.pt) in a rehearsal layout's checkpoint directory; step 3
-    by an attempt resumed at ``resumed_at`` (0: the same attempt); ``faults`` its fault file."""
+    by an attempt resumed at ``resumed_at`` (0: the same attempt); ``faults`` its fault file.
+    ``mtp``: MTP trained (actor_rollout_ref.model.mtp.enable), else the export has no MTP
+    layer, as the pinned stack's."""
     from fixtures.trainer_double import double_module
 
     cfg = make_config(run={"results_root": str(tmp_path / "results")})
@@ -679,6 +681,7 @@ def _double_saves(tmp_path: Path, monkeypatch, source: Path, faults: dict | None
     monkeypatch.setenv("HY3RL_DOUBLE_FAULTS", str(faults_file))
     monkeypatch.setenv("HY3RL_DOUBLE_HF_SOURCE", str(source))
     mod = double_module()
+    mod.MTP_ENABLE = mtp
     mod.save_checkpoint(str(rl.checkpoint_dir), 2)
     mod.save_checkpoint(str(rl.checkpoint_dir), 3, start=resumed_at)
     return rl
@@ -694,7 +697,8 @@ def test_the_doubles_good_checkpoints_pass_the_state_checks(tmp_path, monkeypatc
     state = rh.read_state(rl, tiny_hy3_dir)
     assert state["data"] == {2: 2, 3: 3} and state["optimizer"] == {2: 2, 3: 3}
     kinds = {v["kind"] for v in state["weights"]["tensors"].values()}
-    assert kinds == {"trained", "fixed", "mtp"}
+    assert kinds == {"trained", "fixed"}  # no MTP layer exported (MTP not trained)
+    assert len(state["weights"]["mtp_absent"]) == 29
     checks = {c.name: c for c in rh.check_records(_records(state=state))}
     assert {n: checks[n].status for n in ("updated", "resumed_data", "resumed_optimizer")} == \
         dict.fromkeys(("updated", "resumed_data", "resumed_optimizer"), "pass")
@@ -748,26 +752,29 @@ def test_an_export_unlike_the_input_fails_the_updated_check(tmp_path, monkeypatc
 def test_exports_without_the_mtp_layer_pass_the_updated_check(tmp_path, monkeypatch,
                                                                tiny_hy3_dir) -> None:
     """verl@220e903 builds no MTP layer unless actor_rollout_ref.model.mtp.enable (the
-    paper's recipe leaves it off): its HF export lacks the MTP tensors, and that is no
-    failure; a missing tensor elsewhere is (test above)."""
-    from safetensors.torch import load_file, save_file
+    paper's recipe leaves it off): its HF export lacks the MTP tensors (the double exports
+    the same way), and that is no failure; a missing tensor elsewhere is (test above). With
+    MTP trained the export keeps the layer, counted as MTP."""
+    from safetensors import safe_open
 
     rl = _double_saves(tmp_path, monkeypatch, tiny_hy3_dir)
     layers = json.loads((tiny_hy3_dir / "config.json").read_text())["num_hidden_layers"]
-    gone = 0
-    for step in (2, 3):
-        for shard in sorted(rl.checkpoint_hf_model(step).glob("*.safetensors")):
-            tensors = load_file(shard)
-            kept = {k: v for k, v in tensors.items()
-                    if not k.startswith(f"model.layers.{layers}.")}
-            gone += len(tensors) - len(kept)
-            save_file(kept, shard)
+    mtp = set()
+    for shard in sorted(tiny_hy3_dir.glob("*.safetensors")):
+        with safe_open(shard, "pt") as fh:
+            mtp |= {k for k in fh.keys() if k.startswith(f"model.layers.{layers}.")}
+    exported = json.loads((rl.checkpoint_hf_model(3) / "config.json").read_text())
+    assert exported["num_nextn_predict_layers"] == 0 and mtp
     checks = {c.name: c for c in rh.check_records(_records(state=rh.read_state(
         rl, tiny_hy3_dir)))}
     assert checks["updated"].status == "pass", checks["updated"].detail
-    assert f"; {gone // 2} MTP tensors of the input not exported (verl builds no MTP layer " \
+    assert f"; {len(mtp)} MTP tensors of the input not exported (verl builds no MTP layer " \
         "without actor_rollout_ref.model.mtp.enable); " in checks["updated"].detail
-    assert gone > 0
+    (tmp_path / "mtp").mkdir()
+    trained = _double_saves(tmp_path / "mtp", monkeypatch, tiny_hy3_dir, mtp=True)
+    state = rh.read_state(trained, tiny_hy3_dir)
+    assert {v["kind"] for v in state["weights"]["tensors"].values()} == {
+        "trained", "fixed", "mtp"} and not state["weights"]["mtp_absent"]
 
 
 def test_a_data_order_restarted_at_the_resume_fails_resumed_data(tmp_path, monkeypatch,

@@ -14,7 +14,7 @@ import struct
 from pathlib import Path
 
 import pytest
-from fixtures.checkpoint import rewrite_checkpoint
+from fixtures.checkpoint import export_like_the_pinned_stack, rewrite_checkpoint
 from fixtures.common import make_config
 from fixtures.eval import make_val_parquet
 from hy3rl import evaluate, release
@@ -37,9 +37,12 @@ def _cfg(root: Path, base: Path, model: dict | None = None, **release_cfg):
 
 
 def _train(hf: Path, base: Path, name: str, delta: float) -> None:
-    """A "trained" export of ``base``: ``name`` moved by ``delta``, every other tensor kept."""
+    """A "trained" export of ``base`` shaped as the pinned stack exports a run that did not
+    train MTP (no MTP layer, num_nextn_predict_layers 0): ``name`` moved by ``delta``, every
+    other tensor kept."""
     shutil.copytree(base, hf)
     rewrite_checkpoint(hf, lambda t: {**t, name: (t[name].float() + delta).to(t[name].dtype)})
+    export_like_the_pinned_stack(hf)
 
 
 @pytest.fixture(scope="module")
@@ -170,7 +173,10 @@ def test_good_release_passes_every_check_and_its_card_parses(run_copy, tiny_hy3_
     assert [a["problem_id"] for a in rec["generated"]] == ["0", "1"]
     assert all(1 <= a["num_tokens"] <= 4 for a in rec["generated"])
     fixed = next(c for c in doc["checks"] if c["name"] == "fixed_tensors")
-    assert "3 of 3 expert biases bit-identical" in fixed["details"]  # 2 MoE layers + MTP
+    # 2 MoE layers (the MTP layer's is not exported: no MTP training, release.mtp none)
+    assert "2 of 2 expert biases bit-identical" in fixed["details"]
+    inventory = next(c for c in doc["checks"] if c["name"] == "inventory")
+    assert "the base's 29 MTP tensors left out (MTP not trained" in inventory["details"]
     assert "1 of " in fixed["details"]  # one trained tensor changed
     card = ModelCard.load(dest / "README.md")
     assert card.data.library_name == "transformers" and card.data.model_name == "rel-selected"
@@ -181,6 +187,8 @@ def test_good_release_passes_every_check_and_its_card_parses(run_copy, tiny_hy3_
     assert "| final | final | 3 | 0.7500 |" in card.text
     assert "abc123" in card.text and "algorithm.adv_estimator" in card.text
     assert "[report/index.html](report/index.html)" in card.text
+    assert "This release has no MTP layer: MTP not trained" in card.text
+    assert "num_nextn_predict_layers: 0" in card.text
     assert not list(dest.parent.glob(".selected*"))
 
 
@@ -246,6 +254,49 @@ def test_missing_expert_tensor_fails_inventory_by_name(run_copy):
     assert f"missing tensor {gone}" in _problems(failed["inventory"])
 
 
+def test_the_mtp_policy_follows_what_was_trained(run_copy, tiny_hy3_dir, tmp_path):
+    """Issue 42: the paper's recipe trains no MTP, and the pinned stack's export then has no
+    MTP layer (num_nextn_predict_layers 0): released under release.mtp auto (none), the
+    card saying so (test above). An export that kept the MTP layer, or says another
+    num_nextn_predict_layers, is refused naming them; release.mtp trained on a run that did
+    not train MTP is refused by key; with MTP trained (the plan's composed
+    actor_rollout_ref.model.mtp.enable) the release must hold the whole MTP layer."""
+    cfg, layout, _ = run_copy
+    hf = layout.checkpoint_hf_model(3)
+    shutil.rmtree(hf)
+    shutil.copytree(tiny_hy3_dir, hf)  # the MTP layer kept, num_nextn_predict_layers 1
+    rewrite_checkpoint(hf, lambda t: {**t, TRAINED: (t[TRAINED].float() + 0.5).to(
+        t[TRAINED].dtype)})
+    failed = _refused(run_copy)
+    text = _problems(failed["inventory"])
+    assert "MTP tensor model.layers.3.eh_proj.weight in model-00003-of-00003.safetensors: " \
+        "release.mtp none (MTP not trained" in text, text
+    assert "num_nextn_predict_layers 1, release.mtp none needs 0" in text
+    # release.mtp trained on a run that did not train MTP: a bad input, by key
+    trained_cfg = _cfg(Path(cfg.release.dir).parent, tiny_hy3_dir, mtp="trained")
+    _, _, records = run_copy
+    with pytest.raises(release.ReleaseError, match=r"release.mtp is trained but the run did "
+                       r"not train MTP \(actor_rollout_ref.model.mtp.enable not recorded"):
+        release.build(trained_cfg, layout, "final", records(), threads=2)
+    # MTP trained: the plan says so; the full export passes the inventory, the pinned
+    # stack's MTP-less one misses the layer by name
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"resolved": {release.MTP_KEY: {"value": True}}}))
+    base_st, _ = release.headers(tiny_hy3_dir, 2)
+    mtp = release.mtp_policy(cfg, plan, tiny_hy3_dir, base_st.tensors)
+    assert (mtp.policy, mtp.nextn, mtp.absent) == ("trained", 1, frozenset())
+    full, _ = release.headers(hf, 2)
+    assert release.check_inventory(base_st.tensors, full.tensors, tiny_hy3_dir, mtp,
+                                   hf).status == "pass"
+    export_like_the_pinned_stack(hf)
+    cut, _ = release.headers(hf, 2)
+    res = release.check_inventory(base_st.tensors, cut.tensors, tiny_hy3_dir, mtp, hf)
+    assert res.status == "fail" and "missing tensor model.layers.3.eh_proj.weight" in \
+        _problems(dataclasses.asdict(res))
+    assert "num_nextn_predict_layers 0, release.mtp trained needs 1" in \
+        _problems(dataclasses.asdict(res))
+
+
 def test_missing_shard_fails_the_index_by_name(run_copy):
     cfg, layout, _ = run_copy
     (layout.checkpoint_hf_model(3) / "model-00002-of-00003.safetensors").unlink()
@@ -283,9 +334,13 @@ def test_weights_unlike_the_evaluated_ones_fail_by_file(run_copy, tiny_hy3_dir):
     failed = _refused(run_copy)
     assert set(failed) == {"evaluated"}
     text = _problems(failed["evaluated"])
-    # the trained tensor lives in one shard: only that file differs, and it is named
-    differing = [line for line in failed["evaluated"]["problems"] if "sha256" in line]
-    assert len(differing) == 1 and str(meta_path) in text
+    # the trained tensor lives in one shard, the MTP layer the export left out in another:
+    # only those files differ, each named
+    differing = sorted(line.split(":")[0] for line in failed["evaluated"]["problems"]
+                       if "sha256" in line)
+    assert differing == ["model-00002-of-00003.safetensors",
+                         "model-00003-of-00003.safetensors"], differing
+    assert str(meta_path) in text
 
 
 def test_an_evaluation_without_recorded_weights_fails(run_copy):
@@ -296,6 +351,17 @@ def test_an_evaluation_without_recorded_weights_fails(run_copy):
     meta_path.write_text(json.dumps(meta))
     failed = _refused(run_copy)
     assert "records no 'weights'" in _problems(failed["evaluated"])
+
+
+def test_a_missing_evaluation_record_fails_evaluated_by_name(run_copy):
+    """Issue 42: the evaluation's record gone: the `evaluated` check fails naming it, with
+    checks.json written (not an exception after every other check)."""
+    cfg, layout, _ = run_copy
+    meta_path = Path(layout.eval_samples_meta("final"))
+    meta_path.unlink()
+    failed = _refused(run_copy)
+    assert set(failed) == {"evaluated"}, failed
+    assert f"{meta_path}: missing" in _problems(failed["evaluated"])
 
 
 def test_changed_tokenizer_fails_by_file(run_copy):
@@ -458,6 +524,40 @@ def test_the_card_names_a_hub_base_at_its_revision_with_the_base_license(run_cop
     assert (data.license, data.license_name, data.license_link) == \
         ("other", "hy3-license", "LICENSE")
     assert (dest / "LICENSE").read_text() == "the base's license text\n"
+
+
+def test_the_card_lists_the_training_data_under_datasets_only(run_copy, tmp_path,
+                                                              tiny_hy3_dir):
+    """Issue 42: the Hub defines a card's `datasets` as the data the model was trained on:
+    DAPO-Math-17k, not the AIME-2024 test set (which stays under the evaluation results)."""
+    from huggingface_hub import ModelCard
+
+    _, layout, records = run_copy
+    cfg = _cfg(tmp_path / "run", tiny_hy3_dir)
+    raw = {**cfg.raw, "data": {**cfg.raw["data"],
+                               "train": {**cfg.raw["data"]["train"],
+                                         "source": "BytedTsinghua-SIA/DAPO-Math-17k"},
+                               "val": {**cfg.raw["data"]["val"],
+                                       "source": "HuggingFaceH4/aime_2024"}}}
+    from hy3rl.settings import Config
+
+    rec = release.build(Config.from_dict(raw), layout, "final", records(), threads=2)
+    data = ModelCard.load(Path(rec["dir"]) / "README.md").data
+    assert data.datasets == ["BytedTsinghua-SIA/DAPO-Math-17k"], data.datasets
+    assert {r.dataset_type for r in data.eval_results} == {"HuggingFaceH4/aime_2024"}
+
+
+def test_endpoint_credentials_are_redacted():
+    """Issue 42: an endpoint given with credentials (http://user:secret@host) names them
+    for the redactor of the upload's messages and log records."""
+    from hy3rl.redact import Redactor
+
+    secrets = release.endpoint_secrets("http://alice:s3cretpass@hub.example:8080/x")
+    assert secrets == ["alice:s3cretpass", "s3cretpass"]
+    said = Redactor(secrets).text(
+        "ConnectError for url http://alice:s3cretpass@hub.example:8080/api/models")
+    assert "s3cretpass" not in said and "alice:" not in said, said
+    assert release.endpoint_secrets("https://huggingface.co") == []
 
 
 # --------------------------------------------------------------------------- the upload

@@ -232,13 +232,84 @@ def headers(folder: Path, threads: int) -> tuple[ck.State, list[ck.CheckResult]]
     return st, results
 
 
+MTP_KEY = "actor_rollout_ref.model.mtp.enable"
+LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class Mtp:
+    """The release's MTP policy (``release.mtp`` resolved) and what it makes the inventory:
+    ``absent`` the base's MTP tensors the release must not hold (policy ``none``),
+    ``nextn`` the num_nextn_predict_layers its config.json must say, ``why`` in words."""
+
+    policy: str
+    absent: frozenset[str]
+    nextn: int | None
+    why: str
+
+
+def _config(folder: Path) -> dict[str, Any]:
+    doc = _read_json(folder / "config.json", "config.json")
+    if not isinstance(doc, dict):
+        raise ReleaseError(f"{folder / 'config.json'}: not a JSON object")
+    return doc
+
+
+def mtp_policy(cfg: Any, plan: Path | None, base_dir: Path,
+               base: dict[str, ck.TensorInfo]) -> Mtp:
+    """``release.mtp`` resolved against the plan (``auto``: ``trained`` when the composed
+    actor_rollout_ref.model.mtp.enable is true, ``none`` when false or not recorded: the
+    pinned stack's default) and the base (its MTP layer: ``model.layers.<num_hidden_layers>``
+    onwards, num_nextn_predict_layers of them). A base without an MTP layer has nothing to
+    decide."""
+    conf = _config(base_dir)
+    layers, nextn = conf.get("num_hidden_layers"), int(conf.get("num_nextn_predict_layers") or 0)
+    mtp = frozenset(n for n in base if isinstance(layers, int) and (m := LAYER.match(n))
+                    and int(m.group(1)) >= layers)
+    if not mtp or not nextn:
+        return Mtp("none", frozenset(), None, f"the base {base_dir} has no MTP layer")
+    entry = None
+    if plan is not None:
+        doc = _read_json(plan, "the training plan") or {}
+        resolved = (doc.get("resolved") or {}).get(MTP_KEY)
+        entry = (resolved.get("value") if isinstance(resolved, dict)
+                 else (doc.get("effective") or {}).get(MTP_KEY))
+    trained = str(entry).lower() in ("true", "1")
+    said = (f"{MTP_KEY} = {entry!r} in {plan}" if entry is not None else
+            f"{MTP_KEY} not recorded in {plan} (verl's default: false)")
+    policy = cfg.release.mtp
+    if policy == "auto":
+        policy = "trained" if trained else "none"
+    if policy == "trained" and not trained:
+        raise ReleaseError(f"release.mtp is trained but the run did not train MTP ({said}): "
+                           "its export holds no trained MTP layer; set release.mtp: none "
+                           "(or auto)")
+    if policy == "trained":
+        return Mtp("trained", frozenset(), nextn, f"MTP trained ({said})")
+    return Mtp("none", mtp, 0, f"MTP not trained ({said}): the pinned stack exports no MTP "
+               f"layer (num_nextn_predict_layers 0), so the release leaves out the base's "
+               f"{len(mtp)} MTP tensors")
+
+
 def check_inventory(base: dict[str, ck.TensorInfo], rel: dict[str, ck.TensorInfo],
-                    base_dir: Path) -> ck.CheckResult:
-    """The release's tensors against the base's: the same names, shapes and dtypes."""
+                    base_dir: Path, mtp: Mtp | None = None,
+                    rel_dir: Path | None = None) -> ck.CheckResult:
+    """The release's tensors against the inventory the base and the MTP policy ``mtp`` give:
+    the base's names, shapes and dtypes, less ``mtp.absent`` (which the release must not
+    hold); its config.json's num_nextn_predict_layers as the policy says (``rel_dir``)."""
+    absent = mtp.absent if mtp else frozenset()
     problems = []
-    for n in sorted(base.keys() - rel.keys()):
+    for n in sorted(base.keys() - rel.keys() - absent):
         problems.append(f"missing tensor {n} ({base[n].dtype}{list(base[n].shape)} in the "
                         f"base's {base[n].shard})")
+    for n in sorted(absent & rel.keys()):
+        problems.append(f"MTP tensor {n} in {rel[n].shard}: release.mtp {mtp.policy} "
+                        f"({mtp.why}) leaves the MTP layer out")
+    if mtp is not None and mtp.nextn is not None and rel_dir is not None:
+        got = _config(rel_dir).get("num_nextn_predict_layers")
+        if int(got or 0) != mtp.nextn:
+            problems.append(f"{rel_dir / 'config.json'}: num_nextn_predict_layers {got!r}, "
+                            f"release.mtp {mtp.policy} needs {mtp.nextn} ({mtp.why})")
     for n in sorted(rel.keys() - base.keys()):
         problems.append(f"extra tensor {n} in {rel[n].shard} (the base {base_dir} has none)")
     for n in sorted(base.keys() & rel.keys()):
@@ -248,9 +319,11 @@ def check_inventory(base: dict[str, ck.TensorInfo], rel: dict[str, ck.TensorInfo
                             f"{a.dtype}{list(a.shape)}")
     if not base:
         problems.append(f"{base_dir}: no tensor read from the base's headers")
+    left = f"; the base's {len(absent)} MTP tensors left out ({mtp.why})" if absent else ""
     return ck._check("inventory", problems,
-                     f"{len(rel)} tensors: the base's names, shapes and dtypes",
-                     f"{len(problems)} tensors missing, extra or unlike the base's")
+                     f"{len(rel)} tensors: the base's names, shapes and dtypes{left}",
+                     f"{len(problems)} tensors missing, extra or unlike the base's"
+                     + (f" (release.mtp {mtp.policy})" if mtp else ""))
 
 
 def bias_update_rate(plan: Path | None) -> tuple[float | None, str]:
@@ -467,6 +540,10 @@ def check_evaluated(manifest: dict[str, dict[str, Any]], samples_meta: Path) -> 
     """The release's weight files against those the evaluation loaded (samples.meta.json
     ``weights``), file for file."""
     name = "evaluated"
+    if not Path(samples_meta).is_file():
+        msg = (f"{samples_meta}: missing (the record of the evaluation of this model): "
+               "evaluate the tag first")
+        return ck.CheckResult(name, "fail", msg, [msg])
     meta = _read_json(samples_meta, "the evaluation's samples meta")
     loaded = meta.get("weights") if isinstance(meta, dict) else None
     if not isinstance(loaded, dict) or not loaded:
@@ -563,8 +640,9 @@ def card_data(cfg: Any, tag: str, eval_tag: str, step: int | None, rec: Records,
             ))
     base_data = _base_card_data(base)
     hub_base = not cfg.model.is_local
-    datasets = [s for s in (data_cfg.train.source, val_name) if s and "/" in s
-                and not Path(s).exists()]
+    # the Hub's `datasets`: what the model was trained on; the test and held-out sets are
+    # under the evaluation results only
+    datasets = [s for s in (data_cfg.train.source,) if s and "/" in s and not Path(s).exists()]
     data = ModelCardData(
         base_model=cfg.model.source if hub_base else None,
         datasets=datasets or None,
@@ -612,7 +690,9 @@ tokenizer = AutoTokenizer.from_pretrained("<this directory>")
 ```
 or `vllm serve <this directory>`. The tokenizer, chat template and generation config are
 the base model's.
-
+{% if mtp %}
+**Multi-token prediction (MTP).** {{ mtp }}
+{% endif %}
 ## Recipe
 
 {% if recipe %}The training plan's resolved verl values (`train/launch/plan.json`):
@@ -679,10 +759,22 @@ def provenance_lines(rec: Records, cfg: Any) -> list[str]:
     return lines
 
 
+def _mtp_text(mtp: Mtp | None) -> str | None:
+    if mtp is None or (mtp.policy == "none" and not mtp.absent):
+        return None
+    if mtp.policy == "trained":
+        return (f"The MTP layer is included, trained with the model ({mtp.why}); "
+                f"`num_nextn_predict_layers` is {mtp.nextn}.")
+    return (f"This release has no MTP layer: {mtp.why}. Its config says "
+            "`num_nextn_predict_layers: 0`; speculative decoding with the base's MTP layer "
+            "is not available from it.")
+
+
 def write_card(folder: Path, cfg: Any, tag: str, eval_tag: str, step: int | None,
-               rec: Records, base: Path) -> ck.CheckResult:
+               rec: Records, base: Path, mtp: Mtp | None = None) -> ck.CheckResult:
     """Write README.md into ``folder`` and check that it parses (huggingface_hub.ModelCard)
-    with the metadata it was written with (model-index results included)."""
+    with the metadata it was written with (model-index results included). ``mtp``: the
+    release's MTP policy, said in the text when the base has an MTP layer."""
     from huggingface_hub import ModelCard
 
     data, v = card_data(cfg, tag, eval_tag, step, rec, base)
@@ -711,7 +803,7 @@ def write_card(folder: Path, cfg: Any, tag: str, eval_tag: str, step: int | None
         card_data=data.to_yaml(), run=cfg.run.name, tag=tag,
         what=f"{what} ({eval_tag}, step {step})", base=cfg.model.source, grader=v["grader"],
         metric=v["metric"], level_pct=f"{v['level']:.0%}", table=table, selection=selection,
-        recipe=recipe, provenance=provenance_lines(rec, cfg))
+        recipe=recipe, provenance=provenance_lines(rec, cfg), mtp=_mtp_text(mtp))
     path = folder / CARD
     write_text_atomic(path, text)
     try:
@@ -794,7 +886,7 @@ def upload(hub: Any, tag: str, folder: Path, manifest: dict[str, dict[str, Any]]
         raise ReleaseError(f"{where}: HF_HUB_OFFLINE is set, the release cannot be uploaded; "
                            "unset it, or set release.hub to null")
     token = os.environ.get(token_env) or None
-    redactor = Redactor([token] if token else [])
+    redactor = Redactor(([token] if token else []) + endpoint_secrets(endpoint))
     with redacted_logs(redactor):
         try:
             return _push(hub, repo, revision, folder, manifest, message, endpoint, token,
@@ -805,6 +897,21 @@ def upload(hub: Any, tag: str, folder: Path, manifest: dict[str, dict[str, Any]]
             raise ReleaseError(f"{where}: the upload failed ({type(exc).__name__}: "
                                f"{_shorten(said)}); the release directory {folder} is "
                                "verified and stays, release.json is not written") from None
+
+
+def endpoint_secrets(endpoint: str) -> list[str]:
+    """The credentials an endpoint URL carries (``http://user:secret@host``): its password
+    and ``user:password``, for the redactor (a log record or an error quoting the URL)."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(endpoint)
+    except ValueError:
+        return []
+    out = []
+    if parts.password:
+        out += [f"{parts.username}:{parts.password}", parts.password]
+    return out
 
 
 def _push(hub: Any, repo: str, revision: str, folder: Path,
@@ -905,14 +1012,15 @@ def build(cfg: Any, layout: Any, tag: str, rec: Records, *, threads: int) -> dic
                                + "; ".join(r.details for r in bad_base))
         st, results = headers(staging, threads)
         results.insert(0, check_tokenizer(source, base))
-        results.append(check_inventory(base_st.tensors, st.tensors, base))
+        mtp = mtp_policy(cfg, rec.plan, base, base_st.tensors)
+        results.append(check_inventory(base_st.tensors, st.tensors, base, mtp, staging))
         results.append(check_fixed(base, staging, base_st.tensors, st.tensors, rate, why))
         gen, answers = check_generates(
             staging, rec.val, cfg, work=checks_path.parent / "generates",
             runtime_env=rec.runtime_env)
         results.append(gen)
         results.append(copy_report(rec.report, staging, eval_tag, step))
-        results.append(write_card(staging, cfg, tag, eval_tag, step, rec, base))
+        results.append(write_card(staging, cfg, tag, eval_tag, step, rec, base, mtp))
         manifest = file_manifest(staging, threads)  # every file's sha256, for release.json
         results.append(check_evaluated(manifest, samples_meta))
         extra = {"tag": tag, "evaluated_tag": eval_tag, "step": step, "source": str(source),

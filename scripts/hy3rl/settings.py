@@ -543,6 +543,7 @@ class ReleaseHub:
 class Release:
     dir: str
     tags: list[str] | None  # None (unset): what the DAG evaluates (hy3rl.release.release_tags)
+    mtp: str  # auto | trained | none (hy3rl.release.mtp_policy)
     problems: int
     max_tokens: int
     threads: int

@@ -150,6 +150,7 @@ EFFECTIVE_KEYS = (
     "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz",
     "actor_rollout_ref.rollout.temperature", "actor_rollout_ref.rollout.top_p",
     "actor_rollout_ref.rollout.calculate_log_probs",
+    "actor_rollout_ref.model.mtp.enable",
     "actor_rollout_ref.rollout.val_kwargs.n",
     "actor_rollout_ref.rollout.val_kwargs.temperature",
     "actor_rollout_ref.rollout.val_kwargs.top_p",
