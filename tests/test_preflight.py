@@ -267,14 +267,11 @@ def test_paper_plan_matches_published_values(verl, tmp_path):
     assert list(on_disk)[list(on_disk).index("rules") + 1] == "verl_checks"
 
 
-REAL_VERL = os.environ.get("HY3RL_REAL_VERL", "")
-
-
-@pytest.mark.skipif(not REAL_VERL, reason="set HY3RL_REAL_VERL to a checkout of verl@220e903")
-def test_paper_plan_against_real_pinned_verl(tmp_path, tiny_hy3_dir):
-    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REAL_VERL, capture_output=True,
+@pytest.mark.slow  # verl's own validators in a subprocess (torch, verl)
+def test_paper_plan_against_real_pinned_verl(tmp_path, tiny_hy3_dir, real_verl):
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=real_verl, capture_output=True,
                           text=True).stdout.strip()
-    lock = write_lock(tmp_path / "lock.json", Path(REAL_VERL), head)
+    lock = write_lock(tmp_path / "lock.json", real_verl, head)
     cfg = paper_cfg(tmp_path)
     cfg["model"]["source"] = str(tiny_hy3_dir)  # verl reads its HF config and tokenizer
     plan = plan_for(cfg, None, tmp_path, lock=lock)

@@ -1,7 +1,7 @@
 """The one-node rehearsal (issue 21), without a cluster: its derived config, its plan's
 reductions, the checks on its records (each way they fail), the launcher's decision after
 the planned kill, the train job's runtime-identity gate, the runtime fingerprint that
-re-runs it, and the rehearsal plan composed against the pinned verl (HY3RL_REAL_VERL).
+re-runs it, and the rehearsal plan composed against the pinned verl (fixture real_verl).
 
 The rehearsal itself runs for real through profiles/slurm in tests/test_eval_slurm.py and
 through profiles/local in tests/test_rerun_identity.py."""
@@ -326,13 +326,11 @@ def test_runtime_fingerprint_sees_a_changed_sif_and_a_changed_environment(tmp_pa
 
 # --------------------------------------------------------------------------- real verl
 
-REAL_VERL = os.environ.get("HY3RL_REAL_VERL", "")
-
-
-@pytest.mark.skipif(not REAL_VERL, reason="set HY3RL_REAL_VERL to a checkout of verl@220e903")
+@pytest.mark.slow  # verl's own validators in a subprocess (torch, verl)
 def test_rehearsal_plan_of_the_paper_run_against_real_pinned_verl(tmp_path: Path,
                                                                   tiny_hy3_dir: Path,
-                                                                  monkeypatch) -> None:
+                                                                  monkeypatch,
+                                                                  real_verl: Path) -> None:
     """The paper config's rehearsal plan, composed over the pinned verl's Hydra config and
     checked by verl's own validators on the rehearsal's model: every rule and check passes,
     and the plan lists the reductions against the paper plan."""
@@ -342,9 +340,9 @@ def test_rehearsal_plan_of_the_paper_run_against_real_pinned_verl(tmp_path: Path
     from hy3rl.settings import Config
 
     monkeypatch.setenv("WANDB_MODE", "offline")  # the paper's loggers include wandb
-    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REAL_VERL, capture_output=True,
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=real_verl, capture_output=True,
                           text=True).stdout.strip()
-    lock = write_lock(tmp_path / "lock.json", Path(REAL_VERL), head)
+    lock = write_lock(tmp_path / "lock.json", real_verl, head)
     raw = deep_merge(load(REPO_ROOT / "config/config.yaml", REPO_ROOT / "config/paper.yaml"), {
         "run": {"results_root": str(tmp_path / "results")},
         "model": {"source": str(tiny_hy3_dir), "revision": None, "dir": ""},
