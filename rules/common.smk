@@ -303,16 +303,17 @@ def train_adopted():
     train_adopt writes its record instead of submitting a job that would train nothing.
     The final job on its own; the segments all or none (one rule makes every segment's
     outputs). Files read, nothing written."""
-    from hy3rl.train import adoption
+    from hy3rl.train import adoption, launch_of
 
     if not training_enabled():
         return {}
+    launch = launch_of(LAYOUT, config)  # composed once, when a stretch's adoption asks
     out = {}
-    final = adoption(LAYOUT, "final", config, TRAIN_CONTENT)
+    final = adoption(LAYOUT, "final", config, TRAIN_CONTENT, launch)
     if final:
         out["final"] = final
     segments = {
-        f"step{end}": adoption(LAYOUT, f"step{end}", config, TRAIN_CONTENT)
+        f"step{end}": adoption(LAYOUT, f"step{end}", config, TRAIN_CONTENT, launch)
         for end in train_segment_ends()
     }
     if segments and all(segments.values()):

@@ -394,8 +394,6 @@ class _Validation(_Rule):
             self.run.append((step, v))
             if len(self.run) >= self.section.validations and not self.firing:
                 self.firing = True
-                b = self.best[1]
-                se = validation_se(b, v, self.section.responses)
                 n = len(self.run)
                 out.append(self._event(
                     step, self.section.metric, list(self.run), b,
@@ -497,10 +495,8 @@ class Watcher:
         self._rules = build_rules(health, response_cap)
         self._coverage = [
             _Coverage(name, key, health.blind_lines, nonfinite=name == "nonfinite",
-                      validation=isinstance(section, HealthValidation))
-            for name, section in health.rules()
-            for key in (section.metrics if isinstance(section, HealthNonfinite)
-                        else [section.metric])]
+                      validation=isinstance(getattr(health, name), HealthValidation))
+            for name, key in health.watched()]
 
     def judged(self) -> dict[str, int]:
         """Rule name -> the logged lines it judged (for a rule over several keys, the fewest

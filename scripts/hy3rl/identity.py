@@ -408,16 +408,16 @@ def content_stats(config: Mapping[str, Any]) -> dict[str, tuple[str, tuple[Path,
         cache = None
 
     def contents(paths: list[Path]) -> tuple[str, tuple[Path, ...]]:
+        paths = [Path(os.path.realpath(p)) for p in paths]
         rows: list[Any] = []
-        for p in (Path(os.path.realpath(p)) for p in paths):
+        for p in paths:
             if p.is_file():
                 rows.append(cached_sha256(p, cache)[0])
             elif p.is_dir():
                 rows.append([[rel, cached_sha256(p / rel, cache)[0]] for rel in list_files(p)])
             else:
                 rows.append(None)
-        return "sha256:" + digest({"contents": rows}), files_of(
-            [Path(os.path.realpath(p)) for p in paths])
+        return "sha256:" + digest({"contents": rows}), files_of(paths)
 
     train = config.get("train") or {}
     out: dict[str, tuple[str, tuple[Path, ...]]] = {}

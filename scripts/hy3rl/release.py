@@ -233,7 +233,6 @@ def headers(folder: Path, threads: int) -> tuple[ck.State, list[ck.CheckResult]]
 
 
 MTP_KEY = "actor_rollout_ref.model.mtp.enable"
-LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -262,18 +261,17 @@ def mtp_policy(cfg: Any, plan: Path | None, base_dir: Path,
     pinned stack's default) and the base (its MTP layer: ``model.layers.<num_hidden_layers>``
     onwards, num_nextn_predict_layers of them). A base without an MTP layer has nothing to
     decide."""
+    from hy3rl.rehearsal import LAYER_INDEX  # the MTP layer as the rehearsal's check knows it
+    from hy3rl.train import plan_value
+
     conf = _config(base_dir)
     layers, nextn = conf.get("num_hidden_layers"), int(conf.get("num_nextn_predict_layers") or 0)
-    mtp = frozenset(n for n in base if isinstance(layers, int) and (m := LAYER.match(n))
+    mtp = frozenset(n for n in base if isinstance(layers, int) and (m := LAYER_INDEX.match(n))
                     and int(m.group(1)) >= layers)
     if not mtp or not nextn:
         return Mtp("none", frozenset(), None, f"the base {base_dir} has no MTP layer")
-    entry = None
-    if plan is not None:
-        doc = _read_json(plan, "the training plan") or {}
-        resolved = (doc.get("resolved") or {}).get(MTP_KEY)
-        entry = (resolved.get("value") if isinstance(resolved, dict)
-                 else (doc.get("effective") or {}).get(MTP_KEY))
+    entry = (plan_value(_read_json(plan, "the training plan") or {}, MTP_KEY)
+             if plan is not None else None)
     trained = str(entry).lower() in ("true", "1")
     said = (f"{MTP_KEY} = {entry!r} in {plan}" if entry is not None else
             f"{MTP_KEY} not recorded in {plan} (verl's default: false)")

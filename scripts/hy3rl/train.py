@@ -36,7 +36,7 @@ import os
 import re
 import shutil
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -216,6 +216,19 @@ def health_stop_at(layout: Layout) -> int | None:
 RESUMES = ("same", "extend", "resume_changed", "adopt")
 
 
+def how_to_go_on(best: int | None) -> str:
+    """The way on after a health stop, from the last healthy checkpoint ``best`` (None:
+    there is none)."""
+    if best is None:
+        return ("start afresh under a changed configuration: train.on_config_change: fresh "
+                "(moves the checkpoints aside, nothing deleted)")
+    return (f"to go on from step {best} in a new lineage: `hy3rl rewind --step {best} "
+            "--configfile <the run's config files>` (the checkpoints after it move aside to "
+            "superseded-<time>/, nothing deleted), then change the configuration (what the "
+            "rule points at: e.g. a lower learning rate, a larger KL coefficient) with "
+            "train.on_config_change: resume, and run the workflow again")
+
+
 def sick_resume(layout: Layout, plan: Path | None = None) -> str | None:
     """Why the training job would be refused (the message) when the records already decide
     it, on the submit host before any job is submitted: the plan the job runs (``plan``,
@@ -236,15 +249,11 @@ def sick_resume(layout: Layout, plan: Path | None = None) -> str | None:
     if decision.get("action") not in RESUMES or not isinstance(newest, int) or newest < sick:
         return None
     ckpt = layout.checkpoint_dir
-    healthy = [c.step for c in scan(ckpt) if c.complete and c.step < sick]
-    way = (f"go on from step {max(healthy)} in a new lineage: `hy3rl rewind --step "
-           f"{max(healthy)} --configfile <the run's config files>`, then change the "
-           "configuration with train.on_config_change: resume" if healthy else
-           "start afresh under a changed configuration: train.on_config_change: fresh")
+    best = last_healthy([c.step for c in scan(ckpt) if c.complete], [], sick)
     return (f"the launch would resume from step {newest} in {ckpt}, which a health stop "
             f"rule of this lineage calls sick (from checkpoint {sick}; the rule and its "
-            f"values are in {layout.train_attempts}/attempt-*.json `health_stop`): {way}; "
-            "not submitted")
+            f"values are in {layout.train_attempts}/attempt-*.json `health_stop`): "
+            f"{how_to_go_on(best)}; not submitted")
 
 
 def last_step(lines: list[dict[str, Any]]) -> int | None:
@@ -625,8 +634,32 @@ def _older_record(layout: Layout, stretch: str, current: Path,
     return newest, values
 
 
+def launch_of(layout: Layout, config: Mapping[str, Any]) -> Callable[[], Any]:
+    """``config`` typed with the trajectory preflight would give its launch now
+    (``hy3rl.preflight.launch_trajectory``: a composition of the pinned verl's config),
+    computed at the first call and kept: one composition for every stretch whose adoption
+    asks (:func:`adoption`). ``(Config, trajectory)``, or None when the config does not
+    validate (Snakemake's own validation names it) or the launch gives no trajectory."""
+    import functools
+
+    from hy3rl.preflight import launch_trajectory
+    from hy3rl.settings import Config
+
+    @functools.cache
+    def launch() -> tuple[Config, dict] | None:
+        try:
+            cfg = Config.from_dict(config)
+        except Exception:
+            return None
+        trajectory = launch_trajectory(cfg, layout)
+        return None if trajectory is None else (cfg, trajectory)
+
+    return launch
+
+
 def adoption(layout: Layout, stretch: str, config: Mapping[str, Any],
-             content: Mapping[str, str] | None = None) -> Adoption | None:
+             content: Mapping[str, str] | None = None,
+             launch: Callable[[], Any] | None = None) -> Adoption | None:
     """Whether job ``stretch`` (``final`` or ``step<N>``) is done under the current training
     keys although their record is missing (:class:`Adoption`), read from files while the DAG
     is built, nothing written. Its sentinel exists, and either the newest older record of the
@@ -639,13 +672,14 @@ def adoption(layout: Layout, stretch: str, config: Mapping[str, Any],
     the job's steps reached: keys that changed only in how they are spelled (a knob set to
     the value verl already reads, a value moved between a knob and an override, an
     interpolation, ``train.segment_steps``). None: the job runs, as for any missing record.
-    ``content`` as for :func:`keys_digest`."""
+    ``content`` as for :func:`keys_digest`; ``launch``: :func:`launch_of` (made here when
+    None; one shared by the stretches of a DAG build composes once)."""
     current = keys_record(layout, stretch, config, content)
     sentinel = Path(layout.stretch_sentinel(stretch))
     if current.exists() or not sentinel.is_file():
         return None
     return (_vouched(layout, stretch, config, content, current, sentinel)
-            or _same_launch(layout, stretch, config, sentinel))
+            or _same_launch(layout, stretch, sentinel, launch or launch_of(layout, config)))
 
 
 def _vouched(layout: Layout, stretch: str, config: Mapping[str, Any],
@@ -688,28 +722,23 @@ def stretch_end(stretch: str, total: int) -> int:
     return int(total) if stretch == "final" else int(stretch.removeprefix("step"))
 
 
-def _same_launch(layout: Layout, stretch: str, config: Mapping[str, Any],
-                 sentinel: Path) -> Adoption | None:
+def _same_launch(layout: Layout, stretch: str, sentinel: Path,
+                 launch: Callable[[], Any]) -> Adoption | None:
     """:func:`adoption` by the run identity: the trajectory preflight would give the launch
-    now (``hy3rl.preflight.launch_trajectory``, computed on the submit host only in this
-    case: a finished stretch whose keys changed) against the checkpoint directory's identity
+    now (``launch``, :func:`launch_of`: composed on the submit host only in this case, a
+    finished stretch whose keys changed) against the checkpoint directory's identity
     (``hy3rl.ckptdir.decide_identity``): ``same`` (or ``extend``) with the newest complete
     checkpoint at or past the stretch's end. Rule train_adopt checks preflight's own
     decision again once preflight ran."""
     from hy3rl.ckptdir import CheckpointDirError, decide_identity, identity_path
-    from hy3rl.preflight import launch_trajectory
-    from hy3rl.settings import Config
 
     ckpt_dir = layout.checkpoint_dir
     if not identity_path(ckpt_dir).is_file():
         return None
-    try:
-        cfg = Config.from_dict(config)
-    except Exception:  # an invalid config: Snakemake's own validation names it
+    got = launch()
+    if got is None:
         return None
-    trajectory = launch_trajectory(cfg, layout)
-    if trajectory is None:
-        return None
+    cfg, trajectory = got
     total = cfg.train.total_training_steps
     try:
         decision = decide_identity(ckpt_dir, trajectory, total, cfg.train.on_config_change)
@@ -749,9 +778,9 @@ def adopt(layout: Layout, stretch: str, path: Path, config: Mapping[str, Any],
                 f"remove {found.vouching} to let the training job run")
         raise TrainError(
             f"{path}: not adopted: preflight's run identity decision in {plan} is "
-            f"{action!r} with the newest complete checkpoint at {newest}, not 'same' at "
-            f"step {end}, so {found.sentinel} does not describe what the job would do; "
-            + undo)
+            f"{action!r} with the newest complete checkpoint at {newest}, not 'same' (or "
+            f"'extend') at step {end}, so {found.sentinel} does not describe what the job "
+            "would do; " + undo)
     record_keys(layout, stretch, path, config,
                 adopted=found.record({"action": action, "newest_step": newest}))
     log.info("training keys record %s adopted: %s was written under these keys", path.name,
@@ -1009,16 +1038,9 @@ class Job:
         if best is None:
             where = ("none (no complete checkpoint was saved before the one the rule's first "
                      "step describes)")
-            how = ("start afresh under a changed configuration: train.on_config_change: "
-                   "fresh (moves the checkpoints aside, nothing deleted)")
         else:
             where = f"step {best} ({ckpt / f'global_step_{best}'})"
-            how = (f"to go on from step {best} in a new lineage: `hy3rl rewind --step {best} "
-                   "--configfile <the run's config files>` (the checkpoints after it move "
-                   "aside to superseded-<time>/, nothing deleted), then change the "
-                   "configuration (what the rule points at: e.g. a lower learning rate, a "
-                   "larger KL coefficient) with train.on_config_change: resume, and run the "
-                   "workflow again")
+        how = how_to_go_on(best)
         values = ", ".join(f"{v}@{s}" for s, v in event.values)
         message = (f"unhealthy: health rule {event.rule} ({event.metric}) fired at step "
                    f"{event.step} (from step {event.first_step}; values {values}); "
