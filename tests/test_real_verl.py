@@ -273,6 +273,47 @@ def test_the_file_logger_writes_nan_as_null(real_run: Real):
     assert "logged as null" in events[0].message
 
 
+def test_the_rehearsals_record_checks_pass_the_real_trainers_healthy_records(real_run: Real):
+    """Issue 43: the rehearsal's checks on what real verl writes pass its healthy records,
+    so the failures they are fed elsewhere (tests/test_rehearsal.py, in verl's own forms)
+    are failures of the trainer, not of the reading: every step's actor values finite,
+    responses of more than the EOS token with none aborted, scores not all right, and the
+    distance rule of `updated` on the real Adam's weights: step 2 lies farther from the
+    input model than step 1 by at least the ratio the rule asks of step 3 against step 2
+    (two steps against one: ~1.41 x for unrelated directions, 2 x for one)."""
+    from hy3rl import rehearsal as rh
+
+    lines = read_metrics(real_run.results / "train/metrics.jsonl")
+    by_step = {r["step"]: r["data"] for r in rh._train_lines(lines)}
+    assert sorted(by_step) == [1, 2]
+    assert rh._check_finite(by_step).status == "pass"
+    gen = rh._check_generated(rh.Records(
+        plan={}, attempts=[], attempt_lines={}, merged=lines, done=None, complete={},
+        driver_logs={}, samples=[{"response": "a", "num_tokens": 2}], samples_meta=None,
+        expected_samples=1), by_step)
+    assert gen.status == "pass", gen.detail
+    assert all(d["response/aborted_ratio"] == 0 for d in by_step.values())
+    assert not all(d["critic/score/min"] > 0 for d in by_step.values())
+    # the CPU path's FSDP export is float32 (the input bf16), unlike the Megatron export the
+    # rehearsal reads, so the rule's figure is computed here on the matrices themselves
+    from safetensors.torch import load_file
+
+    base = Path(json.loads((real_run.results / "model/manifest.json").read_text())["dir"])
+    start = {}
+    for shard in base.glob("*.safetensors"):
+        start.update(load_file(shard))
+    one, two = (load_file(real_run.ckpt / f"global_step_{s}/actor/huggingface/"
+                          "model.safetensors") for s in (1, 2))
+    tensors = {n: {"sq_before": rh.squared_distance(one[n].float(), t.float()),
+                   "sq_after": rh.squared_distance(two[n].float(), t.float())}
+               for n, t in start.items()
+               if t.dim() >= 2 and n in one and n in two and not rh.FIXED_TENSOR.search(n)}
+    assert len(tensors) > 20
+    farther, figure = rh._farther(tensors, sorted(tensors))
+    assert farther, figure
+    print(f"real verl's Adam, two steps against one: {figure}")
+
+
 # ---- faults injected into the real trainer ---------------------------------------------
 
 

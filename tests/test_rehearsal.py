@@ -97,6 +97,7 @@ def test_reductions_list_every_value_that_differs() -> None:
 # verl@220e903's actor keys as the trainer double logs them (tests/fixtures/trainer_double.py)
 KEYS = {**{k: 0.5 for k in rh.STEP_KEYS}, "response_length/mean": 2001.0,
         "response_length/max": 8192.0, "response_length/clip_ratio": 0.05,
+        "response_length/min": 640.0, "response/aborted_ratio": 0.0, "critic/score/min": -1.0,
         "actor/entropy": 0.45, "actor/pg_loss": -0.01, "actor/grad_norm": 0.3,
         "actor/perf/max_memory_allocated_gb": 60.0, "actor/perf/max_memory_reserved_gb": 64.0,
         "actor/perf/cpu_memory_used_gb": 120.0}
@@ -121,7 +122,8 @@ def _sample(i: int, finish_reason: str | None, num_tokens: int) -> dict:
 GOOD_STATE = {
     "weights": {"model": "m", "before": "b", "after": "a", "problems": [], "tensors": {
         "model.embed_tokens.weight": {"kind": "trained", "numel": 8, "ndim": 2,
-                                      "vs_before": 6, "vs_input": 8},
+                                      "vs_before": 6, "vs_input": 8, "sq_before": 4.0,
+                                      "sq_after": 9.0},
         "model.layers.1.mlp.expert_bias": {"kind": "fixed", "numel": 4, "ndim": 1,
                                            "vs_before": 0, "vs_input": 0},
         "model.norm.weight": {"kind": "trained", "numel": 2, "ndim": 1, "vs_before": 0,
@@ -176,6 +178,20 @@ def test_a_resume_from_step_one_fails_the_resumed_check() -> None:
     checks = {c.name: c for c in rh.check_records(rec)}
     assert checks["resumed"].status == "fail"
     assert "attempt 2's first step was 1, not 3" in checks["resumed"].detail
+
+
+def test_an_attempt_one_that_trained_past_the_kill_fails_the_killed_check() -> None:
+    """Issue 43: attempt 1's newest complete checkpoint at the kill is step 2 but it went on
+    to train step 3 (its save unfinished): the resume then redoes a step the first attempt
+    logged, and the rehearsal did not test the kill it plans. Its last logged step says so,
+    from the attempt record or, where the record lacks it, the attempt's own metrics."""
+    rec = _records()
+    a1 = {**rec.attempts[0], "last_logged_step": 3}
+    assert _failed(_records(attempts=[a1, rec.attempts[1]])) == {
+        "killed": "attempt 1's last logged training step was 3, not 2"}
+    lines = {1: [*rec.attempt_lines[1], _line(3)], 2: rec.attempt_lines[2]}
+    assert _failed(_records(attempt_lines=lines)) == {
+        "killed": "attempt 1's last logged training step was 3, not 2"}
 
 
 def test_a_crash_fails_with_the_phase_and_the_trainers_error_line() -> None:
@@ -429,8 +445,9 @@ def _merged_with(step: int, **data) -> list[dict]:
 def test_good_records_record_the_figures_of_the_silent_failure_checks() -> None:
     checks = {c.name: c for c in rh.check_records(_records())}
     assert checks["generated"].detail == (
-        "response_length/mean: step 1 2001, step 2 2001, step 3 2001; evaluation: 8 samples, "
-        "mean 3.25 tokens, 0 empty")
+        "response_length/mean: step 1 2001 (min 640, aborted 0), step 2 2001 (min 640, "
+        "aborted 0), step 3 2001 (min 640, aborted 0); evaluation: 8 samples, mean 3.25 "
+        "tokens, 0 empty")
     assert checks["finish_reasons"].detail == '"stop": 3, "length": 5'
     assert checks["finite"].detail == ("steps 1, 2, 3: actor/pg_loss -0.01..-0.01, "
                                        "actor/grad_norm 0.3..0.3, actor/entropy 0.45..0.45")
@@ -440,19 +457,25 @@ def test_empty_generations_in_training_fail_the_generated_check() -> None:
     failed = _failed(_records(merged=_merged_with(2, **{"response_length/mean": 0.0})))
     assert set(failed) == {"generated"}
     assert failed["generated"] == ("step 2: response_length/mean 0: the rollouts generated "
-                                   "nothing")
+                                   "nothing but the EOS token")
 
 
 def test_empty_evaluation_samples_fail_the_generated_check() -> None:
     samples = [_sample(i, "stop", 0) for i in range(8)]
     failed = _failed(_records(samples=samples))
     assert set(failed) == {"generated"}
-    assert failed["generated"] == ("evaluation: 8 samples, mean 0 tokens, 8 empty: the "
-                                   "evaluation generated nothing")
-    # one empty sample among others is a figure, not a failure (a model may stop at once)
+    assert failed["generated"] == (
+        "evaluation: 8 samples, mean 0 tokens, 8 empty: more than 0.125 of the samples have "
+        "no text (first: sample 0, problem 'p0', 0 token(s), finish reason 'stop')")
+    # one empty sample of eight is a figure, not a failure (a model may stop at once); two
+    # fail: the mean (here 2.25 tokens) no longer hides them
     some = [_sample(i, "stop", 0 if i == 0 else 3) for i in range(8)]
     detail = {c.name: c for c in rh.check_records(_records(samples=some))}["generated"]
     assert detail.status == "pass" and "mean 2.625 tokens, 1 empty" in detail.detail
+    two = [_sample(i, "stop", 0 if i in (0, 5) else 3) for i in range(8)]
+    assert _failed(_records(samples=two))["generated"].startswith(
+        "evaluation: 8 samples, mean 2.25 tokens, 2 empty: more than 0.125 of the samples "
+        "have no text (first: sample 0,")
 
 
 def test_responses_that_never_reached_the_limit_fail_the_full_length_check() -> None:
@@ -515,43 +538,67 @@ def test_an_unfinished_or_aborted_sample_fails_the_finish_reasons_check(reason) 
         f"{shown}: 1); first: sample 5 (problem 'p2', index 1): {reason!r}")
 
 
-def test_the_silent_failures_fail_by_name_as_read_back_from_the_record_files(
-        tmp_path: Path) -> None:
-    """The records on disk as the trainer and the vLLM backend write them: verl's file logger
-    (json.dumps: NaN and Infinity as JSON literals) and samples.jsonl lines of
-    hy3rl.evaluate's records (a finish reason None as null), read by Records.read."""
+@pytest.mark.slow  # verl's own code in two subprocesses (torch, verl)
+def test_the_silent_failures_fail_by_name_as_verl_writes_them(tmp_path: Path,
+                                                              real_verl: Path) -> None:
+    """Issue 43: the records on disk as the pinned verl writes them, read by Records.read:
+    the metrics of each step computed by verl's own compute_data_metrics on a batch built as
+    its v1 trainer builds it (responses of nothing but the EOS token at step 2, three of four
+    rollouts aborted at step 3, every response scored +1), written by verl's own FileLogger
+    (orjson: NaN and ±inf as null) with a NaN gradient norm, an infinite loss and a NaN
+    validation accuracy; samples.jsonl lines of hy3rl.evaluate's records where 7 of 8 samples
+    are the EOS token alone (no text). Each check fails by name; before, verl's null was
+    read as absent, a one-token response counted as generated and the scores went unjudged."""
     from dataclasses import asdict
 
+    from fixtures.verl_records import data_metrics_like_verl, write_like_verl
     from hy3rl.atomic import write_jsonl_atomic
     from hy3rl.evaluate import Request, vllm_output_to_record
 
     cfg = make_config(run={"results_root": str(tmp_path / "results")})
     rl = Layout.from_config(cfg).rehearsal_layout()
-    lines = _merged_with(2, **{"actor/grad_norm": float("nan"),
-                               "actor/pg_loss": float("inf"), "response_length/mean": 0.0})
+    batches = {1: ([700, 900, 1200, 64], [1.0, 1.0, 1.0, 1.0]),
+               2: ([1, 1, 1, 1], [1.0, 1.0, 1.0, 1.0]),     # EOS alone, "scored" right
+               3: ([0, 0, 0, 500], [0.0, 0.0, 0.0, 1.0])}   # three of four aborted
+    datas = [{"val-core/math_dapo/acc/mean@1": float("nan")}]
+    for step, (lengths, scores) in batches.items():
+        d = {**KEYS, **data_metrics_like_verl(real_verl, lengths, scores)}
+        if step == 2:
+            d.update({"actor/grad_norm": float("nan"), "actor/pg_loss": float("inf")})
+        datas.append(d)
     metrics = Path(rl.train_metrics)
     metrics.parent.mkdir(parents=True, exist_ok=True)
-    metrics.write_text("".join(json.dumps(ln) + "\n" for ln in lines))
-    assert "NaN" in metrics.read_text() and "Infinity" in metrics.read_text()
+    write_like_verl(real_verl, metrics, datas, start_step=0)
+    text = metrics.read_text()
+    assert '"actor/grad_norm":null' in text and '"val-core/math_dapo/acc/mean@1":null' in text
+    assert '"response_length/clip_ratio":1.0' in text  # verl's clip ratio of EOS-only responses
     reqs = [Request(f"p{i // 2}", i % 2, 1000 + i, "q", "9f2c", (("user", "q"),))
             for i in range(8)]
-    outs = [("", [], None) if i < 7 else ("", [], "abort") for i in range(8)]
+    outs = [("", [2], "stop") if i < 7 else ("x = 3", [87, 2], "stop") for i in range(8)]
     samples = Path(rl.eval_samples("final"))
     samples.parent.mkdir(parents=True, exist_ok=True)
     write_jsonl_atomic(samples, (asdict(vllm_output_to_record(r, *o))
                                  for r, o in zip(reqs, outs, strict=True)))
-    rec = rh.Records.read(rl, 8)
-    checks = {c.name: c for c in rh.check_records(rec)}
+    checks = {c.name: c for c in rh.check_records(rh.Records.read(rl, 8))}
+    null = "null (NaN or ±inf as verl's FileLogger writes them)"
     assert checks["finite"].status == "fail"
-    assert checks["finite"].detail == "step 2: actor/pg_loss = inf; step 2: actor/grad_norm = nan"
+    assert checks["finite"].detail == (f"step 2: actor/pg_loss = {null}; step 2: "
+                                       f"actor/grad_norm = {null}")
+    assert checks["steps_logged"].status == "fail"
+    assert checks["steps_logged"].detail.endswith(
+        f"validation at step 0: val-core/math_dapo/acc/mean@1 {null}")
     assert checks["generated"].status == "fail"
     assert checks["generated"].detail == (
-        "step 2: response_length/mean 0: the rollouts generated nothing; evaluation: 8 "
-        "samples, mean 0 tokens, 8 empty: the evaluation generated nothing")
-    assert checks["finish_reasons"].status == "fail"
-    assert checks["finish_reasons"].detail.startswith(
-        "8 of 8 sample(s) with a finish reason other than stop or length (null: 7, "
-        "\"abort\": 1); first: sample 0 (problem 'p0', index 0): None")
+        "step 2: response_length/mean 1: the rollouts generated nothing but the EOS token; "
+        "step 3: response/aborted_ratio 0.75: most rollouts were aborted (at most 0.25 "
+        "expected); evaluation: 8 samples, mean 1.125 tokens, 7 empty: more than 0.125 of "
+        "the samples have no text (first: sample 0, problem 'p0', 1 token(s), finish reason "
+        "'stop')")
+    assert checks["reward"].status == "fail"
+    assert checks["reward"].detail == (
+        "every response of every step scored above 0 (critic/score/min: step 1 1, step 2 1, "
+        "step 3 1): all answers right, impossible for the rehearsal's random model; the "
+        "reward does not judge the responses")
 
 
 # --------------------------------------------------------------------------- memory (issue 28)
@@ -652,8 +699,8 @@ def test_good_records_record_the_figures_of_the_state_and_reward_checks() -> Non
     assert checks["updated"].detail == (
         "step 3's export: against step 2 1 of 1 trained matrices changed (75.0% of their "
         "elements); against the input 1 of 1 trained matrices changed (100.0% of their "
-        "elements); 1-D 0 of 1 and MTP 0 of 1 changed against step 2; 1 of 1 expert biases "
-        "bit-identical")
+        "elements); distance from the input 2 at step 2, 3 at step 3 (1.5 x); 1-D 0 of 1 and "
+        "MTP 0 of 1 changed against step 2; 1 of 1 expert biases bit-identical")
     assert checks["resumed_data"].detail == (
         "train batches the dataloader had yielded (verl's data.pt, the StatefulDataLoader "
         "state): global_step_2 2, global_step_3 3 (1 a step)")
@@ -710,7 +757,37 @@ def test_weights_unchanged_at_step_three_fail_the_updated_check(tmp_path, monkey
     assert set(failed) == {"updated"}
     assert re.fullmatch(r"(\d+) of \1 trained matrices unchanged at step 3 against step 2; "
                         r"largest: lm_head\.weight \(\d+ elements\), \S+ \(\d+ elements\), "
-                        r"\S+ \(\d+ elements\)", failed["updated"]), failed
+                        r"\S+ \(\d+ elements\); step 3 is not farther from the input than "
+                        r"step 2 \(distance from the input [\d.]+ at step 2, [\d.]+ at step 3 "
+                        r"\(1 x\); at least 1\.1 x expected\): the resume did not continue "
+                        r"from step 2's weights .*", failed["updated"]), failed
+
+
+@pytest.mark.parametrize("lost", ["input", "step 1"])
+def test_a_resume_that_did_not_load_the_weights_fails_the_updated_check(
+        tmp_path, monkeypatch, tiny_hy3_dir, lost) -> None:
+    """Issue 43: attempt 2 resumed at step 2 restored the data order and the optimizer but
+    trained step 3 from the input model (or from step 1's weights): every trained matrix
+    still changed against step 2 and the input, so only the distance tells: a healthy step 3
+    lies farther from the input than step 2, this one does not."""
+    if lost == "input":
+        rl = _double_saves(tmp_path, monkeypatch, tiny_hy3_dir, {"weights_not_loaded": 2},
+                           resumed_at=2)
+    else:  # step 3 = step 1's weights and one update: step 2's distance again
+        rl = _double_saves(tmp_path, monkeypatch, tiny_hy3_dir, {"weights_not_loaded": 1},
+                           resumed_at=1)
+    failed = _state_failed(rl, tiny_hy3_dir)
+    assert list(failed) == ["updated"], failed
+    ratio = "0.5" if lost == "input" else "1"
+    # the double's update is the same every step: step 1 + one update is step 2 bit for bit
+    # (named as unchanged too); a real step from step 1's weights differs from step 2's at
+    # the same distance from the input (~1 x), which only this figure tells
+    assert re.fullmatch(r"(\d+ of \d+ trained matrices unchanged .*; )?"
+                        r"step 3 is not farther from the input than step 2 \(distance from "
+                        rf"the input [\d.]+ at step 2, [\d.]+ at step 3 \({ratio} x\); at "
+                        r"least 1\.1 x expected\): the resume did not continue from step 2's "
+                        r"weights \(step 3 was trained from the input model or an older "
+                        r"checkpoint\)", failed["updated"]), failed
 
 
 def test_an_expert_bias_that_moved_fails_the_updated_check(tmp_path, monkeypatch,

@@ -77,6 +77,25 @@ REWARD_ERROR = re.compile(
 LENGTH_KEY = "response_length/mean"
 CLIP_KEY = "response_length/clip_ratio"  # share of responses cut at max_response_length
 MAX_LENGTH_KEY = "response_length/max"
+MIN_LENGTH_KEY = "response_length/min"
+ABORTED_KEY = "response/aborted_ratio"  # share of responses of length 0 (metric_utils at the pin)
+# The most of a step's rollouts that may be aborted (verl: a response of length 0), and of the
+# evaluation's samples that may be empty (no text: nothing but the EOS token). A rehearsal's
+# model is random (rehearsal.shape small or stage): with the real 120,832-token vocabulary it
+# ends a response at once with odds ~1e-5, and the synchronous v1 trainer aborts no request;
+# the shares leave room for one early stop among eight samples, not for a silent engine.
+MAX_ABORTED = 0.25
+MAX_EMPTY_SHARE = 0.125
+# Scores: the recipe's DAPO reward scores a wrong answer -1 and a right one +1 (less at most
+# the overlong penalty); a random model cannot answer every problem right, so every response
+# of every step scored above 0 says the reward does not judge the responses.
+SCORE_MIN_KEY = "critic/score/min"
+# The resume loaded step 2's weights: step 3's distance from the input (the L2 norm of the
+# trained matrices' change) at least this many times step 2's. Adam moves each element about
+# the learning rate a step: three steps from the input lie ~sqrt(3/2) = 1.22 (unrelated
+# directions) to 3/2 (one direction) times two steps' distance; a step 3 trained from the
+# input lies ~0.7 times it, one trained from step 1's weights ~1.0.
+MIN_GROWTH = 1.1
 FINITE_KEYS = ("actor/pg_loss", "actor/grad_norm", "actor/entropy")
 FINITE_OPTIONAL = ("actor/loss",)
 # The finish reasons vLLM reports for a finished request (None while unfinished, "abort").
@@ -476,14 +495,29 @@ def tensor_bits(t: Any) -> Any:
     return t.contiguous().reshape(-1).view(ints[t.element_size()])
 
 
+def squared_distance(x: Any, y: Any, chunk: int = 1 << 24) -> float:
+    """``sum((x - y)**2)`` in float64, a chunk of elements at a time (a stage's embedding
+    holds ~10^9 elements: no float64 copy of it whole); NaN when either holds NaN."""
+    import torch
+
+    a, b = x.reshape(-1), y.reshape(-1)
+    total = 0.0
+    for i in range(0, a.numel(), chunk):
+        d = a[i:i + chunk].to(torch.float64) - b[i:i + chunk].to(torch.float64)
+        total += float(torch.dot(d, d))
+    return total
+
+
 def weight_changes(model: Path, before: Path, after: Path) -> dict[str, Any]:
     """The input model, step 2's and step 3's HF exports compared tensor by tensor (lazily,
     one tensor of each at a time, with safetensors): the inventory problems (a name missing
     or extra, a shape or dtype unlike the input's) and per tensor of the input its ``kind``
     (``fixed``: :data:`FIXED_TENSOR`; ``mtp``: a layer at or past the config's
     ``num_hidden_layers``, which verl trains only with MTP enabled; ``trained``), ``numel``,
-    ``ndim`` and the elements that differ bitwise from step 2's (``vs_before``) and from the
-    input's (``vs_input``). Raises :class:`RehearsalError` for a directory it cannot read."""
+    ``ndim``, the elements that differ bitwise from step 2's (``vs_before``) and from the
+    input's (``vs_input``), and step 2's and step 3's squared distance from the input
+    (``sq_before``, ``sq_after``: :func:`squared_distance`). Raises
+    :class:`RehearsalError` for a directory it cannot read."""
     from contextlib import ExitStack
 
     from safetensors import SafetensorError, safe_open
@@ -534,7 +568,9 @@ def weight_changes(model: Path, before: Path, after: Path) -> dict[str, Any]:
                     "mtp" if is_mtp(name) else "trained")
             tensors[name] = {"kind": kind, "numel": ref.numel(), "ndim": ref.dim(),
                              "vs_before": int((tensor_bits(a) != tensor_bits(b)).sum()),
-                             "vs_input": int((tensor_bits(a) != tensor_bits(ref)).sum())}
+                             "vs_input": int((tensor_bits(a) != tensor_bits(ref)).sum()),
+                             "sq_before": squared_distance(b, ref),
+                             "sq_after": squared_distance(a, ref)}
     return {"model": str(model), "before": str(before), "after": str(after),
             "problems": problems, "tensors": tensors, "mtp_absent": mtp_absent}
 
@@ -640,7 +676,16 @@ def _check_updated(state: Mapping[str, Any]) -> Check:
         figures.append(f"against {against} {len(required) - len(same)} of {len(required)} "
                        f"trained matrices changed ({100 * changed / max(elements, 1):.1f}% of "
                        "their elements)")
-    if not required:
+    if required:
+        farther, figure = _farther(t, required)
+        figures.append(figure)
+        if not farther:
+            problems.append(f"step {TOTAL} is not farther from the input than step "
+                            f"{KILL_AFTER} ({figure}; at least {MIN_GROWTH:g} x expected): "
+                            f"the resume did not continue from step {KILL_AFTER}'s weights "
+                            "(step 3 was trained from the input model or an older "
+                            "checkpoint)")
+    else:
         problems.append("no trained matrix in the input's inventory")
     if not fixed:
         problems.append("no expert bias (mlp.expert_bias / e_score_correction_bias) in the "
@@ -655,6 +700,19 @@ def _check_updated(state: Mapping[str, Any]) -> Check:
                        "builds no MTP layer without actor_rollout_ref.model.mtp.enable)")
     figures.append(f"{len(fixed) - len(moved)} of {len(fixed)} expert biases bit-identical")
     return Check.of("updated", problems, f"step {TOTAL}'s export: " + "; ".join(figures))
+
+
+def _farther(t: Mapping[str, Mapping[str, Any]], names: Sequence[str]) -> tuple[bool, str]:
+    """Whether step 3's trained matrices lie at least :data:`MIN_GROWTH` times farther from
+    the input than step 2's (the L2 norm of their change), and the figure."""
+    import math
+
+    before = math.sqrt(sum(float(t[n].get("sq_before", math.nan)) for n in names))
+    after = math.sqrt(sum(float(t[n].get("sq_after", math.nan)) for n in names))
+    ratio = after / before if before > 0 else math.nan
+    ok = math.isfinite(ratio) and ratio >= MIN_GROWTH
+    return ok, (f"distance from the input {before:.4g} at step {KILL_AFTER}, {after:.4g} at "
+                f"step {TOTAL} ({ratio:.3g} x)")
 
 
 def _check_continued(state: Mapping[str, Any], name: str, key: str, what: str,
@@ -757,11 +815,18 @@ def check_records(rec: Records) -> list[Check]:
         if s not in by_step:
             problems.append(f"step {s} not logged")
             continue
-        missing = [k for k in STEP_KEYS if finite_number(by_step[s].get(k)) is None]
+        missing = [k if k not in by_step[s] else f"{k} ({_logged(by_step[s], k)})"
+                   for k in STEP_KEYS if finite_number(by_step[s].get(k)) is None]
         if missing:
             problems.append(f"step {s} lacks {', '.join(missing)}")
-    if not any(VAL_KEY.match(k) for ln in rec.merged for k in (ln.get("data") or {})):
+    vals = [(ln.get("step"), k, v) for ln in rec.merged
+            for k, v in (ln.get("data") or {}).items() if VAL_KEY.match(k)]
+    if not vals:
         problems.append("no validation metric val-core/<source>/acc/mean@<n> logged")
+    for step, k, v in vals:
+        if finite_number(v) is None:
+            problems.append(f"validation at step {step}: {k} "
+                            f"{_logged({k: v}, k)}")
     out.append(Check.of("steps_logged", problems,
                         f"steps 1-{TOTAL} logged with {', '.join(STEP_KEYS)} and a "
                         "validation accuracy"))
@@ -781,6 +846,11 @@ def check_records(rec: Records) -> list[Check]:
     elif first.get("end_step") != KILL_AFTER:
         problems.append(f"attempt 1's newest complete checkpoint at the kill was "
                         f"{first.get('end_step')}, not {KILL_AFTER}")
+    trained = [ln["step"] for ln in _train_lines(rec.attempt_lines.get(first.get("attempt"),
+                                                                        []))]
+    last = first.get("last_logged_step", max(trained, default=None))
+    if first and last != KILL_AFTER:
+        problems.append(f"attempt 1's last logged training step was {last}, not {KILL_AFTER}")
     out.append(Check.of("killed", problems,
                         f"attempt 1 ended at step {KILL_AFTER} with global_step_{KILL_AFTER} "
                         f"complete: {first.get('exit_reason')}"))
@@ -806,8 +876,15 @@ def check_records(rec: Records) -> list[Check]:
                         f"attempt 2 resumed from global_step_{KILL_AFTER}: first step "
                         f"{KILL_AFTER + 1}"))
 
-    problems = [f"step {s}: critic/score/mean not a finite number" for s in sorted(by_step)
+    problems = [f"step {s}: critic/score/mean {_logged(by_step[s], 'critic/score/mean')}"
+                for s in sorted(by_step)
                 if finite_number(by_step[s].get("critic/score/mean")) is None]
+    lows = {s: finite_number(by_step[s].get(SCORE_MIN_KEY)) for s in sorted(by_step)}
+    if lows and all(v is not None and v > 0 for v in lows.values()):
+        problems.append(f"every response of every step scored above 0 ({SCORE_MIN_KEY}: "
+                        + ", ".join(f"step {s} {v:g}" for s, v in lows.items())
+                        + "): all answers right, impossible for the rehearsal's random "
+                        "model; the reward does not judge the responses")
     for k, text in sorted(rec.driver_logs.items()):
         m = REWARD_ERROR.search(text)
         if m:
@@ -854,18 +931,40 @@ def check_records(rec: Records) -> list[Check]:
     return out
 
 
+def _is_empty(sample: Mapping[str, Any]) -> bool:
+    """A sample with no text: nothing generated, or nothing but the EOS token (vLLM counts
+    the EOS among a response's token ids and leaves it out of the text)."""
+    text = sample.get("response")
+    return not (isinstance(text, str) and text.strip())
+
+
 def _check_generated(rec: Records, by_step: Mapping[int, Mapping[str, Any]]) -> Check:
-    """Tokens were generated: verl's ``response_length/mean`` > 0 at every logged training
-    step, and the evaluation samples' mean token count > 0 (every sample empty fails)."""
-    problems, lengths = [], {}
+    """Tokens were generated, as verl@220e903 counts them (trainer/ppo/metric_utils.py: a
+    response's length is its token count, EOS included; one of length 0 is aborted): at every
+    logged training step ``response_length/mean`` above 1 (more than the EOS token a
+    response) and ``response/aborted_ratio`` at most :data:`MAX_ABORTED`; every evaluation
+    sample judged on its text, at most :data:`MAX_EMPTY_SHARE` of them empty
+    (:func:`_is_empty`: no text, e.g. the EOS token alone)."""
+    problems, shown = [], []
     for s in sorted(by_step):
-        v = finite_number(by_step[s].get(LENGTH_KEY))
+        data = by_step[s]
+        v = finite_number(data.get(LENGTH_KEY))
         if v is None:
-            problems.append(f"step {s}: {LENGTH_KEY} missing or not a finite number "
-                            f"({by_step[s].get(LENGTH_KEY)!r})")
-        elif v <= 0:
-            problems.append(f"step {s}: {LENGTH_KEY} {v:g}: the rollouts generated nothing")
-        lengths[s] = v
+            problems.append(f"step {s}: {LENGTH_KEY} {_logged(data, LENGTH_KEY)}")
+            continue
+        if v <= 1:
+            problems.append(f"step {s}: {LENGTH_KEY} {v:g}: the rollouts generated nothing "
+                            "but the EOS token")
+        aborted = finite_number(data.get(ABORTED_KEY))
+        if ABORTED_KEY in data and aborted is None:
+            problems.append(f"step {s}: {ABORTED_KEY} {_logged(data, ABORTED_KEY)}")
+        elif aborted is not None and aborted > MAX_ABORTED:
+            problems.append(f"step {s}: {ABORTED_KEY} {aborted:g}: most rollouts were "
+                            f"aborted (at most {MAX_ABORTED:g} expected)")
+        low = finite_number(data.get(MIN_LENGTH_KEY))
+        extra = ([] if low is None else [f"min {low:g}"]) + (
+            [] if aborted is None else [f"aborted {aborted:g}"])
+        shown.append(f"step {s} {v:g}" + (f" ({', '.join(extra)})" if extra else ""))
     if not by_step:
         problems.append("no training step logged")
     evaluation = "no evaluation samples"
@@ -879,13 +978,29 @@ def _check_generated(rec: Records, by_step: Mapping[int, Mapping[str, Any]]) -> 
                             f"{bad[0]}: {rec.samples[bad[0]].get('num_tokens')!r})")
         numbers = [n for n in counts if n is not None]
         mean = sum(numbers) / len(numbers) if numbers else 0.0
-        empty = sum(1 for n in numbers if n <= 0)
+        empty = [i for i, s in enumerate(rec.samples) if _is_empty(s)]
         evaluation = (f"evaluation: {len(rec.samples)} samples, mean {mean:g} tokens, "
-                      f"{empty} empty")
-        if not bad and mean <= 0:
+                      f"{len(empty)} empty")
+        if not rec.samples:
             problems.append(f"{evaluation}: the evaluation generated nothing")
-    shown = ", ".join(f"step {s} {v:g}" for s, v in lengths.items() if v is not None)
-    return Check.of("generated", problems, f"{LENGTH_KEY}: {shown}; {evaluation}")
+        elif len(empty) > MAX_EMPTY_SHARE * len(rec.samples):
+            first = rec.samples[empty[0]]
+            problems.append(
+                f"{evaluation}: more than {MAX_EMPTY_SHARE:g} of the samples have no text "
+                f"(first: sample {empty[0]}, problem {first.get('problem_id')!r}, "
+                f"{first.get('num_tokens')!r} token(s), finish reason "
+                f"{first.get('finish_reason')!r})")
+    return Check.of("generated", problems, f"{LENGTH_KEY}: {', '.join(shown)}; {evaluation}")
+
+
+def _logged(data: Mapping[str, Any], key: str) -> str:
+    """How a metric that is not a finite number was logged: missing, or null (verl's
+    FileLogger writes NaN and ±inf so, orjson at the pin), or the value itself."""
+    if key not in data:
+        return "missing"
+    if data[key] is None:
+        return "null (NaN or ±inf as verl's FileLogger writes them)"
+    return f"not a finite number ({data[key]!r})"
 
 
 def _check_full_length(rec: Records, by_step: Mapping[int, Mapping[str, Any]]) -> Check:
@@ -958,7 +1073,8 @@ def _check_finite(by_step: Mapping[int, Mapping[str, Any]]) -> Check:
                 continue
             v = finite_number(data[k])
             if v is None:
-                problems.append(f"step {s}: {k} = {data[k]!r}")
+                problems.append(f"step {s}: {k} = {data[k]!r}" if data[k] is not None
+                                else f"step {s}: {k} = {_logged(data, k)}")
             else:
                 lo, hi = ranges.get(k, (v, v))
                 ranges[k] = (min(lo, v), max(hi, v))
