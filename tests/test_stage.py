@@ -7,6 +7,7 @@ preflight over the fake verl, equal; and a rehearsal that would change them refu
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from hy3rl.checkpoint import read_header
 from hy3rl.layout import Layout
 from hy3rl.model import build_tiny_model
 from hy3rl.settings import Config
+from test_preflight import PUBLISHED
 
 # The real Hy3 (upstream-facts.md): its config as the checkpoint's config.json gives it.
 HY3 = {"model_type": "hy_v3", "architectures": ["HYV3ForCausalLM"], "vocab_size": 120832,
@@ -56,14 +58,130 @@ def test_the_real_hy3s_stage_is_five_layers_of_the_real_sizes_about_forty_gb() -
     assert inv["model.layers.5.eh_proj.weight"].shape == (4096, 8192)  # the MTP layer
     assert inv["lm_head.weight"].shape == (120832, 4096)
     assert 39e9 < stage.stage_bytes(cfg) < 40e9  # ~19.9B parameters in bf16
-    # vLLM's fraction that leaves the stage's GPU the run's KV budget: 96 GB x the script's
-    # ROLLOUT_GPU_MEM_UTIL 0.65 less 597.6 GB / TP 16 = 25.05 GB, plus the stage's 39.7 GB
-    util = stage.kv_matching_utilization(
-        run_util=0.65, run_bytes=HY3_BYTES, run_rollout_tp=16,
-        stage_bytes_=stage.stage_bytes(cfg), stage_rollout_tp=1, gpu_memory_gb=96)
-    assert util == pytest.approx((96e9 * 0.65 - HY3_BYTES / 16 + stage.stage_bytes(cfg))
-                                 / 96e9, abs=1e-4)
-    assert 0.67 < util < 0.68
+
+
+# The paper plan's per-GPU values (tests/test_preflight.py PUBLISHED) and what the pinned
+# launch script adds for memory: full recompute, one layer a group; vLLM's fraction 0.65.
+PAPER_EFF = {**PUBLISHED,
+             "actor_rollout_ref.actor.megatron.override_transformer_config": {
+                 "recompute_granularity": "full", "recompute_method": "uniform",
+                 "recompute_num_layers": 1},
+             "actor_rollout_ref.rollout.gpu_memory_utilization": 0.65,
+             "actor_rollout_ref.rollout.max_num_seqs": 1024}
+# issue 43's table, computed by hand from the real config (GB of 1e9 bytes a GPU)
+HAND = {"static_stage_15": 48.05, "static_rehearsal": 44.69, "stored_stage_0": 20.13,
+        "stored_stage_1": 18.87, "peak_stage_1": 63.2, "peak_rehearsal": 45.9,
+        "kv_budget_run": 25.5, "kv_tokens_run": 623e3, "kv_bytes_run": 40960,
+        "kv_budget_rehearsal_before": 32.6, "kv_bytes_rehearsal": 20480,
+        "kv_tokens_rehearsal_before": 1.59e6}
+
+
+def _rehearsal_eff(**change) -> dict:
+    """The stage rehearsal's plan: one node, PP 1, rollout TP 1."""
+    return {**PAPER_EFF, "trainer.nnodes": 1,
+            "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size": 1,
+            "actor_rollout_ref.rollout.tensor_model_parallel_size": 1, **change}
+
+
+def test_the_paper_plans_memory_by_stage_reproduces_the_hand_table() -> None:
+    """Issue 43: the paper run's heaviest GPU is not the rehearsal's stage. Every stage of
+    the real run predicted from the real config and the paper plan, within 5 % of the hand
+    computation: stage 15 holds the most static memory (5 MoE layers and the output layer),
+    stages 0 and 1 the most stored activations (16 and 15 microbatches in flight under
+    1F1B), stage 1 the largest peak; the rehearsal's stage (1 dense, 4 MoE, embedding and
+    output, one microbatch in flight) predicts 45.9 GB."""
+    from hy3rl import stage_memory as sm
+
+    run = sm.stages(HY3, PAPER_EFF, 128)
+    rows = run["stages"]
+    assert len(rows) == 16 and run["worst"] == 1
+    assert rows[15]["static_gb"] == pytest.approx(HAND["static_stage_15"], rel=0.05)
+    assert max(r["static_gb"] for r in rows) == rows[15]["static_gb"]
+    assert rows[0]["stored_gb"] == pytest.approx(HAND["stored_stage_0"], rel=0.05)
+    assert rows[1]["stored_gb"] == pytest.approx(HAND["stored_stage_1"], rel=0.05)
+    assert rows[1]["peak_gb"] == pytest.approx(HAND["peak_stage_1"], rel=0.05)
+    assert (rows[0]["in_flight"], rows[1]["in_flight"], rows[15]["in_flight"]) == (16, 15, 1)
+    assert (rows[0]["mix"], rows[1]["mix"], rows[15]["mix"]) == (
+        "1 dense, 4 MoE + embedding", "5 MoE", "5 MoE + output")
+    assert sm.describe(rows[1]) == ("stage 1 (layers 5-9: 5 MoE): static 44.34 GB + 15 "
+                                    "microbatch(es) in flight x 1.258 GB = 63.21 GB")
+    cfg, _ = stage.stage_config(HY3, 16)
+    reh = sm.stages(cfg, _rehearsal_eff(), 8)
+    (only,) = reh["stages"]
+    assert only["mix"] == "1 dense, 4 MoE + embedding + output" and only["in_flight"] == 1
+    assert only["static_gb"] == pytest.approx(HAND["static_rehearsal"], rel=0.05)
+    assert only["peak_gb"] == pytest.approx(HAND["peak_rehearsal"], rel=0.05)
+    # the run's stages from a measured rehearsal peak: the difference the model predicts
+    measured = sm.from_measured(50.0, run, reh)
+    assert measured[1]["peak_gb"] == pytest.approx(50.0 + 63.21 - 45.95, abs=0.02)
+    # MTP trained: verl builds the MTP layer on the last stage, which then holds it too
+    mtp = sm.stages(HY3, {**PAPER_EFF, "actor_rollout_ref.model.mtp.enable": True}, 128)
+    assert mtp["stages"][15]["mix"] == "5 MoE + MTP + output"
+    assert mtp["stages"][15]["static_gb"] > rows[15]["static_gb"] + 8
+    # a recompute setting the model does not cover: static only, said so
+    plain = sm.stages(HY3, {**PAPER_EFF, sm.RECOMPUTE: {"recompute_granularity": None}}, 128)
+    assert not plain["stages"][1]["complete"] and plain["stages"][1]["activation_gb"] is None
+    assert "not modeled: recompute_granularity None" in sm.describe(plain["stages"][1])
+
+
+def test_vllm_at_the_runs_concurrency_per_engine() -> None:
+    """Issue 43: vLLM skips the MTP layer (7.5 GB), so the run's KV budget a GPU is 25.5 GB
+    (not 25.05), 40,960 bytes a token at TP 16 (one of 8 KV heads a rank, 80 layers), 623K
+    tokens (61 full sequences), 256 requests an engine a step. The stage at rollout TP 1
+    (5 layers, 8 KV heads: 20,480 bytes a token) with a fraction that kept the run's budget
+    in GB held 2.5 x the run's tokens and served 16 requests; the matching fraction and
+    batch give it the run's tokens and requests an engine."""
+    from hy3rl import stage_memory as sm
+
+    run = sm.rollout(HY3, PAPER_EFF, gpus=128, gpu_memory_gb=96, model_bytes=HY3_BYTES)
+    assert run["kv_budget_gb"] == pytest.approx(HAND["kv_budget_run"], abs=0.05)
+    assert run["kv_bytes_per_token"] == HAND["kv_bytes_run"]
+    assert run["kv_tokens"] == pytest.approx(HAND["kv_tokens_run"], rel=0.01)
+    assert (run["full_sequences"], run["engines"], run["requests_per_engine"]) == (60.8, 8, 256)
+    cfg, _ = stage.stage_config(HY3, 16)
+    before = sm.rollout(cfg, _rehearsal_eff(**{
+        "data.train_batch_size": 8, "actor_rollout_ref.rollout.gpu_memory_utilization": 0.6745}),
+        gpus=8, gpu_memory_gb=96)
+    assert before["kv_budget_gb"] == pytest.approx(HAND["kv_budget_rehearsal_before"], abs=0.1)
+    assert before["kv_bytes_per_token"] == HAND["kv_bytes_rehearsal"]
+    assert before["kv_tokens"] == pytest.approx(HAND["kv_tokens_rehearsal_before"], rel=0.01)
+    assert before["requests_per_engine"] == 16
+    util = sm.matching_utilization(run, cfg, _rehearsal_eff(), 96)
+    after = sm.rollout(cfg, _rehearsal_eff(**{
+        "actor_rollout_ref.rollout.gpu_memory_utilization": util}), gpus=8, gpu_memory_gb=96)
+    assert run["kv_tokens"] <= after["kv_tokens"] <= run["kv_tokens"] * (1 + stage.KV_TOLERANCE)
+    assert after["requests_per_engine"] == 256 and 0.46 < util < 0.47
+    run_gpu = stage.per_gpu(HY3, PAPER_EFF, gpu_memory_gb=96, model_bytes=HY3_BYTES)
+    reh_gpu = stage.per_gpu(cfg, _rehearsal_eff(**{
+        "actor_rollout_ref.rollout.gpu_memory_utilization": util}), gpu_memory_gb=96,
+        model_bytes=stage.stage_bytes(cfg))
+    assert reh_gpu["rollout_kv_tokens"] == after["kv_tokens"]
+    assert stage.compare(run_gpu, reh_gpu) == []
+    few = stage.per_gpu(cfg, _rehearsal_eff(**{
+        "actor_rollout_ref.rollout.gpu_memory_utilization": 0.6745,
+        "data.train_batch_size": 8}), gpu_memory_gb=96, model_bytes=stage.stage_bytes(cfg))
+    assert {d["key"] for d in stage.compare(run_gpu, few)} == {
+        "rollout_kv_tokens", "rollout_requests_per_engine"}
+
+
+def test_a_plan_whose_worst_stage_exceeds_the_headroom_is_refused_naming_it() -> None:
+    """Issue 43: the paper plan on a GPU of 64 GB: stage 1's predicted 63.2 GB is above 0.9
+    of it; the refusal names the stages over, the heaviest first, with their terms."""
+    cfg, _ = stage.stage_config(HY3, 16)
+    memory = rh.memory_prediction(HY3, PAPER_EFF, cfg, _rehearsal_eff())
+    assert (memory["heaviest"], memory["heaviest_mix"], memory["rehearsal_mix"]) == (
+        1, "5 MoE", "1 dense, 4 MoE + embedding + output")
+    assert rh.memory_refusal(memory, 96.0, 0.9) is None
+    why = rh.memory_refusal(memory, 64.0, 0.9)
+    assert why.startswith(
+        "the run's predicted peak exceeds 0.9 of the 64 GB GPU (57.6 GB) on 6 of 16 pipeline "
+        "stage(s): stage 1 (layers 5-9: 5 MoE): static 44.34 GB + 15 microbatch(es) in "
+        "flight x 1.258 GB = 63.21 GB; stage 2 (layers 10-14: 5 MoE)"), why
+    assert "experts / (EP x ETP) x (2 + 4 + 12 / 1) B" in why
+    fsdp = rh.memory_prediction(HY3, {**PAPER_EFF, "actor_rollout_ref.actor.strategy": "fsdp"},
+                                cfg, _rehearsal_eff())
+    assert fsdp["not_run"].startswith("not run: actor strategy 'fsdp'")
+    assert rh.memory_refusal(fsdp, 64.0, 0.9) is None
 
 
 def test_a_stage_that_cannot_be_cut_is_refused_naming_the_key() -> None:
@@ -252,16 +370,28 @@ def test_the_paper_stage_plans_per_gpu_figures_equal_the_paper_plans(
                        "max_response_length": 8192, "rollout_max_model_len": 10240}.items():
         assert run[key] == reh[key] == value, key
     for key in stage.SAME:
-        if key != "rollout_kv_budget_gb":
+        if key != "rollout_kv_tokens":
             assert run[key] == reh[key], key
     assert (run["rollout_tp"], reh["rollout_tp"]) == (16, 1)
-    assert reh["rollout_kv_budget_gb"] == pytest.approx(run["rollout_kv_budget_gb"], abs=0.05)
-    # the paper: preflight.model_bytes (the real 597.6 GB) at rollout TP 16 and the script's
-    # ROLLOUT_GPU_MEM_UTIL 0.65 leave 96 x 0.65 - 37.35 = 25.05 GB a GPU; the stage (a few MB
-    # here) gets a fraction that leaves it the same
-    assert (run["rollout_weights_gb"], run["rollout_gpu_memory_utilization"]) == (37.35, 0.65)
-    assert run["rollout_kv_budget_gb"] == 25.05
-    assert reh["rollout_gpu_memory_utilization"] == pytest.approx(25.05 / 96, abs=1e-3)
+    # vLLM at the run's concurrency: each of the node's 8 engines serves the run's 256
+    # requests a step (the derived batch: 128 prompts x 16) and holds the run's KV capacity
+    # in tokens (the derived fraction), not its budget in GB
+    assert run["rollout_requests_per_engine"] == reh["rollout_requests_per_engine"] == 256
+    assert (run["rollout_engines"], reh["rollout_engines"]) == (8, 8)
+    assert run["rollout_kv_tokens"] <= reh["rollout_kv_tokens"] <= run["rollout_kv_tokens"] * (
+        1 + stage.KV_TOLERANCE)
+    # the paper: preflight.model_bytes (the real 597.6 GB, less the share of the MTP layer
+    # vLLM skips: one layer of 33 in this stand-in) at rollout TP 16 and the script's
+    # ROLLOUT_GPU_MEM_UTIL 0.65
+    assert run["rollout_gpu_memory_utilization"] == 0.65
+    assert 35 < run["rollout_weights_gb"] < 37.35
+    assert run["rollout_kv_budget_gb"] == pytest.approx(
+        96 * 0.65 - run["rollout_weights_gb"], abs=0.01)
+    # every stage of the run predicted, and the rehearsal's stage (here tiny: nothing near a
+    # GPU's memory); the plan says which real stage is the heaviest
+    memory = per["memory"]
+    assert len(memory["run"]["stages"]) == 16 and memory["heaviest"] in range(16)
+    assert memory["rehearsal_mix"] == "1 dense, 1 MoE + embedding + output"
     # what the stage reduces: nodes, PP, rollout TP (and vLLM's fraction with it), batch, lr
     red = {r["key"]: (r["run"], r["rehearsal"]) for r in doc["rehearsal"]["reductions"]}
     assert red["actor_rollout_ref.actor.megatron.pipeline_model_parallel_size"] == ("16", "1")
@@ -272,6 +402,25 @@ def test_the_paper_stage_plans_per_gpu_figures_equal_the_paper_plans(
                  "actor_rollout_ref.actor.megatron.expert_model_parallel_size",
                  "reward.reward_kwargs.overlong_buffer_cfg.len"):
         assert kept not in red, kept
+
+
+def test_the_rehearsal_plan_refuses_a_run_whose_stage_cannot_fit_before_any_job(
+        real_pp16: Path, fake_verl_repo, tmp_path: Path, monkeypatch) -> None:
+    """Issue 43: rule rehearsal_plan (a CPU job, before the rehearsal's GPU job) refuses a
+    run whose predicted stage peak is above rehearsal.memory_headroom of the GPU, naming the
+    heaviest stage with its terms; nothing of the rehearsal's plan is left. (The stand-in
+    model is tiny: a headroom of a millionth of the GPU plays the stage that cannot fit.)"""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    verl = fake_verl_repo()
+    cfg = _paper_stage_cfg(tmp_path, real_pp16, memory_headroom=1e-6)
+    main, layout = _plans(cfg, verl, tmp_path)
+    with pytest.raises(rh.RehearsalError) as err:
+        _rehearsal_plan(cfg, verl, tmp_path, layout, main)
+    text = str(err.value)
+    assert re.search(r"^the run's predicted peak exceeds 1e-06 of the 96 GB GPU \(0\.0 GB\) "
+                     r"on 16 of 16 pipeline stage\(s\): stage \d+ \(layers \d+-\d+: ", text), text
+    assert "microbatch(es) in flight x" in text and "before any GPU job" in text
+    assert not Path(layout.rehearsal_layout().preflight_plan).exists()
 
 
 def test_a_stage_rehearsal_that_changes_the_per_gpu_layout_is_refused_by_name(

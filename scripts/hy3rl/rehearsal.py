@@ -53,6 +53,7 @@ from typing import Any
 from hy3rl.atomic import write_json_atomic
 from hy3rl.errors import StageError
 from hy3rl.layout import Layout
+from hy3rl.preflight.rules import to_int
 from hy3rl.settings import Config, Runtime
 from hy3rl.timefmt import utc_now
 from hy3rl.verl_log import finite_number, read_metrics
@@ -177,6 +178,8 @@ def derive(cfg: Config, layout: Layout) -> Config:
         util = stage_mem_util(cfg, layout)
         if util is not None:
             env[MEM_UTIL_KNOB] = util
+    if reh.shape == "stage" and not {"TRAIN_BATCH_SIZE", "PPO_MINI_BATCH_SIZE"} & set(reh.env):
+        env.update(stage_batch(cfg, layout) or {})
     # saved at every step; validated before training and at the last step (as verl does)
     tr["env"] = {**tr["env"], **env, "SAVE_FREQ": 1, "TEST_FREQ": TOTAL}
     # its own experiment name (W&B run name, verl's logs) unless the rehearsal sets one
@@ -215,29 +218,71 @@ def derive(cfg: Config, layout: Layout) -> Config:
     return rcfg
 
 
-def stage_mem_util(cfg: Config, layout: Layout) -> float | None:
-    """``shape: stage``: vLLM's memory fraction that leaves each GPU of the rehearsal the
-    KV-cache budget each GPU of the run will have (hy3rl.stage.kv_matching_utilization),
-    from the run's plan (its fraction and rollout TP), the run's model bytes and the built
-    stage's; None while one of them is not on disk yet (before rule rehearsal_model)."""
+def _run_rollout(cfg: Config, layout: Layout) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """The run's plan's effective values and its vLLM figures (hy3rl.stage_memory.rollout);
+    None while the plan or the model's config is not on disk."""
     from hy3rl.preflight import model_bytes
-    from hy3rl.stage import kv_matching_utilization
+    from hy3rl.stage_memory import MemoryModelError, rollout
 
     eff = (read_record(layout.preflight_plan) or {}).get("effective")
+    model_cfg = read_record(Path(cfg.model.path) / "config.json")
+    if not eff or not model_cfg:
+        return None
+    gpus = to_int(eff.get("trainer.nnodes"), 0) * to_int(eff.get("trainer.n_gpus_per_node"), 0)
     run_bytes, _ = model_bytes(cfg)
+    try:
+        return eff, rollout(model_cfg, eff, gpus=gpus, gpu_memory_gb=cfg.cluster.gpu_memory_gb
+                            or None, model_bytes=run_bytes)
+    except MemoryModelError:
+        return None
+
+
+def stage_mem_util(cfg: Config, layout: Layout) -> float | None:
+    """``shape: stage``: vLLM's memory fraction that gives each engine of the rehearsal (one
+    GPU at the shape's rollout TP) the KV capacity in tokens each engine of the run will
+    have (hy3rl.stage_memory.matching_utilization: the run's tokens at the stage's bytes a
+    token, plus the stage's weights as vLLM loads them, without the MTP layer), from the
+    run's plan and model and the built stage; None while one of them is not on disk yet
+    (before rule rehearsal_model)."""
+    from hy3rl.stage_memory import MemoryModelError, matching_utilization
+
+    got = _run_rollout(cfg, layout)
+    stage_cfg = read_record(Path(layout.rehearsal_model) / "config.json")
     stage_index = read_record(Path(layout.rehearsal_model) / "model.safetensors.index.json")
     stage_total = ((stage_index or {}).get("metadata") or {}).get("total_size")
     gmem = cfg.cluster.gpu_memory_gb
-    if not eff or not run_bytes or not stage_total or not gmem:
+    if got is None or not stage_cfg or not stage_total or not gmem:
         return None
-    util = finite_number(eff.get(MEM_UTIL_KEY))
-    tp = finite_number(eff.get("actor_rollout_ref.rollout.tensor_model_parallel_size"))
-    if util is None or not tp:
-        return None
+    eff, run = got
     rtp = int({**SHAPE_ENV["stage"], **cfg.rehearsal.env}["ROLLOUT_TP"])
-    return kv_matching_utilization(run_util=util, run_bytes=int(run_bytes),
-                                   run_rollout_tp=int(tp), stage_bytes_=int(stage_total),
-                                   stage_rollout_tp=rtp, gpu_memory_gb=float(gmem))
+    try:
+        return matching_utilization(
+            run, stage_cfg, {**eff, "actor_rollout_ref.rollout.tensor_model_parallel_size": rtp},
+            float(gmem), model_bytes=int(stage_total))
+    except MemoryModelError:
+        return None
+
+
+def stage_batch(cfg: Config, layout: Layout) -> dict[str, int] | None:
+    """``shape: stage``: the batch (``TRAIN_BATCH_SIZE``, ``PPO_MINI_BATCH_SIZE`` in the
+    run's proportion) that gives each vLLM engine of the rehearsal (its node's GPUs at the
+    shape's rollout TP) the requests a step each engine of the run serves; None before the
+    run's plan exists or where no whole batch does."""
+    got = _run_rollout(cfg, layout)
+    if got is None or not got[1].get("requests_per_engine"):
+        return None
+    eff, run = got
+    rtp = int({**SHAPE_ENV["stage"], **cfg.rehearsal.env}["ROLLOUT_TP"])
+    n = to_int(eff.get("actor_rollout_ref.rollout.n"), 0)
+    engines = cfg.cluster.gpus_per_node // rtp
+    batch = run["requests_per_engine"] * engines / n if n else 0
+    run_batch = to_int(eff.get("data.train_batch_size"), 0)
+    run_mini = to_int(eff.get("actor_rollout_ref.actor.ppo_mini_batch_size"), 0)
+    if not batch or batch != int(batch) or not run_batch or not run_mini:
+        return None
+    mini = batch * run_mini / run_batch
+    return {"TRAIN_BATCH_SIZE": int(batch),
+            "PPO_MINI_BATCH_SIZE": int(mini) if mini == int(mini) and mini >= 1 else int(batch)}
 
 
 def per_gpu_figures(cfg: Config, layout: Layout, main: Mapping[str, Any],
@@ -258,7 +303,56 @@ def per_gpu_figures(cfg: Config, layout: Layout, main: Mapping[str, Any],
                   gpu_memory_gb=gmem, model_bytes=run_bytes)
     reh = per_gpu(config(rmodel), rehearsal.get("effective") or {}, gpu_memory_gb=gmem,
                   model_bytes=(index.get("metadata") or {}).get("total_size"))
-    return {"run": run, "rehearsal": reh, "differ": compare(run, reh)}
+    return {"run": run, "rehearsal": reh, "differ": compare(run, reh),
+            "memory": memory_prediction(config(Path(cfg.model.path)), main.get("effective")
+                                        or {}, config(rmodel),
+                                        rehearsal.get("effective") or {})}
+
+
+def memory_prediction(run_cfg: Mapping[str, Any], run_eff: Mapping[str, Any],
+                      reh_cfg: Mapping[str, Any], reh_eff: Mapping[str, Any]
+                      ) -> dict[str, Any]:
+    """hy3rl.stage_memory.stages of the run's plan (every pipeline stage) and of the
+    rehearsal's (its one stage), the run's heaviest stage and whether the rehearsal's stage
+    holds its layer mix; ``not_run`` (the reason) for a plan it cannot model (not Megatron,
+    a model or layout it cannot read)."""
+    from hy3rl.stage_memory import MemoryModelError, stages
+
+    if run_eff.get("actor_rollout_ref.actor.strategy") != "megatron":
+        return {"not_run": f"not run: actor strategy "
+                           f"{run_eff.get('actor_rollout_ref.actor.strategy')!r} (the model "
+                           "covers Megatron's pipeline stages)"}
+
+    def world(eff: Mapping[str, Any]) -> int:
+        return to_int(eff.get("trainer.nnodes"), 0) * to_int(eff.get("trainer.n_gpus_per_node"), 0)
+
+    try:
+        run = stages(run_cfg, run_eff, world(run_eff))
+        reh = stages(reh_cfg, reh_eff, world(reh_eff))
+    except MemoryModelError as exc:
+        return {"not_run": f"not run: {exc}"}
+    worst = run["stages"][run["worst"]]
+    return {"run": run, "rehearsal": reh, "heaviest": worst["stage"],
+            "heaviest_mix": worst["mix"], "rehearsal_mix": reh["stages"][0]["mix"]}
+
+
+def memory_refusal(memory: Mapping[str, Any], gpu_memory_gb: float | None,
+                   headroom: float) -> str | None:
+    """Why the run cannot fit (its predicted stages above ``headroom`` x the GPU), naming
+    each such stage with its terms; None when every stage fits or nothing was predicted."""
+    from hy3rl.stage_memory import describe
+
+    if "run" not in memory or not gpu_memory_gb:
+        return None
+    limit = headroom * gpu_memory_gb
+    over = [r for r in memory["run"]["stages"] if r["peak_gb"] > limit]
+    if not over:
+        return None
+    return (f"the run's predicted peak exceeds {headroom:g} of the {gpu_memory_gb:g} GB GPU "
+            f"({limit:.1f} GB) on {len(over)} of {len(memory['run']['stages'])} pipeline "
+            "stage(s): " + "; ".join(describe(r) for r in sorted(
+                over, key=lambda r: -r["peak_gb"])[:3])
+            + f" ({memory['run']['terms']}; not modeled: {memory['run']['not_modeled']})")
 
 
 def runtime_fingerprint(runtime: Runtime) -> str:
@@ -344,6 +438,13 @@ def plan(cfg: Config, layout: Layout, *, lock: Path, data_summary: Path, train_f
         "per_gpu": per_gpu_figures(cfg, layout, main, doc),
     }
     differ = doc["rehearsal"]["per_gpu"]["differ"]
+    too_big = memory_refusal(doc["rehearsal"]["per_gpu"]["memory"],
+                             cfg.cluster.gpu_memory_gb or None, cfg.rehearsal.memory_headroom)
+    if too_big:
+        out.unlink(missing_ok=True)
+        raise RehearsalError(f"{too_big}: lower the stored activations (ACTOR_PP, "
+                             "PPO_MAX_TOKEN_LEN_PER_GPU, recompute) or the static memory "
+                             "(ACTOR_EP, more GPUs) before any GPU job")
     if cfg.rehearsal.shape == "stage" and differ:
         out.unlink(missing_ok=True)
         raise RehearsalError(
@@ -787,12 +888,43 @@ def _check_memory(rec: Records, by_step: Mapping[int, Mapping[str, Any]]) -> Che
                                 f"{f['step']} is above {of}")
             parts.append(f"{f['key']} {f['peak']:.1f} GiB (step {f['step']})")
         shown.append(f"phase {phase}: {', '.join(parts) or 'no figure'}")
+    predicted, figure = _predicted_stages(rec, by_step, share * device)
+    problems += predicted
     if problems:
-        return Check(name, FAIL, "; ".join(problems + missing) + " (the largest data-parallel "
-                     "rank's peak, as verl logs it)")
+        return Check(name, FAIL, "; ".join(problems + missing) + f" ({ONE_RANK}){figure}")
     if missing:
         return Check(name, NOT_RUN, "not run: " + "; ".join(missing))
-    return Check(name, PASS, f"{'; '.join(shown)}: each GPU peak at most {of}")
+    return Check(name, PASS, f"{'; '.join(shown)}: each GPU peak at most {of}{figure}")
+
+
+# whose peak verl logs: its metrics come from one rank (the last pipeline stage's tensor-
+# and context-parallel rank 0 of each data-parallel group, the max over those groups)
+ONE_RANK = ("one GPU's peak per data-parallel group, as verl logs it: the other context- "
+            "and tensor-parallel ranks of the node are not recorded")
+
+
+def _predicted_stages(rec: Records, by_step: Mapping[int, Mapping[str, Any]],
+                      limit_gb: float) -> tuple[list[str], str]:
+    """Every real pipeline stage's peak predicted from the rehearsal's measured one
+    (hy3rl.stage_memory.from_measured, with the plan's ``rehearsal.per_gpu.memory``): the
+    problems (a stage above ``limit_gb``, named) and the figure; nothing without the plan's
+    prediction or a measured peak."""
+    from hy3rl.stage_memory import from_measured
+
+    memory = (((rec.plan or {}).get("rehearsal") or {}).get("per_gpu") or {}).get("memory")
+    peaks = [f["peak"] for phase in memory_peaks(by_step).values()
+             for m, f in phase.items() if m in GPU_MEMORY and f["peak"] is not None]
+    if not memory or "run" not in memory or not peaks:
+        return [], ""
+    measured = max(peaks) * GIB / 1e9
+    rows = from_measured(measured, memory["run"], memory["rehearsal"])
+    top = max(rows, key=lambda r: r["peak_gb"])
+    over = [r for r in rows if r["peak_gb"] > limit_gb]
+    figure = (f"; the run's stages predicted from the measured {measured:.1f} GB: stage "
+              f"{top['stage']} ({top['mix']}) {top['peak_gb']:.1f} GB the largest")
+    return [f"stage {r['stage']} of the run ({r['mix']}) predicted at {r['peak_gb']:.1f} GB "
+            f"(the measured {measured:.1f} GB plus its predicted difference from the "
+            f"rehearsal's stage), above {limit_gb:.1f} GB" for r in over], figure
 
 
 def check_records(rec: Records) -> list[Check]:

@@ -292,19 +292,27 @@ def build_stage(real_dir: str | Path, out_dir: str | Path, *, pp: int, seed: int
 # --------------------------------------------------------------------------- per GPU
 
 
-# the per-GPU figures that must be equal between the run's plan and a stage rehearsal's
+# the per-GPU figures that must be equal between the run's plan and a stage rehearsal's:
+# the training layout and lengths, and vLLM's load an engine (hy3rl.stage_memory.rollout:
+# its KV capacity in tokens within KV_TOLERANCE, its requests a step, max_num_seqs, the KV
+# dtype), not its budget in GB (a stage's bytes a token differ from the run's)
 SAME = ("layers_per_pp_stage", "experts_per_ep_rank", "attention_heads_per_tp_rank",
         "kv_heads_per_tp_rank", "hidden_size", "moe_intermediate_size", "intermediate_size",
         "vocab_size", "num_experts_per_tok", "mtp_layers", "context_parallel",
         "max_prompt_length", "max_response_length", "ppo_max_token_len_per_gpu",
         "ref_log_prob_max_token_len_per_gpu", "rollout_log_prob_max_token_len_per_gpu",
-        "rollout_max_model_len", "rollout_kv_budget_gb")
+        "rollout_max_model_len", "rollout_kv_tokens", "rollout_requests_per_engine",
+        "rollout_max_num_seqs", "rollout_kv_dtype")
+KV_TOLERANCE = 0.01  # the rehearsal's KV capacity within 1 % of the run's (and not below it)
 
 
 def per_gpu(model_cfg: Mapping[str, Any], eff: Mapping[str, Any], *,
             gpu_memory_gb: float | None, model_bytes: int | None) -> dict[str, Any]:
     """The per-GPU shapes and lengths of a plan (``eff``: its effective verl values) for the
-    model of ``model_cfg`` (its config.json) of ``model_bytes`` bytes."""
+    model of ``model_cfg`` (its config.json) of ``model_bytes`` bytes, and vLLM's figures
+    a GPU and an engine (hy3rl.stage_memory.rollout; None where the config cannot say)."""
+    from hy3rl.stage_memory import MemoryModelError, rollout
+
     a = "actor_rollout_ref.actor.megatron."
     tp, pp = to_int(eff.get(a + "tensor_model_parallel_size"), 1), to_int(
         eff.get(a + "pipeline_model_parallel_size"), 1)
@@ -315,11 +323,12 @@ def per_gpu(model_cfg: Mapping[str, Any], eff: Mapping[str, Any], *,
     nh, nkv = to_int(model_cfg.get("num_attention_heads"), None), to_int(
         model_cfg.get("num_key_value_heads"), None)
     rtp = to_int(eff.get("actor_rollout_ref.rollout.tensor_model_parallel_size"), 1)
-    util = finite_number(eff.get("actor_rollout_ref.rollout.gpu_memory_utilization"))
-    weights = None if model_bytes is None else model_bytes / rtp / 1e9
-    kv = None
-    if weights is not None and gpu_memory_gb and util is not None:
-        kv = round(gpu_memory_gb * util - weights, 2)
+    gpus = to_int(eff.get("trainer.nnodes"), 1) * to_int(eff.get("trainer.n_gpus_per_node"), 1)
+    try:
+        vllm = rollout(model_cfg, eff, gpus=gpus, gpu_memory_gb=gpu_memory_gb,
+                       model_bytes=model_bytes)
+    except MemoryModelError:
+        vllm = {}
     return {
         "layers_per_pp_stage": None if n is None else n / pp,
         "experts_per_ep_rank": None if e is None else e / ep,
@@ -342,36 +351,34 @@ def per_gpu(model_cfg: Mapping[str, Any], eff: Mapping[str, Any], *,
             eff.get("actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu"), None),
         "rollout_max_model_len": to_int(eff.get("actor_rollout_ref.rollout.max_model_len"), None),
         "rollout_tp": rtp,
-        "rollout_gpu_memory_utilization": util,
-        "rollout_weights_gb": None if weights is None else round(weights, 2),
-        "rollout_kv_budget_gb": kv,
+        "rollout_gpu_memory_utilization": finite_number(
+            eff.get("actor_rollout_ref.rollout.gpu_memory_utilization")),
+        "rollout_weights_gb": vllm.get("weights_gb"),
+        "rollout_kv_budget_gb": vllm.get("kv_budget_gb"),
+        "rollout_kv_bytes_per_token": vllm.get("kv_bytes_per_token"),
+        "rollout_kv_tokens": vllm.get("kv_tokens"),
+        "rollout_full_sequences": vllm.get("full_sequences"),
+        "rollout_engines": vllm.get("engines"),
+        "rollout_requests_per_engine": vllm.get("requests_per_engine"),
+        "rollout_max_num_seqs": vllm.get("max_num_seqs"),
+        "rollout_kv_dtype": vllm.get("kv_dtype"),
         "gpu_memory_gb": gpu_memory_gb,
     }
 
 
-def compare(run: Mapping[str, Any], rehearsal: Mapping[str, Any],
-            tolerance_gb: float = 0.05) -> list[dict[str, Any]]:
-    """The :data:`SAME` figures that differ (the KV budget within ``tolerance_gb``)."""
+def compare(run: Mapping[str, Any], rehearsal: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The :data:`SAME` figures that differ (the KV capacity: below the run's, or more than
+    :data:`KV_TOLERANCE` above it)."""
     out = []
     for key in SAME:
         a, b = run.get(key), rehearsal.get(key)
-        if key == "rollout_kv_budget_gb" and a is not None and b is not None:
-            if abs(a - b) <= tolerance_gb:
+        if key == "rollout_kv_tokens" and a is not None and b is not None:
+            if a <= b <= a * (1 + KV_TOLERANCE):
                 continue
         elif a == b:
             continue
         out.append({"key": key, "run": a, "rehearsal": b})
     return out
-
-
-def kv_matching_utilization(*, run_util: float, run_bytes: int, run_rollout_tp: int,
-                            stage_bytes_: int, stage_rollout_tp: int,
-                            gpu_memory_gb: float) -> float:
-    """The rehearsal's vLLM memory fraction that leaves each GPU the KV budget the real run
-    will have: the run's fraction of the device less the real model's weights per GPU at
-    its rollout TP, plus the stage's weights per GPU at the rehearsal's."""
-    budget = gpu_memory_gb * 1e9 * run_util - run_bytes / run_rollout_tp
-    return round((budget + stage_bytes_ / stage_rollout_tp) / (gpu_memory_gb * 1e9), 4)
 
 
 def run(cfg: Any, *, out: Path, plan: Path, threads: int = 1) -> dict[str, Any]:

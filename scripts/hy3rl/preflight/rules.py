@@ -132,6 +132,10 @@ EFFECTIVE_KEYS = (
     "actor_rollout_ref.actor.megatron.expert_tensor_parallel_size",
     "actor_rollout_ref.actor.megatron.param_offload",
     "actor_rollout_ref.actor.megatron.optimizer_offload",
+    # what hy3rl.stage_memory predicts each pipeline stage's memory from
+    "actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size",
+    "actor_rollout_ref.actor.megatron.use_distributed_optimizer",
+    "actor_rollout_ref.actor.megatron.override_transformer_config",
     "actor_rollout_ref.ref.megatron.tensor_model_parallel_size",
     "actor_rollout_ref.ref.megatron.pipeline_model_parallel_size",
     "actor_rollout_ref.ref.megatron.context_parallel_size",
@@ -145,6 +149,7 @@ EFFECTIVE_KEYS = (
     "actor_rollout_ref.rollout.gpu_memory_utilization",
     "actor_rollout_ref.rollout.max_model_len",
     "actor_rollout_ref.rollout.max_num_batched_tokens",
+    "actor_rollout_ref.rollout.max_num_seqs", "actor_rollout_ref.rollout.dtype",
     "actor_rollout_ref.rollout.enable_chunked_prefill",
     "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
     "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz",
@@ -173,7 +178,8 @@ NUMERIC_KEYS = tuple(k for k in EFFECTIVE_KEYS if k.rsplit(".", 1)[1] in {
     "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
     "expert_model_parallel_size", "expert_tensor_parallel_size",
     "log_prob_max_token_len_per_gpu", "n", "gpu_memory_utilization", "max_model_len",
-    "max_num_batched_tokens", "temperature", "top_p", "kl_coef"})
+    "max_num_batched_tokens", "temperature", "top_p", "kl_coef",
+    "virtual_pipeline_model_parallel_size", "max_num_seqs"})
 
 NO_GPU = "not run: no GPU allocation (cluster.gpu is false)"
 # Rules that need an allocation: `not run` when cluster.gpu is false.
