@@ -259,7 +259,7 @@ def test_paper_dry_run_shows_the_training_shape(tmp_path):
         assert "gpu" not in res  # never the plugin's per-job GPU total
     # the rehearsal: one node of the same shape, exclusive, its own time limit
     res = resources_line(out, "rehearsal")
-    # paper.yaml: rehearsal.runtime_min 180 for the stage (its two loads of 39.7 GB, its
+    # paper.yaml: rehearsal.runtime_min 180 for the stage (its two loads of 46.7 GB, its
     # three full-length steps)
     assert (res["nodes"], res["gres"], res["runtime"]) == ("1", "gpu:h20:8", "180"), res
     assert res["slurm_extra"] == "--ntasks-per-node=1 --exclusive", res

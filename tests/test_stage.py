@@ -46,18 +46,26 @@ def headers(model: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     return out
 
 
-def test_the_real_hy3s_stage_is_five_layers_of_the_real_sizes_about_forty_gb() -> None:
+def test_the_real_hy3s_stage_is_the_heaviest_five_layers_of_the_real_sizes() -> None:
     """The paper's stage, from the real config alone (no weights): the inventory builder
-    gives the real checkpoint's total size exactly, the stage 5 layers of it."""
+    gives the real checkpoint's total size exactly, the stage 5 layers of it: the layers of
+    the run's heaviest stage (issue 43: stage 1, real layers 5-9, five MoE; stage 0 holds
+    the dense layer 0), with the embedding, the output layer and the MTP layer."""
     assert stage.stage_bytes(HY3) == HY3_BYTES
+    assert stage.heaviest_offset(HY3, 16) == 5
     cfg, cut = stage.stage_config(HY3, 16)
-    assert cfg["num_hidden_layers"] == 5 and cut == []
+    assert cfg["num_hidden_layers"] == 5 and cut == [] and cfg["first_k_dense_replace"] == 0
     inv = stage.inventory(cfg)
-    assert inv["model.layers.0.mlp.gate_proj.weight"].shape == (13312, 4096)  # dense
+    assert "model.layers.0.mlp.gate_proj.weight" not in inv  # no dense layer
+    assert inv["model.layers.0.mlp.experts.0.gate_proj.weight"].shape == (1536, 4096)
     assert inv["model.layers.4.mlp.experts.191.up_proj.weight"].shape == (1536, 4096)
     assert inv["model.layers.5.eh_proj.weight"].shape == (4096, 8192)  # the MTP layer
     assert inv["lm_head.weight"].shape == (120832, 4096)
-    assert 39e9 < stage.stage_bytes(cfg) < 40e9  # ~19.9B parameters in bf16
+    assert stage.real_name("model.layers.0.mlp.router.gate.weight", 5, 80, 5) == \
+        "model.layers.5.mlp.router.gate.weight"
+    assert stage.real_name("model.layers.5.eh_proj.weight", 5, 80, 5) == \
+        "model.layers.80.eh_proj.weight"
+    assert 46e9 < stage.stage_bytes(cfg) < 47e9  # ~23.3B parameters in bf16
 
 
 # The paper plan's per-GPU values (tests/test_preflight.py PUBLISHED) and what the pinned
@@ -76,6 +84,11 @@ HAND = {"static_stage_15": 48.05, "static_rehearsal": 44.69, "stored_stage_0": 2
         "kv_tokens_rehearsal_before": 1.59e6}
 
 
+# the rehearsal's stage as it was before issue 43: the real model's first five layers (1
+# dense, 4 MoE) with the MTP layer, the embedding and the output layer
+OLD_STAGE = {**HY3, "num_hidden_layers": 5}
+
+
 def _rehearsal_eff(**change) -> dict:
     """The stage rehearsal's plan: one node, PP 1, rollout TP 1."""
     return {**PAPER_EFF, "trainer.nnodes": 1,
@@ -88,8 +101,10 @@ def test_the_paper_plans_memory_by_stage_reproduces_the_hand_table() -> None:
     the real run predicted from the real config and the paper plan, within 5 % of the hand
     computation: stage 15 holds the most static memory (5 MoE layers and the output layer),
     stages 0 and 1 the most stored activations (16 and 15 microbatches in flight under
-    1F1B), stage 1 the largest peak; the rehearsal's stage (1 dense, 4 MoE, embedding and
-    output, one microbatch in flight) predicts 45.9 GB."""
+    1F1B), stage 1 the largest peak; the rehearsal's stage as it was (1 dense, 4 MoE,
+    embedding and output, one microbatch in flight) 45.9 GB; as it is now (the heaviest
+    stage's five MoE layers with both ends' weights) 53.0 GB, its static memory above every
+    real stage's."""
     from hy3rl import stage_memory as sm
 
     run = sm.stages(HY3, PAPER_EFF, 128)
@@ -105,15 +120,20 @@ def test_the_paper_plans_memory_by_stage_reproduces_the_hand_table() -> None:
         "1 dense, 4 MoE + embedding", "5 MoE", "5 MoE + output")
     assert sm.describe(rows[1]) == ("stage 1 (layers 5-9: 5 MoE): static 44.34 GB + 15 "
                                     "microbatch(es) in flight x 1.258 GB = 63.21 GB")
+    (old,) = sm.stages(OLD_STAGE, _rehearsal_eff(), 8)["stages"]
+    assert old["mix"] == "1 dense, 4 MoE + embedding + output" and old["in_flight"] == 1
+    assert old["static_gb"] == pytest.approx(HAND["static_rehearsal"], rel=0.05)
+    assert old["peak_gb"] == pytest.approx(HAND["peak_rehearsal"], rel=0.05)
     cfg, _ = stage.stage_config(HY3, 16)
     reh = sm.stages(cfg, _rehearsal_eff(), 8)
     (only,) = reh["stages"]
-    assert only["mix"] == "1 dense, 4 MoE + embedding + output" and only["in_flight"] == 1
-    assert only["static_gb"] == pytest.approx(HAND["static_rehearsal"], rel=0.05)
-    assert only["peak_gb"] == pytest.approx(HAND["peak_rehearsal"], rel=0.05)
+    assert only["mix"] == "5 MoE + embedding + output" and only["in_flight"] == 1
+    assert only["static_gb"] == pytest.approx(51.76, abs=0.01)
+    assert only["static_gb"] > max(r["static_gb"] for r in rows)
+    assert only["peak_gb"] == pytest.approx(53.02, abs=0.01)
     # the run's stages from a measured rehearsal peak: the difference the model predicts
     measured = sm.from_measured(50.0, run, reh)
-    assert measured[1]["peak_gb"] == pytest.approx(50.0 + 63.21 - 45.95, abs=0.02)
+    assert measured[1]["peak_gb"] == pytest.approx(50.0 + 63.21 - 53.02, abs=0.02)
     # MTP trained: verl builds the MTP layer on the last stage, which then holds it too
     mtp = sm.stages(HY3, {**PAPER_EFF, "actor_rollout_ref.model.mtp.enable": True}, 128)
     assert mtp["stages"][15]["mix"] == "5 MoE + MTP + output"
@@ -139,7 +159,7 @@ def test_vllm_at_the_runs_concurrency_per_engine() -> None:
     assert run["kv_tokens"] == pytest.approx(HAND["kv_tokens_run"], rel=0.01)
     assert (run["full_sequences"], run["engines"], run["requests_per_engine"]) == (60.8, 8, 256)
     cfg, _ = stage.stage_config(HY3, 16)
-    before = sm.rollout(cfg, _rehearsal_eff(**{
+    before = sm.rollout(OLD_STAGE, _rehearsal_eff(**{
         "data.train_batch_size": 8, "actor_rollout_ref.rollout.gpu_memory_utilization": 0.6745}),
         gpus=8, gpu_memory_gb=96)
     assert before["kv_budget_gb"] == pytest.approx(HAND["kv_budget_rehearsal_before"], abs=0.1)
@@ -150,7 +170,9 @@ def test_vllm_at_the_runs_concurrency_per_engine() -> None:
     after = sm.rollout(cfg, _rehearsal_eff(**{
         "actor_rollout_ref.rollout.gpu_memory_utilization": util}), gpus=8, gpu_memory_gb=96)
     assert run["kv_tokens"] <= after["kv_tokens"] <= run["kv_tokens"] * (1 + stage.KV_TOLERANCE)
-    assert after["requests_per_engine"] == 256 and 0.46 < util < 0.47
+    # 623K tokens x 20,480 B + the five MoE layers, embedding and output (39.2 GB) on 96 GB
+    assert after["requests_per_engine"] == 256 and util == pytest.approx(
+        (run["kv_tokens"] * 20480 + 39.18e9) / 96e9, abs=1e-3)
     run_gpu = stage.per_gpu(HY3, PAPER_EFF, gpu_memory_gb=96, model_bytes=HY3_BYTES)
     reh_gpu = stage.per_gpu(cfg, _rehearsal_eff(**{
         "actor_rollout_ref.rollout.gpu_memory_utilization": util}), gpu_memory_gb=96,
@@ -170,7 +192,7 @@ def test_a_plan_whose_worst_stage_exceeds_the_headroom_is_refused_naming_it() ->
     cfg, _ = stage.stage_config(HY3, 16)
     memory = rh.memory_prediction(HY3, PAPER_EFF, cfg, _rehearsal_eff())
     assert (memory["heaviest"], memory["heaviest_mix"], memory["rehearsal_mix"]) == (
-        1, "5 MoE", "1 dense, 4 MoE + embedding + output")
+        1, "5 MoE", "5 MoE + embedding + output")
     assert rh.memory_refusal(memory, 96.0, 0.9) is None
     why = rh.memory_refusal(memory, 64.0, 0.9)
     assert why.startswith(
@@ -189,7 +211,7 @@ def test_a_stage_that_cannot_be_cut_is_refused_naming_the_key() -> None:
                        r"into 3 pipeline stages"):
         stage.stage_config(HY3, 3)
     with pytest.raises(stage.StageBuildError, match="all dense"):
-        stage.stage_config({**HY3, "first_k_dense_replace": 5}, 16)
+        stage.stage_config({**HY3, "first_k_dense_replace": 80}, 16)
     with pytest.raises(stage.StageBuildError, match="model_type"):
         stage.stage_config({**HY3, "model_type": "llama"}, 16)
 
@@ -201,22 +223,26 @@ def test_the_stage_holds_the_real_tensors_of_its_layers_and_loads(real: Path,
     check = rec["inventory_check"]
     assert (check["against"], check["problems"], check["problem_count"]) == ("headers", [], 0)
     assert (rec["layers"], rec["real_layers"], rec["mtp_layers"]) == (2, 4, 1)
+    # the heaviest of the two stages: real layers 2-3 (both MoE; stage 0 holds dense 0)
+    assert (rec["real_layers_held"], rec["stage_of_run"]) == ([2, 3], 1)
     assert rec["per_layer_keys_cut"] == ["mlp_layer_types"]
     cfg = json.loads((out / "config.json").read_text())
-    assert cfg["num_hidden_layers"] == 2 and cfg["mlp_layer_types"] == ["dense", "sparse"]
+    assert cfg["num_hidden_layers"] == 2 and cfg["mlp_layer_types"] == ["sparse", "sparse"]
     real_cfg = json.loads((real / "config.json").read_text())
-    assert {k: v for k, v in cfg.items() if k not in ("num_hidden_layers", "mlp_layer_types")} \
-        == {k: v for k, v in real_cfg.items() if k not in ("num_hidden_layers",
-                                                           "mlp_layer_types")}
-    # tensor by tensor, header against header: layers 0-1, the MTP layer (real 4, stage 2),
-    # the embedding, norm and output layer; nothing of layers 2-3
+    own = ("num_hidden_layers", "mlp_layer_types", "first_k_dense_replace")
+    assert {k: v for k, v in cfg.items() if k not in own} \
+        == {k: v for k, v in real_cfg.items() if k not in own}
+    # tensor by tensor, header against header: real layers 2-3 (stage 0-1), the MTP layer
+    # (real 4, stage 2), the embedding, norm and output layer; nothing of layers 0-1
     got, want = headers(out), headers(real)
-    mapping = {n: stage.real_name(n, 2, 4) for n in got}
+    mapping = {n: stage.real_name(n, 2, 4, 2) for n in got}
     assert mapping["model.layers.2.eh_proj.weight"] == "model.layers.4.eh_proj.weight"
+    assert mapping["model.layers.0.mlp.router.gate.weight"] == \
+        "model.layers.2.mlp.router.gate.weight"
     assert {n: got[n] for n in got} == {n: want[mapping[n]] for n in got}
     held = set(mapping.values())
     assert {n for n in want if n not in held} == {
-        n for n in want if n.startswith(("model.layers.2.", "model.layers.3."))}
+        n for n in want if n.startswith(("model.layers.0.", "model.layers.1."))}
     # shard by shard (several shards at this shard size), the index names every tensor
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"]) == set(got) and rec["shards"] > 2
@@ -255,8 +281,9 @@ def test_only_the_index_on_disk_the_config_decides(real: Path, tmp_path: Path) -
     bare.mkdir()
     for name in ("config.json", "model.safetensors.index.json", "tokenizer.json"):
         shutil.copy2(real / name, bare / name)
-    cfg, _ = stage.stage_config(json.loads((real / "config.json").read_text()), 2)
-    rec = stage.check_against_real(cfg, bare, json.loads((real / "config.json").read_text()))
+    real_cfg = json.loads((real / "config.json").read_text())
+    cfg, _ = stage.stage_config(real_cfg, 2)
+    rec = stage.check_against_real(cfg, bare, real_cfg, stage.heaviest_offset(real_cfg, 2))
     assert rec["against"] == "config" and rec["problems"] == []
 
 
@@ -271,8 +298,8 @@ def test_a_real_checkpoint_unlike_its_config_is_refused_naming_the_tensor(
     (lying / "config.json").write_text(json.dumps(cfg))
     out = tmp_path / "stage"
     with pytest.raises(stage.StageBuildError, match=r"against its headers.*"
-                       r"model\.layers\.1\.mlp\.experts\.0\.(gate|up|down)_proj\.weight: stage "
-                       r"BF16\[\d+, \d+\], real"):
+                       r"model\.layers\.0\.mlp\.(experts\.0|shared_mlp)\.(gate|up|down)_proj\."
+                       r"weight: stage BF16\[\d+, \d+\], real model\.layers\.2\."):
         stage.build_stage(lying, out, pp=2)
     assert not out.exists() and not list(tmp_path.glob(".stage.tmp-*"))
     # a real tensor of the stage's layers the config does not imply (an extra tensor)
@@ -282,13 +309,13 @@ def test_a_real_checkpoint_unlike_its_config_is_refused_naming_the_tensor(
     shutil.copytree(real, extra)
     first = sorted(extra.glob("*.safetensors"))[0]
     tensors = load_file(first)
-    name = next(n for n in tensors if n.startswith("model.layers.0."))
-    tensors["model.layers.0.mlp.surprise.weight"] = tensors[name].clone()
+    name = next(n for n in tensors if n.startswith("model.layers."))
+    tensors["model.layers.2.mlp.surprise.weight"] = tensors[name].clone()  # a layer held
     save_file(tensors, str(first), metadata={"format": "pt"})
     index = json.loads((extra / "model.safetensors.index.json").read_text())
-    index["weight_map"]["model.layers.0.mlp.surprise.weight"] = first.name
+    index["weight_map"]["model.layers.2.mlp.surprise.weight"] = first.name
     (extra / "model.safetensors.index.json").write_text(json.dumps(index))
-    with pytest.raises(stage.StageBuildError, match=r"model\.layers\.0\.mlp\.surprise\.weight: "
+    with pytest.raises(stage.StageBuildError, match=r"model\.layers\.2\.mlp\.surprise\.weight: "
                        r"in the real checkpoint, not in the stage"):
         stage.build_stage(extra, out, pp=2)
 
@@ -391,7 +418,7 @@ def test_the_paper_stage_plans_per_gpu_figures_equal_the_paper_plans(
     # GPU's memory); the plan says which real stage is the heaviest
     memory = per["memory"]
     assert len(memory["run"]["stages"]) == 16 and memory["heaviest"] in range(16)
-    assert memory["rehearsal_mix"] == "1 dense, 1 MoE + embedding + output"
+    assert memory["rehearsal_mix"] == "2 MoE + embedding + output"
     # what the stage reduces: nodes, PP, rollout TP (and vLLM's fraction with it), batch, lr
     red = {r["key"]: (r["run"], r["rehearsal"]) for r in doc["rehearsal"]["reductions"]}
     assert red["actor_rollout_ref.actor.megatron.pipeline_model_parallel_size"] == ("16", "1")

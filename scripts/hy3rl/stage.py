@@ -6,17 +6,20 @@ stages hold the 120,832-token embedding and output layer. The small rehearsal mo
 nothing about memory at those sizes; this module builds a checkpoint that does:
 
 - :func:`stage_config`: the real model's ``config.json`` with ``num_hidden_layers`` =
-  layers / PP (every per-layer list cut to it); everything else (hidden size, heads,
-  experts, top-k, FFN sizes, vocabulary, MTP, rope) stays the real one's.
+  layers / PP, the layers of the run's heaviest stage (:func:`heaviest_offset`: the stage
+  with the most MoE layers; Hy3: stage 1, real layers 5-9, five MoE), every per-layer list
+  cut to them and ``first_k_dense_replace`` to their dense prefix; everything else (hidden
+  size, heads, experts, top-k, FFN sizes, vocabulary, MTP, rope) stays the real one's.
 - :func:`inventory`: the stage's tensors (names, dtypes, shapes; hy3rl.checkpoint's
-  expected inventory of its config): layer 0 dense and the rest MoE as in the real model,
-  the MTP layer after them, the embedding, final norm and output layer. So the stage holds
-  the first stage's and the last stage's extra weights at once: at least what any real
-  stage holds.
+  expected inventory of its config): those layers renumbered from 0, the MTP layer after
+  them, the embedding, final norm and output layer. So the stage holds the heaviest real
+  stage's layers and the first and the last stage's extra weights at once: at least the
+  static memory of any real stage (hy3rl.stage_memory; the activations in flight it
+  predicts).
 - :func:`check_against_real`: every stage tensor against the real checkpoint's, header-only
   (the safetensors headers of the shards that hold those layers; the real config's
-  expected inventory where no shard is on disk): same name (the MTP layer renumbered),
-  dtype and shape.
+  expected inventory where no shard is on disk): same name (the layers and the MTP layer
+  renumbered), dtype and shape.
 - :func:`build_stage`: random weights written shard by shard (one shard in host memory at
   a time, ``shard_bytes`` each), the real tokenizer files copied, written to a temporary
   sibling and renamed into place (no half-written checkpoint).
@@ -91,23 +94,39 @@ def stage_layers(real: Mapping[str, Any], pp: int, where: str = "config.json") -
     return n // pp
 
 
+def heaviest_offset(real: Mapping[str, Any], pp: int, where: str = "config.json") -> int:
+    """The first real layer of the run's heaviest layer mix: the pipeline stage holding the
+    most MoE layers (the first of them; Hy3 at PP 16: stage 1, layers 5-9, five MoE)."""
+    k = stage_layers(real, pp, where)
+    ms, problems = model_shape(dict(real))
+    if ms is None:
+        raise StageBuildError(f"{where}: {'; '.join(problems)}")
+    moe = [sum(1 for i in range(s * k, (s + 1) * k) if ms.kind_of(i) == "moe")
+           for s in range(pp)]
+    return moe.index(max(moe)) * k
+
+
 def stage_config(real: Mapping[str, Any], pp: int, where: str = "config.json"
                  ) -> tuple[dict[str, Any], list[str]]:
-    """The stage's config and the per-layer keys cut to its layers (see the module doc)."""
+    """The stage's config and the per-layer keys cut to its layers (see the module doc):
+    the layers of the run's heaviest stage (:func:`heaviest_offset`), renumbered from 0."""
     n = real["num_hidden_layers"] if isinstance(real.get("num_hidden_layers"), int) else None
     k = stage_layers(real, pp, where)
+    off = heaviest_offset(real, pp, where)
     cfg = json.loads(json.dumps(dict(real)))
     cut = []
     for key, value in real.items():
         if isinstance(value, list) and len(value) == n and key != "architectures":
-            cfg[key] = list(value[:k])
+            cfg[key] = list(value[off:off + k])
             cut.append(key)
+    if isinstance(real.get("first_k_dense_replace"), int):
+        cfg["first_k_dense_replace"] = max(0, min(real["first_k_dense_replace"], off + k) - off)
     cfg["num_hidden_layers"] = k
     ms, problems = model_shape(cfg)
     if ms is None:
         raise StageBuildError(f"{where}: {'; '.join(problems)}")
     if not ms.moe:
-        raise StageBuildError(f"{where}: the first {k} layers are all dense "
+        raise StageBuildError(f"{where}: every stage's {k} layers are all dense "
                               f"(first_k_dense_replace = {real.get('first_k_dense_replace')}): "
                               "the stage would hold no expert")
     return cfg, sorted(cut)
@@ -128,13 +147,15 @@ def stage_bytes(cfg: Mapping[str, Any]) -> int:
     return sum(_nbytes(e) for e in inventory(cfg).values())
 
 
-def real_name(name: str, layers: int, real_layers: int) -> str:
-    """The real checkpoint's name of a stage tensor: the MTP layer (stage layer ``layers +
-    j``) is the real ``real_layers + j``; every other name is the same."""
+def real_name(name: str, layers: int, real_layers: int, offset: int = 0) -> str:
+    """The real checkpoint's name of a stage tensor: stage layer ``i`` is the real ``offset +
+    i`` (the heaviest stage's layers), the MTP layer (stage layer ``layers + j``) the real
+    ``real_layers + j``; every other name is the same."""
     i = _layer(name)
-    if i is None or i < layers:
+    if i is None:
         return name
-    return name.replace(f"model.layers.{i}.", f"model.layers.{real_layers + i - layers}.", 1)
+    j = offset + i if i < layers else real_layers + i - layers
+    return name.replace(f"model.layers.{i}.", f"model.layers.{j}.", 1)
 
 
 def _real_headers(real_dir: Path, wanted: set[str]) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -162,15 +183,16 @@ def _real_headers(real_dir: Path, wanted: set[str]) -> dict[str, tuple[str, tupl
 
 
 def check_against_real(stage_cfg: Mapping[str, Any], real_dir: Path,
-                       real_cfg: Mapping[str, Any]) -> dict[str, Any]:
+                       real_cfg: Mapping[str, Any], offset: int = 0) -> dict[str, Any]:
     """The stage's inventory against the real checkpoint's (module doc): each stage tensor
     has the real one's dtype and shape, and each real tensor of the layers the stage holds
-    is in the stage. Returns the record (``against``: ``headers`` or ``config``,
-    ``tensors``, ``problems``)."""
+    (real layers ``offset`` on, the MTP layer, the embedding, final norm and output) is in
+    the stage. Returns the record (``against``: ``headers`` or ``config``, ``tensors``,
+    ``problems``)."""
     layers, real_layers = stage_cfg["num_hidden_layers"], real_cfg["num_hidden_layers"]
     mtp = int(stage_cfg.get("num_nextn_predict_layers") or 0)
     inv = inventory(stage_cfg)
-    names = {n: real_name(n, layers, real_layers) for n in inv}
+    names = {n: real_name(n, layers, real_layers, offset) for n in inv}
     real = _real_headers(Path(real_dir), set(names.values()))
     against = "headers" if real else "config"
     if not real:
@@ -186,7 +208,8 @@ def check_against_real(stage_cfg: Mapping[str, Any], real_dir: Path,
     held = set(names.values())
     for n in sorted(real):
         i = _layer(n)
-        if (i is None or i < layers or real_layers <= i < real_layers + mtp) and n not in held:
+        if (i is None or offset <= i < offset + layers or real_layers <= i < real_layers + mtp) \
+                and n not in held:
             problems.append(f"{n}: in the real checkpoint, not in the stage")
     return {"against": against, "tensors": len(inv), "problems": problems[:50],
             "problem_count": len(problems)}
@@ -230,7 +253,8 @@ def build_stage(real_dir: str | Path, out_dir: str | Path, *, pp: int, seed: int
     real_cfg = read_config(real_dir)
     where = str(real_dir / "config.json")
     cfg, cut = stage_config(real_cfg, pp, where)
-    check = check_against_real(cfg, real_dir, real_cfg)
+    offset = heaviest_offset(real_cfg, pp, where)
+    check = check_against_real(cfg, real_dir, real_cfg, offset)
     if check["problems"]:
         raise StageBuildError(
             f"{real_dir}: the stage's tensors differ from the real checkpoint's "
@@ -269,6 +293,8 @@ def build_stage(real_dir: str | Path, out_dir: str | Path, *, pp: int, seed: int
         record = {
             "shape": "stage", "of": str(real_dir), "pipeline_stages": pp,
             "layers": cfg["num_hidden_layers"], "real_layers": real_cfg["num_hidden_layers"],
+            "real_layers_held": [offset, offset + cfg["num_hidden_layers"] - 1],
+            "stage_of_run": offset // cfg["num_hidden_layers"],
             "mtp_layers": int(cfg.get("num_nextn_predict_layers") or 0),
             "per_layer_keys_cut": cut, "seed": seed, "shards": len(groups),
             "parameters": params, "total_size": total, "copied": copied,
