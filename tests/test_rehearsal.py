@@ -293,6 +293,42 @@ def test_the_planned_kill_lands_after_step_two_however_fast_the_trainer(
     assert _status(records)["killed"] == "pass" and _status(records)["resumed"] == "pass"
 
 
+def test_a_trainer_that_fails_in_its_teardown_after_the_planned_last_step_is_the_kill(
+        train_setup, monkeypatch) -> None:
+    """Issue 43: attempt 1's trainer ends at its planned last step (2) with global_step_2
+    complete, then exits with an error in its teardown before the watchdog's stop lands (the
+    double raises after its last step): the attempt is the planned kill, its error kept in
+    the record, and attempt 2 resumes from step 2; before, it was recorded as failed and
+    the rehearsal ended there. A trainer that fails before its planned last step's save is
+    complete stays failed (the crash tests)."""
+    import torch  # noqa: F401  (the double's saves need it; imported once before the fork)
+    from fixtures.trainer_double import local_launch
+    from hy3rl import launch, runtime_id, train
+
+    setup = train_setup(total=3, save_freq=1, keep=3, step_s=0.01)
+    setup.config["train"]["watchdog"] = {"poll_s": 0.5}
+    setup.faults.write_text(json.dumps({"fail_at_exit": 2}))
+    monkeypatch.setattr(launch, "launch", local_launch(setup))
+    monkeypatch.setattr(runtime_id, "identify", lambda prefix, python, cache=None: {
+        "id": "test-runtime", "kind": "test"})
+    cfg, layout = setup.cfg(), setup.layout()
+    train.run(cfg.train, cfg.cluster, layout, keep_steps=range(1, 4), kill_after=2,
+              **setup.run_paths())
+    first, second = (train.load_attempt(layout, k) for k in train.attempt_numbers(layout))
+    assert (first["outcome"], first["end_step"], first["last_logged_step"]) == (
+        "planned_kill", 2, 2), first
+    assert first["trainer_exit"]["exit_code"] != 0, first
+    assert first["exit_reason"].endswith(f"; the trainer then exited with an error "
+                                         f"({first['trainer_exit']['reason']})"), first
+    assert (second["outcome"], second["start_step"], second["end_step"]) == (
+        "succeeded", 2, 3), second
+    records = rh.Records(plan={}, attempts=[first, second],
+                         attempt_lines={2: rh.read_metrics(Path(layout.attempt_metrics(2)))},
+                         merged=[], done=None, complete={}, driver_logs={}, samples=None,
+                         samples_meta=None, expected_samples=0)
+    assert _status(records)["killed"] == "pass" and _status(records)["resumed"] == "pass"
+
+
 def test_the_train_job_refuses_a_runtime_the_rehearsal_did_not_pass_in(tmp_path) -> None:
     cfg = make_config(cluster={"gpu": True})
     job = Job(cfg.train, cfg.cluster, Layout.from_config(cfg), {}, 3, 3, [], tmp_path,

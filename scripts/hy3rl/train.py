@@ -260,6 +260,14 @@ def last_step(lines: list[dict[str, Any]]) -> int | None:
     return max((r["step"] for r in lines), default=None)
 
 
+def _last_logged(layout: Layout, k: int) -> int | None:
+    """The last step attempt ``k``'s metrics log holds (None: none, or unreadable)."""
+    try:
+        return last_step(read_metrics(Path(layout.attempt_metrics(k))))
+    except (OSError, StageError):
+        return None
+
+
 def close_record(rec: dict[str, Any], layout: Layout, end_step: int | None,
                  reason: str, code: int | None) -> dict[str, Any]:
     """Fill the end of an attempt record from the checkpoint state and its metrics log."""
@@ -1254,13 +1262,20 @@ class Job:
         outcome = signal_outcome[0] if result.outcome == "signal" and signal_outcome \
             else result.outcome
         reason = result.reason
-        if kill_at is not None and outcome == "succeeded" and self.end_step == kill_at:
+        if kill_at is not None and outcome in ("succeeded", "failed") \
+                and self.end_step == kill_at and _last_logged(layout, k) == kill_at:
             # the trainer ended at its planned last step before the watchdog's stop landed:
-            # the same planned end, the same checkpoint to resume from
+            # the same planned end, the same checkpoint to resume from. One that then exited
+            # with an error (its teardown: Ray actors, TransferQueue) is that too, the error
+            # kept in the record (trainer_exit)
+            if outcome == "failed":
+                rec["trainer_exit"] = {"exit_code": result.exit_code, "reason": result.reason}
             outcome = "planned_kill"
             reason = (f"ended at step {kill_at}, its planned last step, with global_step_"
                       f"{kill_at} complete, before the watchdog stopped it (the rehearsal's "
-                      "planned kill)")
+                      "planned kill)" + ("" if "trainer_exit" not in rec else
+                                         f"; the trainer then exited with an error "
+                                         f"({result.reason})"))
         sick = stopped and outcome != "planned_kill"
         close_record(rec, layout, self.end_step, reason, result.exit_code)
         rec["timing"] = monitor.timing()
