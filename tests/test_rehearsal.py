@@ -706,9 +706,8 @@ def test_a_real_stage_predicted_above_the_headroom_from_the_measured_peak_fails(
     failed = _failed(_records(plan=plan, merged=merged))
     assert failed == {"memory_headroom": (
         "stage 1 of the run (5 MoE) predicted at 87.5 GB (the measured 77.3 GB plus its "
-        "predicted difference from the rehearsal's stage), above 86.4 GB (" + rh.ONE_RANK
-        + "); the run's stages predicted from the measured 77.3 GB: stage 1 (5 MoE) 87.5 GB "
-        "the largest")}, failed
+        "predicted difference from the rehearsal's stage), above 86.4 GB; the run's stages "
+        "predicted from the measured 77.3 GB: stage 1 (5 MoE) 87.5 GB the largest")}, failed
     # a measured peak 10 GB lower leaves every stage within the headroom: a pass that says
     # which real stage is the largest
     low = [m if not m["step"] else _line(m["step"], **{
@@ -719,6 +718,68 @@ def test_a_real_stage_predicted_above_the_headroom_from_the_measured_peak_fails(
     assert check.status == "pass" and check.detail.endswith(
         "; the run's stages predicted from the measured 53.7 GB: stage 1 (5 MoE) 63.9 GB the "
         "largest"), check.detail
+
+
+def _fake_smi(tmp_path: Path, used: list[int]) -> tuple[str, Path]:
+    """An ``nvidia-smi`` stand-in (no GPU here) answering the query as the real one does
+    (csv, noheader, nounits: index, uuid, memory.used MiB, memory.total MiB) with the
+    values of a file the test rewrites; exits 9 when the file says so."""
+    state = tmp_path / "smi-used.txt"
+    state.write_text(" ".join(map(str, used)))
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\n"
+                   f'read -r line < "{state}"\n'
+                   '[ "$line" = fail ] && { echo "NVIDIA-SMI has failed" >&2; exit 9; }\n'
+                   "i=0\nfor u in $line; do\n"
+                   '  echo "$i, GPU-0000000$i-aaaa, $u, 97871"\n  i=$((i+1))\ndone\n')
+    smi.chmod(0o755)
+    return str(smi), state
+
+
+def test_every_gpu_of_the_node_is_sampled_and_judged(tmp_path: Path) -> None:
+    """Issue 43: verl logs one GPU's peak a data-parallel group (the stage at CP 8: one of
+    eight); hy3rl.gpu_memory samples every GPU of the node with nvidia-smi while the
+    rehearsal runs and keeps each one's peak memory.used. A GPU whose peak is above the
+    headroom fails memory_headroom by name, though verl's rank stayed within it."""
+    import time as _time
+
+    from hy3rl.gpu_memory import MIB, Sampler
+
+    smi, state = _fake_smi(tmp_path, [1000] * 8)
+    sampler = Sampler(0.05, smi=smi).start()
+    _time.sleep(0.3)
+    state.write_text(" ".join(["62000"] * 7 + ["85000"]))  # GPU 7: 89.1 GB
+    _time.sleep(0.3)
+    state.write_text(" ".join(["1000"] * 8))
+    _time.sleep(0.3)
+    node = sampler.stop()
+    assert node["not_run"] is None and node["samples"] >= 6 and not node["errors"]
+    assert [g["peak_mib"] for g in node["gpus"]] == [62000.0] * 7 + [85000.0]
+    assert node["gpus"][7]["uuid"] == "GPU-00000007-aaaa" and node["gpus"][7]["peak_s"] > 0
+    failed = _failed(_records(node_gpus=node))
+    assert list(failed) == ["memory_headroom"]
+    assert failed["memory_headroom"].startswith(
+        f"GPU 7 of the node (GPU-00000007-aaaa) peaked at {85000 * MIB / 1e9:.1f} GB at "), failed
+    assert "above 86.4 GB; the node's 8 GPUs (nvidia-smi memory.used, " in \
+        failed["memory_headroom"]
+    # within the headroom: a pass that names the largest GPU
+    low = {**node, "gpus": [{**g, "peak_mib": 62000.0} for g in node["gpus"]]}
+    check = {c.name: c for c in rh.check_records(_records(node_gpus=low))}["memory_headroom"]
+    assert check.status == "pass" and "; the node's 8 GPUs (nvidia-smi memory.used, " in \
+        check.detail and check.detail.endswith("GPU 0 the largest at 65.0 GB")
+    # nvidia-smi failing, or absent: nothing sampled, said so; verl's figure alone judged
+    state.write_text("fail")
+    broken = Sampler(0.05, smi=smi).start()
+    _time.sleep(0.2)
+    rec = broken.stop()
+    assert rec["samples"] == 0 and rec["not_run"].startswith(
+        "not run: no sample: " + f"{smi} exited 9: NVIDIA-SMI has failed")
+    check = {c.name: c for c in rh.check_records(_records(node_gpus=rec))}["memory_headroom"]
+    assert check.status == "pass" and "; the node's GPUs not sampled (not run: no sample: " \
+        in check.detail
+    absent = Sampler(0.05, smi=None)
+    absent.smi = None
+    assert absent.start().stop()["not_run"] == "not run: nvidia-smi not found on this node"
 
 
 @pytest.mark.parametrize("value", ["absent", None, float("nan")])

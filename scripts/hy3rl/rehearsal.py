@@ -52,6 +52,7 @@ from typing import Any
 
 from hy3rl.atomic import write_json_atomic
 from hy3rl.errors import StageError
+from hy3rl.gpu_memory import Sampler
 from hy3rl.layout import Layout
 from hy3rl.preflight.rules import to_int
 from hy3rl.settings import Config, Runtime
@@ -143,6 +144,7 @@ SHAPE_OVERRIDES: dict[str, dict[str, Any]] = {
     "small": {"++reward.reward_kwargs.overlong_buffer_cfg.len": 256},
     "stage": {},
 }
+NODE_SAMPLE_S = 1.0  # every GPU of the node sampled this often (hy3rl.gpu_memory)
 MEM_UTIL_KNOB = "ROLLOUT_GPU_MEM_UTIL"
 MEM_UTIL_KEY = "actor_rollout_ref.rollout.gpu_memory_utilization"
 
@@ -496,12 +498,16 @@ class Records:
     # (rehearsal.memory_headroom); None: not given, the check memory_headroom is not run
     gpu_memory_gb: float | None = None
     memory_headroom: float | None = None
+    # every GPU of the node sampled while the rehearsal ran (hy3rl.gpu_memory.Sampler's
+    # record); None: not sampled
+    node_gpus: dict[str, Any] | None = None
 
     @classmethod
     def read(cls, rl: Layout, expected_samples: int,
              failure: dict[str, Any] | None = None, model: Path | None = None,
              reward_path: dict[str, Any] | None = None, gpu_memory_gb: float | None = None,
-             memory_headroom: float | None = None) -> Records:
+             memory_headroom: float | None = None,
+             node_gpus: dict[str, Any] | None = None) -> Records:
         from hy3rl.ckptdir import check_complete
         from hy3rl.train import attempt_numbers, load_attempt
 
@@ -535,7 +541,8 @@ class Records:
                    samples_meta=read_record(rl.eval_samples_meta("final")),
                    expected_samples=expected_samples, failure=failure,
                    state=read_state(rl, model), reward_path=reward_path,
-                   gpu_memory_gb=gpu_memory_gb, memory_headroom=memory_headroom)
+                   gpu_memory_gb=gpu_memory_gb, memory_headroom=memory_headroom,
+                   node_gpus=node_gpus)
 
 
 def _train_lines(lines: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
@@ -888,13 +895,38 @@ def _check_memory(rec: Records, by_step: Mapping[int, Mapping[str, Any]]) -> Che
                                 f"{f['step']} is above {of}")
             parts.append(f"{f['key']} {f['peak']:.1f} GiB (step {f['step']})")
         shown.append(f"phase {phase}: {', '.join(parts) or 'no figure'}")
+    if problems:  # verl's own figures: one rank a data-parallel group
+        problems[-1] += f" ({ONE_RANK})"
     predicted, figure = _predicted_stages(rec, by_step, share * device)
-    problems += predicted
+    node, node_figure = _node_gpus(rec.node_gpus, share * device)
+    problems += predicted + node
+    figure += node_figure
     if problems:
-        return Check(name, FAIL, "; ".join(problems + missing) + f" ({ONE_RANK}){figure}")
+        return Check(name, FAIL, "; ".join(problems + missing) + figure)
     if missing:
         return Check(name, NOT_RUN, "not run: " + "; ".join(missing))
     return Check(name, PASS, f"{'; '.join(shown)}: each GPU peak at most {of}{figure}")
+
+
+def _node_gpus(record: Mapping[str, Any] | None, limit_gb: float) -> tuple[list[str], str]:
+    """Each GPU of the node's peak ``memory.used`` (hy3rl.gpu_memory: every process on the
+    device, vLLM's included) against ``limit_gb``: the problems (a GPU above it, named) and
+    the figure (the largest GPU, or why the node was not sampled)."""
+    from hy3rl.gpu_memory import MIB
+
+    if not record:
+        return [], ""
+    if record.get("not_run") or not record.get("gpus"):
+        return [], (f"; the node's GPUs not sampled ({record.get('not_run') or 'no GPU'}): "
+                    "one GPU a data-parallel group judged")
+    gpus = [{**g, "peak_gb": g["peak_mib"] * MIB / 1e9} for g in record["gpus"]]
+    top = max(gpus, key=lambda g: g["peak_gb"])
+    how = f"nvidia-smi memory.used, {record['samples']} samples every {record['interval_s']:g} s"
+    problems = [f"GPU {g['index']} of the node ({g['uuid']}) peaked at {g['peak_gb']:.1f} GB "
+                f"at {g['peak_s']:g} s ({how}), above {limit_gb:.1f} GB"
+                for g in gpus if g["peak_gb"] > limit_gb]
+    return problems, (f"; the node's {len(gpus)} GPUs ({how}): GPU {top['index']} the largest "
+                      f"at {top['peak_gb']:.1f} GB")
 
 
 # whose peak verl logs: its metrics come from one rank (the last pipeline stage's tensor-
@@ -1331,6 +1363,8 @@ def run(cfg: Config, layout: Layout, *, runtime_env: Path, val: Path, out: Path,
     for line in moved:
         log.info("rehearsal: %s", line)
     failure: dict[str, Any] | None = None
+    # every GPU of the node, beside verl's one rank a data-parallel group (hy3rl.gpu_memory)
+    sampler = Sampler(NODE_SAMPLE_S).start()
     try:
         training.run(rcfg.train, rcfg.cluster, rl, keep_steps=range(1, TOTAL + 1),
                   plan=Path(rl.preflight_plan), launch_script=Path(rl.preflight_launch),
@@ -1346,12 +1380,15 @@ def run(cfg: Config, layout: Layout, *, runtime_env: Path, val: Path, out: Path,
         except EvalError as exc:
             failure = {"phase": "evaluation", "error": str(exc)}
             log.error("rehearsal: evaluation failed: %s", exc)
+    node_gpus = sampler.stop()
+    log.info("rehearsal: node GPUs: %d sample(s)%s", node_gpus["samples"],
+             f" ({node_gpus['not_run']})" if node_gpus["not_run"] else "")
     reward_path = probe_reward(rcfg, rl, train=Path(train or layout.data_train))
     log.info("rehearsal: reward path %s: %s", reward_path["status"], reward_path["detail"])
     expected = rcfg.eval.num_problems * rcfg.eval.n_samples
     rec = Records.read(rl, expected, failure, model=Path(rcfg.model.path),
                        reward_path=reward_path, gpu_memory_gb=rcfg.cluster.gpu_memory_gb,
-                       memory_headroom=cfg.rehearsal.memory_headroom)
+                       memory_headroom=cfg.rehearsal.memory_headroom, node_gpus=node_gpus)
     rec.extra["total_s"] = round(time.monotonic() - t0, 1)
     if rec.samples is not None:
         # the test set may hold fewer problems than asked for
@@ -1374,7 +1411,8 @@ def run(cfg: Config, layout: Layout, *, runtime_env: Path, val: Path, out: Path,
         "phases_s": phase_times(rec),
         "memory": {"gpu_memory_gb": rec.gpu_memory_gb, "headroom": rec.memory_headroom,
                    "phases": memory_peaks({ln["step"]: ln["data"]
-                                           for ln in _train_lines(rec.merged)})},
+                                           for ln in _train_lines(rec.merged)}),
+                   "node_gpus": node_gpus},
         "failure": failure_of(rec),
         "checks": [asdict(c) for c in checks],
         "plan": rl.preflight_plan, "checkpoint_dir": str(rl.checkpoint_dir),
