@@ -110,6 +110,89 @@ def test_status_and_stop_return_unknown_within_their_timeout(tmp_path: Path,
         job.info()
 
 
+@pytest.fixture
+def odd_dashboard():
+    """A dashboard (a real HTTP server here) that answers Ray's version check, then for a
+    job's status either sends its body a byte every 0.2 s (``mode["body"] = "trickle"``) or
+    answers HTTP 500 (``"error"``), or a well-formed status (``"ok"``)."""
+    import http.server
+    import json as _json
+
+    import ray
+
+    mode = {"body": "trickle"}
+    job = _json.dumps({"type": "SUBMISSION", "job_id": None, "submission_id": "r-1-1",
+                       "status": "RUNNING", "entrypoint": "x"}).encode()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *_args):
+            pass
+
+        def do_GET(self):  # noqa: N802 - http.server's name
+            if self.path == "/api/version":
+                body = _json.dumps({"ray_version": ray.__version__, "version": "4",
+                                    "ray_commit": "x", "session_name": "s"}).encode()
+            elif mode["body"] == "error":
+                self.send_response(500)
+                self.send_header("Content-Length", "4")
+                self.end_headers()
+                self.wfile.write(b"boom")
+                return
+            else:
+                body = job
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            if self.path == "/api/version" or mode["body"] == "ok":
+                self.wfile.write(body)
+                return
+            for i in range(len(body)):  # a byte at a time: each read well within its timeout
+                try:
+                    self.wfile.write(body[i:i + 1])
+                    self.wfile.flush()
+                except OSError:
+                    return
+                time.sleep(0.2)
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", mode
+    server.shutdown()
+    server.server_close()
+
+
+def test_a_trickled_body_or_an_http_error_is_bounded_and_named(tmp_path: Path, odd_dashboard,
+                                                               caplog) -> None:
+    """Issue 44: requests' timeout bounds each read, not the body: a status body sent a byte
+    every 0.2 s kept status() for minutes with its 5-s limit. Now the whole call ends within
+    its limit (unknown); an HTTP 500 is logged as the dashboard's answer, not as silence;
+    a well-formed answer is read."""
+    address, mode = odd_dashboard
+    job = rayjob.JobRun(address, "r-1-1", "ray", tmp_path / "driver.log", env={},
+                        headers={}, timeout_s=1.0)
+    rayjob._bounded_class()
+
+    def ours() -> int:  # threads other than the test server's own request handlers
+        return sum(1 for t in threading.enumerate() if "process_request" not in t.name)
+
+    threads = ours()
+    t0 = time.monotonic()
+    assert job.status() is None
+    assert time.monotonic() - t0 < 2.0  # the body would take ~30 s at a byte every 0.2 s
+    assert "the body did not arrive in the call's time" in caplog.text
+    assert ours() == threads  # nothing left running behind the call
+    mode["body"] = "error"
+    caplog.clear()
+    assert job.status() is None
+    assert f"the dashboard at {address} answered HTTP 500: " in caplog.text
+    assert "no answer" not in caplog.text
+    mode["body"] = "ok"
+    assert job.status() == "RUNNING" and job.known
+
+
 def silent_launch(tmp_path: Path, address: str, monkeypatch, outage_s: float, steps: int,
                   shutdown_s: float):
     """A Launcher whose dashboard is ``address``, supervising a trainer that logs one

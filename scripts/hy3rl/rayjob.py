@@ -22,8 +22,10 @@ Ray cluster to everyone else (the cluster's bring-up is ``hy3rl.launch``).
   dashboard that accepts the connection and never answers blocks it for ever), but its
   ``_do_request`` forwards keyword arguments to ``requests.request``, so
   :func:`bounded_client` gives each request what is left of the call's budget, the client's
-  own version checks included. A call that does not answer in time is "unknown" (``status()``
-  returns None, ``stop()`` gives up), logged; no thread is left behind.
+  own version checks included, and reads each body against it (:func:`body_by`: ``requests``
+  bounds each read, not the body). A call that does not answer in time is "unknown"
+  (``status()`` returns None, ``stop()`` gives up), logged as silence, or as the HTTP error
+  the dashboard answered (:meth:`JobRun.why`); no thread is left behind.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import secrets
 import subprocess
 import sys
@@ -47,6 +50,8 @@ from hy3rl.jobenv import write_private
 log = logging.getLogger("hy3rl.rayjob")
 
 TERMINAL = frozenset({"SUCCEEDED", "FAILED", "STOPPED"})
+# how Ray's job SDK reports an HTTP error the dashboard answered (dashboard_sdk._raise_error)
+HTTP_ERROR = re.compile(r"status code (\d{3})")
 # The line after which `ray job submit` prints the job's own log (ray/dashboard/modules/
 # job/cli.py); what comes before it is the CLI's own chatter.
 TAIL_MARKER = "Tailing logs until the job exits"
@@ -72,9 +77,32 @@ def _bounded_class() -> type:
             if left <= 0:
                 raise TimeoutError(f"no time left for {method} {endpoint}")
             kwargs.setdefault("timeout", left)
+            kwargs.setdefault("hooks", {"response": body_by(self.until)})
             return super()._do_request(method, endpoint, **kwargs)
 
     return BoundedJobClient
+
+
+def body_by(until: float) -> Callable[..., Any]:
+    """A ``requests`` response hook that reads the body by ``until`` (monotonic seconds):
+    ``requests``' own timeout bounds each read, not the whole body, so a body sent a byte
+    at a time kept a call for minutes. The hook runs before ``requests`` reads the body; it
+    reads what arrives (urllib3's ``read1``), checks the time between reads, and raises
+    :class:`TimeoutError` once it is past."""
+    def hook(r: Any, *_args: Any, **_kwargs: Any) -> Any:
+        chunks = []
+        while True:
+            if time.monotonic() > until:
+                r.close()
+                raise TimeoutError(f"{r.request.method} {r.url}: the body did not arrive "
+                                   f"in the call's time ({sum(map(len, chunks))} bytes)")
+            data = r.raw.read1(65536, decode_content=True)
+            if not data:
+                break
+            chunks.append(data)
+        r._content, r._content_consumed = b"".join(chunks), True  # what requests reads
+        return r
+    return hook
 
 
 def bounded_client(address: str, headers: dict[str, str], until: float) -> Any:
@@ -246,11 +274,20 @@ class JobRun:
             if self.unregistered:
                 log.info("ray job status %s: not registered yet", self.submission_id)
             else:
-                log.warning("ray job status %s: no answer from %s within %gs: %s (unknown)",
-                            self.submission_id, self.address, self.timeout_s, exc)
+                log.warning("ray job status %s: %s (unknown)", self.submission_id,
+                            self.why(exc))
             return None
         self.known, self.unregistered = True, False
         return str(getattr(status, "value", status))
+
+    def why(self, exc: BaseException) -> str:
+        """What a dashboard call's failure was: an HTTP error it answered (Ray's SDK raises
+        "Request failed with status code <n>: ..."), or no answer in time."""
+        m = HTTP_ERROR.search(str(exc))
+        if m:
+            return (f"the dashboard at {self.address} answered HTTP {m.group(1)}: "
+                    f"{str(exc)[:300]}")
+        return f"no answer from {self.address} within {self.timeout_s:g}s: {exc}"
 
     def submit_failed(self) -> str | None:
         """When ``ray job submit`` exited non-zero and Ray never knew the job (the
@@ -280,7 +317,8 @@ class JobRun:
             return True
         except Exception as exc:
             left = until - time.monotonic()
-            log.warning("ray job stop %s via the job client: %s; %s", self.submission_id, exc,
+            log.warning("ray job stop %s via the job client: %s; %s", self.submission_id,
+                        self.why(exc),
                         f"trying the CLI ({left:.0f}s left)" if left >= 1 else
                         f"no answer within {self.timeout_s:g}s (not stopped by Ray)")
             if left < 1:
