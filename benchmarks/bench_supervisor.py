@@ -52,6 +52,8 @@ from hy3rl import watchdog as wd  # noqa: E402
 
 MIN = 60.0
 GPUS = 128
+OUTAGE_STATUS_S = 30.0  # the launcher's status checks during an outage (3 x its 10-s timeout)
+OUTAGE = (2, 2 * MIN, 62 * MIN)  # a 60-min outage early in the second attempt's startup
 TOTAL, SAVE_FREQ, TEST_FREQ = 200, 20, 10
 PAPER = wd.Schedule(SAVE_FREQ, TEST_FREQ, TOTAL)
 MARGIN = 10 * MIN
@@ -241,10 +243,15 @@ def events(p: Profile, start_step: int, t0: float, startup: float, hang: Hang | 
 
 
 def run(p: Profile, tmp: Path, limit_s: float, poll_s: float, hang: Hang | None = None,
-        start: int = 0, until: int = TOTAL, stop_on_hang: bool = False) -> Result:
+        start: int = 0, until: int = TOTAL, stop_on_hang: bool = False,
+        outage: tuple[int, float, float] | None = None) -> Result:
     """The run (jobs, attempts) on the simulated clock from the save of step ``start``
     (steps 1..``start`` and one startup learned as the profile has them) until the save of
-    step ``until`` (or the first hang detected, ``stop_on_hang``); see the module doc."""
+    step ``until`` (or the first hang detected, ``stop_on_hang``); see the module doc.
+    ``outage``: (attempt, from_s, to_s): the dashboard does not answer from ``from_s`` to
+    ``to_s`` after that attempt's submission: the trainer's output reaches driver.log only
+    when it answers again, and the launcher calls Monitor.blind at each unanswered status
+    (every :data:`OUTAGE_STATUS_S`)."""
     res = Result()
     clock = Clock()
     rng = random.Random(p.seed * 7919 + 1)
@@ -279,6 +286,9 @@ def run(p: Profile, tmp: Path, limit_s: float, poll_s: float, hang: Hang | None 
             nxt = next(evs, None)
             onset = None
             outcome = None
+            held: list[str] = []  # output the dashboard's outage keeps from driver.log
+            down = ((mon.started + outage[1], mon.started + outage[2])
+                    if outage and outage[0] == res.attempts else None)
             while outcome is None:
                 t = clock.now + poll_s
                 if t >= job_end:  # SLURM's time limit
@@ -292,8 +302,11 @@ def run(p: Profile, tmp: Path, limit_s: float, poll_s: float, hang: Hang | None 
                     if kind == "hang":
                         onset = at
                     elif kind == "log":
-                        with open(driver, "a") as fh:
-                            fh.write(f"{what}\n")
+                        if down and down[0] <= at < down[1]:
+                            held.append(what)
+                        else:
+                            with open(driver, "a") as fh:
+                                fh.write(f"{what}\n")
                     elif kind == "bytes":
                         step, frac = what
                         f = ckpt / f"global_step_{step}" / "shard"
@@ -309,6 +322,16 @@ def run(p: Profile, tmp: Path, limit_s: float, poll_s: float, hang: Hang | None 
                         with open(metrics, "a") as fh:
                             fh.write(json.dumps(what) + "\n")
                     nxt = next(evs, None)
+                if down and clock.now < down[1] and t > down[0]:
+                    u = max(clock.now, down[0])
+                    while u < min(t, down[1]):  # the launcher's unanswered statuses
+                        clock.now = u
+                        mon.blind()
+                        u += OUTAGE_STATUS_S
+                    if t >= down[1] and held:  # it answers: the stream replays the output
+                        with open(driver, "a") as fh:
+                            fh.write("".join(f"{x}\n" for x in held))
+                        held = []
                 clock.now = t
                 req = mon.poll()
                 if req is None:
@@ -344,10 +367,10 @@ def run(p: Profile, tmp: Path, limit_s: float, poll_s: float, hang: Hang | None 
 
 
 def _run(args: tuple) -> Result:
-    kind, seed, limit_s, poll_s, hang = args
+    kind, seed, limit_s, poll_s, hang, *rest = args
     p = Profile.paper() if kind == "paper" else Profile.noisy(seed)
     with tempfile.TemporaryDirectory() as tmp:
-        return run(p, Path(tmp), limit_s, poll_s, hang)
+        return run(p, Path(tmp), limit_s, poll_s, hang, outage=rest[0] if rest else None)
 
 
 HANG_CASES = {
@@ -399,6 +422,9 @@ def main() -> int:
                         jobs.append(pool.submit(_slow if name in SLOW_CASES else _run,
                                                 ("paper", 0, limit, poll, hh)))
                 cases[name, noisy_hang] = [j.result() for j in jobs]
+        outages = list(pool.map(_run, [("noisy", a.seed + i, limit, a.noisy_poll_min * MIN,
+                                         None, OUTAGE) for i in range(min(a.runs, 200))],
+                                chunksize=8))
         paper = paper.result()
     print(f"paper profile ({TOTAL} steps, save_freq {SAVE_FREQ}, test_freq {TEST_FREQ}), "
           f"jobs of {a.limit_h:g} h, polls every {a.poll_min:g} min (noisy runs: "
@@ -417,6 +443,11 @@ def main() -> int:
     print(f"    time-limit stops: {len(unused)} where the next save did not fit, unused h "
           f"(median / max) {hour_fmt(unused)}; {len(reserve)} reserving for a slow save as "
           f"the job's last, unused h {hour_fmt(reserve)}")
+    print(f"  a {(OUTAGE[2] - OUTAGE[1]) / MIN:.0f}-min dashboard outage from minute "
+          f"{OUTAGE[1] / MIN:.0f} of attempt {OUTAGE[0]}'s startup (the output unseen, "
+          f"Monitor.blind every {OUTAGE_STATUS_S:g} s), {len(outages)} noisy runs: false hangs "
+          f"{sum(r.false_hangs for r in outages)}, runs not finished "
+          f"{sum(r.saved < TOTAL for r in outages)}")
     print("  detection, minutes from the hang to the stop (max over the hang at 5/50/95 % of "
           "its phase;\n    a startup's also just after each of its marks):")
     print(f"    {'where the trainer hangs':<55} {'quiet':>7} {'printing':>9}")

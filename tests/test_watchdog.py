@@ -514,6 +514,53 @@ def test_startup_sub_phases_are_learned_from_their_marks(tmp_path: Path) -> None
                                             wd.POLL_KEY: MIN}
 
 
+def test_a_dashboard_outage_in_a_startup_sub_phase_is_blind_not_hung(tmp_path: Path) -> None:
+    """Issue 44: the startup's sub-phases end at lines of the trainer's output, which the
+    launcher cannot see while the dashboard does not answer (the log stream is down with
+    it). An outage of 30 min or more during a later startup had a healthy trainer declared
+    hung (the datasets sub-phase, 3 min in a healthy startup, has the 30-min stall floor).
+    Now the blind time (Monitor.blind at each unanswered status) is not counted: the outage
+    passes, the lines the stream replays end the sub-phases; a trainer that really hung in
+    it is caught by the same limit counted without the blind time."""
+    def startup(sub: str, replay: bool) -> tuple[wd.Monitor, Clock, float]:
+        clock = Clock()
+        log_path = tmp_path / sub / "driver.log"
+        log_path.parent.mkdir()
+        log_path.write_text("")
+        m = monitor(tmp_path / sub, clock, startups=[100 * MIN], startup_marks=[MARKS_100],
+                    logs=[log_path], silence_s=45 * MIN,
+                    metrics=tmp_path / sub / "attempt.metrics.jsonl")
+        assert m.model.startup_part_limit("datasets") == 30 * MIN
+        m.start()
+        t0 = clock.now
+        clock.now += MIN
+        assert m.poll() is None
+        while clock.now < t0 + 40 * MIN:  # the dashboard silent from minute 1 to 40
+            clock.now += 0.5 * MIN
+            m.blind()
+            assert m.poll() is None, (clock.now - t0) / MIN
+        if replay:  # the stream re-attached: what the trainer printed meanwhile
+            with open(log_path, "a") as fh:
+                fh.write(V1 + MARK_LINES["datasets"] + "\n" + V1 + MARK_LINES["workers"] + "\n")
+        return m, clock, t0
+
+    m, clock, t0 = startup("healthy", replay=True)
+    assert m.poll() is None and m.startup_part() == "actor_model"
+    assert m.blind_part_s(clock.now) == 0.0  # a new sub-phase: its own time only
+    # before: "startup sub-phase datasets for 30 min, its limit 30 min" at minute 30
+    m, clock, t0 = startup("hung", replay=False)
+    req = None
+    while req is None and clock.now < t0 + 200 * MIN:
+        clock.now += MIN
+        req = m.poll()
+    # 1.5 min before the first unanswered status, then the minutes after the last one (at
+    # minute 40): the sub-phase's 30 min without the 38.5 blind ones
+    assert req and req.outcome == "hung", req
+    assert "startup sub-phase datasets for 30.5 min, its limit 30 min" in req.message, \
+        req.message
+    assert (clock.now - t0) / MIN == 69
+
+
 def first_line_after(tmp_path: Path, marks: list[str]) -> tuple[Clock, Path, wd.Monitor]:
     """A monitor whose trainer, 2 min after the submission, printed verl's startup lines
     ``marks`` and wrote its first metrics line, both seen by one poll."""

@@ -80,6 +80,9 @@ STEP_KEY = "timing_s/step"
 TEST_KEY = "timing_s/testing"
 SAVE_KEY = "timing_s/save_checkpoint"
 QUANTILE = 0.9  # validations and startups: their estimate is this quantile of those seen
+# Monitor.blind: the launcher calls it at each unanswered status (every 3 x the dashboard's
+# timeout during an outage, 30 s by default); the output counts as unseen that long after
+BLIND_HOLD_S = 120.0
 SAVE_QUANTILE = 0.5  # saves: few per run (one slow save must not be the estimate)
 STARTUP_FACTOR = 2.0  # a startup's limit over its estimate (startups vary: 75-200 min)
 UNSEEN_FACTOR = 1.5  # a phase never seen: its limit over its allowance
@@ -605,6 +608,10 @@ class Monitor:
     startup_marks: dict[str, float] = field(default_factory=dict)
     polled_at: float | None = None
     kill_after: int | None = None  # the rehearsal: stop once this step's save is complete
+    # the output unseen (Monitor.blind): the last call, and the blind seconds in the
+    # startup sub-phase in progress, which its limit does not count
+    blind_at: float | None = None
+    blind_in_part_s: float = 0.0
 
 
     def start(self) -> None:
@@ -618,9 +625,27 @@ class Monitor:
 
     def blind(self) -> None:
         """The launcher cannot see the trainer's output now (Ray's dashboard does not
-        answer, so the log stream is down): silence is not counted against the trainer
-        (its metrics lines, checkpoint bytes and phase limits are still watched)."""
-        self.last_activity = self.clock()
+        answer, so the log stream is down): silence is not counted against the trainer,
+        nor is the time in a startup sub-phase, whose end is a line of that output (its
+        metrics lines, checkpoint bytes, the whole startup's and the other phases' limits
+        are still watched). Called at each unanswered status: blind from one call to the
+        next while they come at most :data:`BLIND_HOLD_S` apart, and until that long after
+        the last."""
+        now = self.clock()
+        self.last_activity = now
+        self.blind_in_part_s += self._blind_since(now)
+        self.blind_at = now
+
+    def _blind_since(self, now: float) -> float:
+        """Blind seconds from the last :meth:`blind` (or the sub-phase's start, if later) to
+        ``now``; 0 when that call is more than :data:`BLIND_HOLD_S` ago."""
+        if self.blind_at is None or now - self.blind_at > BLIND_HOLD_S:
+            return 0.0
+        return max(0.0, now - max(self.blind_at, self.phase_started or self.blind_at))
+
+    def blind_part_s(self, now: float) -> float:
+        """Blind seconds in the startup sub-phase in progress, up to ``now``."""
+        return self.blind_in_part_s + self._blind_since(now)
 
     @property
     def startup_s(self) -> float | None:
@@ -722,6 +747,7 @@ class Monitor:
                 self.startup_marks[name] = round(now - self.started, 1)
                 if not late:
                     self.phase_started = now
+                    self.blind_in_part_s = 0.0
                 log.info("watchdog: startup: %s after %s%s", name, _minutes(now - self.started),
                          " (its line came after the first metrics line)" if late else "")
         if late:  # in the startup's order (POLL_KEY last)
@@ -791,7 +817,8 @@ class Monitor:
                 return None
             part = self.startup_part()
             part_limit = self.model.startup_part_limit(part)
-            in_part = now - self.phase_started  # from the last mark, or the submission
+            # from the last mark, or the submission, less the time its output was unseen
+            in_part = now - self.phase_started - self.blind_part_s(now)
             if quiet is not None and quiet >= self.silence_s:
                 why = (f"no output for {_minutes(quiet)}, silence limit "
                        f"{_minutes(self.silence_s)}; {_minutes(waited)} after the submission")
