@@ -188,6 +188,13 @@ def quantile(values: Sequence[float], q: float) -> float:
     return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
 
 
+def upper_median(values: Sequence[float]) -> float:
+    """The median of a non-empty list, the upper one of an even count (of two, the
+    larger: one startup's figure stands until a third says which of the two is usual)."""
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
+
+
 def p95(values: Sequence[float]) -> float:
     """The 95th percentile (nearest rank) of a non-empty list."""
     return quantile(values, 0.95)
@@ -263,20 +270,22 @@ class TimeModel:
 
     def startup_part_limit(self, name: str) -> float | None:
         """The limit of startup sub-phase ``name``, counted from its start:
-        :data:`STARTUP_FACTOR` x the :data:`QUANTILE` of its successful durations, never below
-        its share of the slowest healthy startup expected (:data:`PART_SHARE_SLACK` x its
-        largest share of the startups seen x ``startup_floor_s``: a resume slower than the
-        startups seen is no hang, as for the whole startup) nor ``stall_floor_s``, nor above
+        :data:`STARTUP_FACTOR` x the median of its successful durations, never below its
+        share of the slowest healthy startup expected (:data:`PART_SHARE_SLACK` x its median
+        share of the startups seen x ``startup_floor_s``: a resume slower than the startups
+        seen is no hang, as for the whole startup) nor ``stall_floor_s``, nor above
         ``startup_cap_s``; None while it was never seen to succeed (the whole startup's
-        limit still holds)."""
+        limit still holds). Medians (:func:`upper_median`), not the largest: one disturbed
+        startup (a slow file system during one model load) raised the limit for good (the
+        model load's 105 -> 255 min); it now comes back down once the startups after it
+        are usual again."""
         seen = self.startup_parts.get(name)
         if not seen:
             return None
         shares = self.startup_shares.get(name) or [1.0]
-        floor = PART_SHARE_SLACK * max(shares) * self.allow.startup_floor_s
+        floor = PART_SHARE_SLACK * upper_median(shares) * self.allow.startup_floor_s
         return min(self.allow.startup_cap_s,
-                   max(self.allow.stall_floor_s, floor,
-                       STARTUP_FACTOR * quantile(seen, QUANTILE)))
+                   max(self.allow.stall_floor_s, floor, STARTUP_FACTOR * upper_median(seen)))
 
     def add_lines(self, lines: Iterable[Mapping[str, Any]]) -> None:
         for rec in lines:
