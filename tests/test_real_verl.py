@@ -451,6 +451,8 @@ def test_the_doubles_metric_keys_are_verls(real_run: Real, monkeypatch, tmp_path
     # same names (actor/perf/max_memory_*), the rest is the v1 trainer's
     assert ours - real == set(), sorted(ours - real)
     for key in ("training/rollout_probs_diff_mean", "critic/score/mean", "response_length/max",
-                "response_length/clip_ratio", "actor/grad_norm", "actor/entropy"):
+                "response_length/clip_ratio", "actor/grad_norm", "actor/entropy",
+                # the rehearsal's checks of issue 43 (generated, reward)
+                "response_length/min", "response/aborted_ratio", "critic/score/min"):
         assert key in real and key in ours, key
     assert double["response_length/clip_ratio"] > 0
