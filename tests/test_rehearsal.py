@@ -693,11 +693,12 @@ def test_a_real_stage_predicted_above_the_headroom_from_the_measured_peak_fails(
     the plan's prediction puts the run's stage 1 10.2 GB above it (14 more microbatches in
     flight, less the embedding and output): 87.5 GB, above 0.9 x 96 GB. The check fails
     naming that stage; stages 0 and 2 (85.4 and 86.2 GB) are within it."""
+    from hy3rl import stage_memory as sm
     from hy3rl.stage import stage_config
     from test_stage import HY3, PAPER_EFF, _rehearsal_eff
 
     cfg, _ = stage_config(HY3, 16)
-    memory = rh.memory_prediction(HY3, PAPER_EFF, cfg, _rehearsal_eff())
+    memory = sm.plan_prediction(HY3, PAPER_EFF, cfg, _rehearsal_eff())
     plan = {**_records().plan, "rehearsal": {"reductions": [{"key": "k"}],
                                              "per_gpu": {"memory": memory}}}
     merged = [m if not m["step"] else _line(m["step"], **{

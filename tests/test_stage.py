@@ -189,21 +189,23 @@ def test_vllm_at_the_runs_concurrency_per_engine() -> None:
 def test_a_plan_whose_worst_stage_exceeds_the_headroom_is_refused_naming_it() -> None:
     """Issue 43: the paper plan on a GPU of 64 GB: stage 1's predicted 63.2 GB is above 0.9
     of it; the refusal names the stages over, the heaviest first, with their terms."""
+    from hy3rl import stage_memory as sm
+
     cfg, _ = stage.stage_config(HY3, 16)
-    memory = rh.memory_prediction(HY3, PAPER_EFF, cfg, _rehearsal_eff())
+    memory = sm.plan_prediction(HY3, PAPER_EFF, cfg, _rehearsal_eff())
     assert (memory["heaviest"], memory["heaviest_mix"], memory["rehearsal_mix"]) == (
         1, "5 MoE", "5 MoE + embedding + output")
-    assert rh.memory_refusal(memory, 96.0, 0.9) is None
-    why = rh.memory_refusal(memory, 64.0, 0.9)
+    assert sm.refusal(memory, 96.0, 0.9) is None
+    why = sm.refusal(memory, 64.0, 0.9)
     assert why.startswith(
         "the run's predicted peak exceeds 0.9 of the 64 GB GPU (57.6 GB) on 6 of 16 pipeline "
         "stage(s): stage 1 (layers 5-9: 5 MoE): static 44.34 GB + 15 microbatch(es) in "
         "flight x 1.258 GB = 63.21 GB; stage 2 (layers 10-14: 5 MoE)"), why
     assert "experts / (EP x ETP) x (2 + 4 + 12 / 1) B" in why
-    fsdp = rh.memory_prediction(HY3, {**PAPER_EFF, "actor_rollout_ref.actor.strategy": "fsdp"},
-                                cfg, _rehearsal_eff())
+    fsdp = sm.plan_prediction(HY3, {**PAPER_EFF, "actor_rollout_ref.actor.strategy": "fsdp"},
+                              cfg, _rehearsal_eff())
     assert fsdp["not_run"].startswith("not run: actor strategy 'fsdp'")
-    assert rh.memory_refusal(fsdp, 64.0, 0.9) is None
+    assert sm.refusal(fsdp, 64.0, 0.9) is None
 
 
 def test_a_stage_that_cannot_be_cut_is_refused_naming_the_key() -> None:

@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any
 
 QUERY = ("--query-gpu=index,uuid,memory.used,memory.total", "--format=csv,noheader,nounits")
@@ -121,3 +122,22 @@ class Sampler:
                 "interval_s": self.interval_s, "errors": self.errors,
                 "error_count": self.error_count, "not_run": not_run,
                 "query": f"nvidia-smi {' '.join(QUERY)}"}
+
+
+def judge(record: Mapping[str, Any] | None, limit_gb: float) -> tuple[list[str], str]:
+    """Each GPU's peak ``memory.used`` in a :class:`Sampler` record (every process on the
+    device, vLLM's included) against ``limit_gb``: the problems (a GPU above it, named) and
+    the figure (the largest GPU, or why the node was not sampled)."""
+    if not record:
+        return [], ""
+    if record.get("not_run") or not record.get("gpus"):
+        return [], (f"; the node's GPUs not sampled ({record.get('not_run') or 'no GPU'}): "
+                    "one GPU a data-parallel group judged")
+    gpus = [{**g, "peak_gb": g["peak_mib"] * MIB / 1e9} for g in record["gpus"]]
+    top = max(gpus, key=lambda g: g["peak_gb"])
+    how = f"nvidia-smi memory.used, {record['samples']} samples every {record['interval_s']:g} s"
+    problems = [f"GPU {g['index']} of the node ({g['uuid']}) peaked at {g['peak_gb']:.1f} GB "
+                f"at {g['peak_s']:g} s ({how}), above {limit_gb:.1f} GB"
+                for g in gpus if g["peak_gb"] > limit_gb]
+    return problems, (f"; the node's {len(gpus)} GPUs ({how}): GPU {top['index']} the largest "
+                      f"at {top['peak_gb']:.1f} GB")

@@ -53,6 +53,7 @@ from typing import Any
 from hy3rl.atomic import write_json_atomic
 from hy3rl.errors import StageError
 from hy3rl.gpu_memory import Sampler
+from hy3rl.gpu_memory import judge as judge_node
 from hy3rl.layout import Layout
 from hy3rl.preflight.rules import to_int
 from hy3rl.settings import Config, Runtime
@@ -293,6 +294,7 @@ def per_gpu_figures(cfg: Config, layout: Layout, main: Mapping[str, Any],
     (hy3rl.stage.per_gpu), and the figures that differ (hy3rl.stage.SAME)."""
     from hy3rl.preflight import model_bytes
     from hy3rl.stage import compare, per_gpu
+    from hy3rl.stage_memory import plan_prediction
 
     def config(path: Path) -> dict[str, Any]:
         return read_record(path / "config.json") or {}
@@ -306,55 +308,8 @@ def per_gpu_figures(cfg: Config, layout: Layout, main: Mapping[str, Any],
     reh = per_gpu(config(rmodel), rehearsal.get("effective") or {}, gpu_memory_gb=gmem,
                   model_bytes=(index.get("metadata") or {}).get("total_size"))
     return {"run": run, "rehearsal": reh, "differ": compare(run, reh),
-            "memory": memory_prediction(config(Path(cfg.model.path)), main.get("effective")
-                                        or {}, config(rmodel),
-                                        rehearsal.get("effective") or {})}
-
-
-def memory_prediction(run_cfg: Mapping[str, Any], run_eff: Mapping[str, Any],
-                      reh_cfg: Mapping[str, Any], reh_eff: Mapping[str, Any]
-                      ) -> dict[str, Any]:
-    """hy3rl.stage_memory.stages of the run's plan (every pipeline stage) and of the
-    rehearsal's (its one stage), the run's heaviest stage and whether the rehearsal's stage
-    holds its layer mix; ``not_run`` (the reason) for a plan it cannot model (not Megatron,
-    a model or layout it cannot read)."""
-    from hy3rl.stage_memory import MemoryModelError, stages
-
-    if run_eff.get("actor_rollout_ref.actor.strategy") != "megatron":
-        return {"not_run": f"not run: actor strategy "
-                           f"{run_eff.get('actor_rollout_ref.actor.strategy')!r} (the model "
-                           "covers Megatron's pipeline stages)"}
-
-    def world(eff: Mapping[str, Any]) -> int:
-        return to_int(eff.get("trainer.nnodes"), 0) * to_int(eff.get("trainer.n_gpus_per_node"), 0)
-
-    try:
-        run = stages(run_cfg, run_eff, world(run_eff))
-        reh = stages(reh_cfg, reh_eff, world(reh_eff))
-    except MemoryModelError as exc:
-        return {"not_run": f"not run: {exc}"}
-    worst = run["stages"][run["worst"]]
-    return {"run": run, "rehearsal": reh, "heaviest": worst["stage"],
-            "heaviest_mix": worst["mix"], "rehearsal_mix": reh["stages"][0]["mix"]}
-
-
-def memory_refusal(memory: Mapping[str, Any], gpu_memory_gb: float | None,
-                   headroom: float) -> str | None:
-    """Why the run cannot fit (its predicted stages above ``headroom`` x the GPU), naming
-    each such stage with its terms; None when every stage fits or nothing was predicted."""
-    from hy3rl.stage_memory import describe
-
-    if "run" not in memory or not gpu_memory_gb:
-        return None
-    limit = headroom * gpu_memory_gb
-    over = [r for r in memory["run"]["stages"] if r["peak_gb"] > limit]
-    if not over:
-        return None
-    return (f"the run's predicted peak exceeds {headroom:g} of the {gpu_memory_gb:g} GB GPU "
-            f"({limit:.1f} GB) on {len(over)} of {len(memory['run']['stages'])} pipeline "
-            "stage(s): " + "; ".join(describe(r) for r in sorted(
-                over, key=lambda r: -r["peak_gb"])[:3])
-            + f" ({memory['run']['terms']}; not modeled: {memory['run']['not_modeled']})")
+            "memory": plan_prediction(config(Path(cfg.model.path)), main.get("effective")
+                                      or {}, config(rmodel), rehearsal.get("effective") or {})}
 
 
 def runtime_fingerprint(runtime: Runtime) -> str:
@@ -439,9 +394,11 @@ def plan(cfg: Config, layout: Layout, *, lock: Path, data_summary: Path, train_f
         "shape": cfg.rehearsal.shape,
         "per_gpu": per_gpu_figures(cfg, layout, main, doc),
     }
+    from hy3rl.stage_memory import refusal
+
     differ = doc["rehearsal"]["per_gpu"]["differ"]
-    too_big = memory_refusal(doc["rehearsal"]["per_gpu"]["memory"],
-                             cfg.cluster.gpu_memory_gb or None, cfg.rehearsal.memory_headroom)
+    too_big = refusal(doc["rehearsal"]["per_gpu"]["memory"], cfg.cluster.gpu_memory_gb or None,
+                      cfg.rehearsal.memory_headroom)
     if too_big:
         out.unlink(missing_ok=True)
         raise RehearsalError(f"{too_big}: lower the stored activations (ACTOR_PP, "
@@ -898,7 +855,7 @@ def _check_memory(rec: Records, by_step: Mapping[int, Mapping[str, Any]]) -> Che
     if problems:  # verl's own figures: one rank a data-parallel group
         problems[-1] += f" ({ONE_RANK})"
     predicted, figure = _predicted_stages(rec, by_step, share * device)
-    node, node_figure = _node_gpus(rec.node_gpus, share * device)
+    node, node_figure = judge_node(rec.node_gpus, share * device)
     problems += predicted + node
     figure += node_figure
     if problems:
@@ -906,27 +863,6 @@ def _check_memory(rec: Records, by_step: Mapping[int, Mapping[str, Any]]) -> Che
     if missing:
         return Check(name, NOT_RUN, "not run: " + "; ".join(missing))
     return Check(name, PASS, f"{'; '.join(shown)}: each GPU peak at most {of}{figure}")
-
-
-def _node_gpus(record: Mapping[str, Any] | None, limit_gb: float) -> tuple[list[str], str]:
-    """Each GPU of the node's peak ``memory.used`` (hy3rl.gpu_memory: every process on the
-    device, vLLM's included) against ``limit_gb``: the problems (a GPU above it, named) and
-    the figure (the largest GPU, or why the node was not sampled)."""
-    from hy3rl.gpu_memory import MIB
-
-    if not record:
-        return [], ""
-    if record.get("not_run") or not record.get("gpus"):
-        return [], (f"; the node's GPUs not sampled ({record.get('not_run') or 'no GPU'}): "
-                    "one GPU a data-parallel group judged")
-    gpus = [{**g, "peak_gb": g["peak_mib"] * MIB / 1e9} for g in record["gpus"]]
-    top = max(gpus, key=lambda g: g["peak_gb"])
-    how = f"nvidia-smi memory.used, {record['samples']} samples every {record['interval_s']:g} s"
-    problems = [f"GPU {g['index']} of the node ({g['uuid']}) peaked at {g['peak_gb']:.1f} GB "
-                f"at {g['peak_s']:g} s ({how}), above {limit_gb:.1f} GB"
-                for g in gpus if g["peak_gb"] > limit_gb]
-    return problems, (f"; the node's {len(gpus)} GPUs ({how}): GPU {top['index']} the largest "
-                      f"at {top['peak_gb']:.1f} GB")
 
 
 # whose peak verl logs: its metrics come from one rank (the last pipeline stage's tensor-

@@ -317,3 +317,48 @@ def matching_utilization(run: Mapping[str, Any], model_cfg: Mapping[str, Any],
     need = run["kv_tokens"] * reh["kv_bytes_per_token"] + loaded_bytes(model_cfg,
                                                                          model_bytes) / rtp
     return math.ceil(need / (gpu_memory_gb * GB) * 1e4) / 1e4
+
+
+# --------------------------------------------------------------------------- the plans
+
+
+def plan_prediction(run_cfg: Mapping[str, Any], run_eff: Mapping[str, Any],
+                      reh_cfg: Mapping[str, Any], reh_eff: Mapping[str, Any]
+                      ) -> dict[str, Any]:
+    """:func:`stages` of the run's plan (every pipeline stage) and of the
+    rehearsal's (its one stage), the run's heaviest stage and whether the rehearsal's stage
+    holds its layer mix; ``not_run`` (the reason) for a plan it cannot model (not Megatron,
+    a model or layout it cannot read)."""
+    if run_eff.get("actor_rollout_ref.actor.strategy") != "megatron":
+        return {"not_run": f"not run: actor strategy "
+                           f"{run_eff.get('actor_rollout_ref.actor.strategy')!r} (the model "
+                           "covers Megatron's pipeline stages)"}
+
+    def world(eff: Mapping[str, Any]) -> int:
+        return to_int(eff.get("trainer.nnodes"), 0) * to_int(eff.get("trainer.n_gpus_per_node"), 0)
+
+    try:
+        run = stages(run_cfg, run_eff, world(run_eff))
+        reh = stages(reh_cfg, reh_eff, world(reh_eff))
+    except MemoryModelError as exc:
+        return {"not_run": f"not run: {exc}"}
+    worst = run["stages"][run["worst"]]
+    return {"run": run, "rehearsal": reh, "heaviest": worst["stage"],
+            "heaviest_mix": worst["mix"], "rehearsal_mix": reh["stages"][0]["mix"]}
+
+
+def refusal(memory: Mapping[str, Any], gpu_memory_gb: float | None,
+                   headroom: float) -> str | None:
+    """Why the run cannot fit (its predicted stages above ``headroom`` x the GPU), naming
+    each such stage with its terms; None when every stage fits or nothing was predicted."""
+    if "run" not in memory or not gpu_memory_gb:
+        return None
+    limit = headroom * gpu_memory_gb
+    over = [r for r in memory["run"]["stages"] if r["peak_gb"] > limit]
+    if not over:
+        return None
+    return (f"the run's predicted peak exceeds {headroom:g} of the {gpu_memory_gb:g} GB GPU "
+            f"({limit:.1f} GB) on {len(over)} of {len(memory['run']['stages'])} pipeline "
+            "stage(s): " + "; ".join(describe(r) for r in sorted(
+                over, key=lambda r: -r["peak_gb"])[:3])
+            + f" ({memory['run']['terms']}; not modeled: {memory['run']['not_modeled']})")
