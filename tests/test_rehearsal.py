@@ -721,12 +721,19 @@ def test_a_real_stage_predicted_above_the_headroom_from_the_measured_peak_fails(
         "largest"), check.detail
 
 
+def _set(state: Path, text: str) -> None:
+    """The stand-in's answer, replaced whole (it may read while the test writes)."""
+    tmp = state.with_suffix(".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, state)
+
+
 def _fake_smi(tmp_path: Path, used: list[int]) -> tuple[str, Path]:
     """An ``nvidia-smi`` stand-in (no GPU here) answering the query as the real one does
     (csv, noheader, nounits: index, uuid, memory.used MiB, memory.total MiB) with the
     values of a file the test rewrites; exits 9 when the file says so."""
     state = tmp_path / "smi-used.txt"
-    state.write_text(" ".join(map(str, used)))
+    _set(state, " ".join(map(str, used)))
     smi = tmp_path / "nvidia-smi"
     smi.write_text("#!/bin/sh\n"
                    f'read -r line < "{state}"\n'
@@ -746,13 +753,19 @@ def test_every_gpu_of_the_node_is_sampled_and_judged(tmp_path: Path) -> None:
 
     from hy3rl.gpu_memory import MIB, Sampler
 
+    def after(sampler: Sampler, k: int) -> None:
+        """Until ``k`` more samples were taken (the first may have read the state before)."""
+        until, want = _time.monotonic() + 60, sampler.samples + k
+        while sampler.samples < want and _time.monotonic() < until:
+            _time.sleep(0.02)
+
     smi, state = _fake_smi(tmp_path, [1000] * 8)
     sampler = Sampler(0.05, smi=smi).start()
-    _time.sleep(0.3)
-    state.write_text(" ".join(["62000"] * 7 + ["85000"]))  # GPU 7: 89.1 GB
-    _time.sleep(0.3)
-    state.write_text(" ".join(["1000"] * 8))
-    _time.sleep(0.3)
+    after(sampler, 2)
+    _set(state, " ".join(["62000"] * 7 + ["85000"]))  # GPU 7: 89.1 GB
+    after(sampler, 2)
+    _set(state, " ".join(["1000"] * 8))
+    after(sampler, 2)
     node = sampler.stop()
     assert node["not_run"] is None and node["samples"] >= 6 and not node["errors"]
     assert [g["peak_mib"] for g in node["gpus"]] == [62000.0] * 7 + [85000.0]
@@ -769,9 +782,11 @@ def test_every_gpu_of_the_node_is_sampled_and_judged(tmp_path: Path) -> None:
     assert check.status == "pass" and "; the node's 8 GPUs (nvidia-smi memory.used, " in \
         check.detail and check.detail.endswith("GPU 0 the largest at 65.0 GB")
     # nvidia-smi failing, or absent: nothing sampled, said so; verl's figure alone judged
-    state.write_text("fail")
+    _set(state, "fail")
     broken = Sampler(0.05, smi=smi).start()
-    _time.sleep(0.2)
+    until = _time.monotonic() + 60
+    while broken.error_count < 2 and _time.monotonic() < until:
+        _time.sleep(0.02)
     rec = broken.stop()
     assert rec["samples"] == 0 and rec["not_run"].startswith(
         "not run: no sample: " + f"{smi} exited 9: NVIDIA-SMI has failed")
