@@ -38,6 +38,7 @@ class SlurmTrain:
     def __init__(self, setup: TrainSetup, profile_args: list[str], **train_cfg):
         self.setup = setup
         self.work = setup.root
+        self.created = time.time()  # what the test's jobs leave is newer
         # The stop-before-the-time-limit margin fits the test cluster's 10-minute jobs.
         cfg = {"checkpoint_root": str(setup.ckpt_root), "prune_interval_s": 1,
                "checkpoint_keep": 2, "time_limit_margin_min": 0.5,
@@ -112,7 +113,12 @@ def wait_for(cond, timeout: float, what: str, every: float = 1.0):
 
 def no_leftovers(st: SlurmTrain, job_id: str) -> None:
     assert not leftover_ray(f"{RUN}-{job_id}-"), f"Ray processes of job {job_id} left"
-    assert not list(Path("/tmp").glob(f"hy3rl-ray-{job_id}-*")), "node temp dirs left"
+    # newer than the test: a fresh test cluster numbers its jobs from 1 again, so a dir an
+    # earlier cluster's job of the same number left (another run on this machine) is not
+    # this job's
+    left = [p for p in Path("/tmp").glob(f"hy3rl-ray-{job_id}-*")
+            if p.stat().st_mtime >= st.created]
+    assert not left, f"node temp dirs left: {left}"
     assert not (st.setup.ckpt / ckptdir.LOCK_NAME).exists()
 
 
