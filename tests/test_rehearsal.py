@@ -917,6 +917,14 @@ def test_the_doubles_good_checkpoints_pass_the_state_checks(tmp_path, monkeypatc
     assert "expert biases bit-identical" in checks["updated"].detail
 
 
+def _not_farther(ratio: str) -> str:
+    """The pattern of updated's problem when step 3 is not farther from the input."""
+    return (r"step 3 is not farther from the input than step 2 \(distance from the input "
+            rf"[\d.]+ at step 2, [\d.]+ at step 3 \({ratio} x\); at least 1\.1 x expected\): "
+            r"the resume did not continue from step 2's weights \(step 3 was trained from the "
+            r"input model or an older checkpoint\)")
+
+
 def test_weights_unchanged_at_step_three_fail_the_updated_check(tmp_path, monkeypatch,
                                                                 tiny_hy3_dir) -> None:
     rl = _double_saves(tmp_path, monkeypatch, tiny_hy3_dir, {"weights_unchanged": 3})
@@ -924,10 +932,7 @@ def test_weights_unchanged_at_step_three_fail_the_updated_check(tmp_path, monkey
     assert set(failed) == {"updated"}
     assert re.fullmatch(r"(\d+) of \1 trained matrices unchanged at step 3 against step 2; "
                         r"largest: lm_head\.weight \(\d+ elements\), \S+ \(\d+ elements\), "
-                        r"\S+ \(\d+ elements\); step 3 is not farther from the input than "
-                        r"step 2 \(distance from the input [\d.]+ at step 2, [\d.]+ at step 3 "
-                        r"\(1 x\); at least 1\.1 x expected\): the resume did not continue "
-                        r"from step 2's weights .*", failed["updated"]), failed
+                        r"\S+ \(\d+ elements\); " + _not_farther("1"), failed["updated"]), failed
 
 
 @pytest.mark.parametrize("lost", ["input", "step 1"])
@@ -937,24 +942,18 @@ def test_a_resume_that_did_not_load_the_weights_fails_the_updated_check(
     trained step 3 from the input model (or from step 1's weights): every trained matrix
     still changed against step 2 and the input, so only the distance tells: a healthy step 3
     lies farther from the input than step 2, this one does not."""
-    if lost == "input":
-        rl = _double_saves(tmp_path, monkeypatch, tiny_hy3_dir, {"weights_not_loaded": 2},
-                           resumed_at=2)
-    else:  # step 3 = step 1's weights and one update: step 2's distance again
-        rl = _double_saves(tmp_path, monkeypatch, tiny_hy3_dir, {"weights_not_loaded": 1},
-                           resumed_at=1)
+    # from step 1: step 3 = step 1's weights and one update, step 2's distance again
+    at = {"input": 2, "step 1": 1}[lost]
+    rl = _double_saves(tmp_path, monkeypatch, tiny_hy3_dir, {"weights_not_loaded": at},
+                       resumed_at=at)
     failed = _state_failed(rl, tiny_hy3_dir)
     assert list(failed) == ["updated"], failed
     ratio = "0.5" if lost == "input" else "1"
     # the double's update is the same every step: step 1 + one update is step 2 bit for bit
     # (named as unchanged too); a real step from step 1's weights differs from step 2's at
     # the same distance from the input (~1 x), which only this figure tells
-    assert re.fullmatch(r"(\d+ of \d+ trained matrices unchanged .*; )?"
-                        r"step 3 is not farther from the input than step 2 \(distance from "
-                        rf"the input [\d.]+ at step 2, [\d.]+ at step 3 \({ratio} x\); at "
-                        r"least 1\.1 x expected\): the resume did not continue from step 2's "
-                        r"weights \(step 3 was trained from the input model or an older "
-                        r"checkpoint\)", failed["updated"]), failed
+    assert re.fullmatch(r"(\d+ of \d+ trained matrices unchanged .*; )?" + _not_farther(ratio),
+                        failed["updated"]), failed
 
 
 def test_an_expert_bias_that_moved_fails_the_updated_check(tmp_path, monkeypatch,

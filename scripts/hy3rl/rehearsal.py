@@ -177,12 +177,14 @@ def derive(cfg: Config, layout: Layout) -> Config:
     raw["preflight"]["model_bytes"] = 0  # the rehearsal model's own size, from its index
     tr = raw["train"]
     env = {**SHAPE_ENV[reh.shape], **reh.env}
-    if reh.shape == "stage" and MEM_UTIL_KNOB not in reh.env:
-        util = stage_mem_util(cfg, layout)
-        if util is not None:
-            env[MEM_UTIL_KNOB] = util
-    if reh.shape == "stage" and not {"TRAIN_BATCH_SIZE", "PPO_MINI_BATCH_SIZE"} & set(reh.env):
-        env.update(stage_batch(cfg, layout) or {})
+    if reh.shape == "stage":
+        run = _run_rollout(cfg, layout)  # the run's plan and vLLM figures, read once
+        if MEM_UTIL_KNOB not in reh.env:
+            util = stage_mem_util(cfg, layout, run)
+            if util is not None:
+                env[MEM_UTIL_KNOB] = util
+        if not {"TRAIN_BATCH_SIZE", "PPO_MINI_BATCH_SIZE"} & set(reh.env):
+            env.update(stage_batch(cfg, run) or {})
     # saved at every step; validated before training and at the last step (as verl does)
     tr["env"] = {**tr["env"], **env, "SAVE_FREQ": 1, "TEST_FREQ": TOTAL}
     # its own experiment name (W&B run name, verl's logs) unless the rehearsal sets one
@@ -240,45 +242,50 @@ def _run_rollout(cfg: Config, layout: Layout) -> tuple[dict[str, Any], dict[str,
         return None
 
 
-def stage_mem_util(cfg: Config, layout: Layout) -> float | None:
+def _stage_rollout_tp(cfg: Config) -> int:
+    """The rollout TP of the ``stage`` shape's rehearsal (rehearsal.env over SHAPE_ENV)."""
+    return int({**SHAPE_ENV["stage"], **cfg.rehearsal.env}["ROLLOUT_TP"])
+
+
+def stage_mem_util(cfg: Config, layout: Layout,
+                   run: tuple[dict[str, Any], dict[str, Any]] | None) -> float | None:
     """``shape: stage``: vLLM's memory fraction that gives each engine of the rehearsal (one
     GPU at the shape's rollout TP) the KV capacity in tokens each engine of the run will
     have (hy3rl.stage_memory.matching_utilization: the run's tokens at the stage's bytes a
     token, plus the stage's weights as vLLM loads them, without the MTP layer), from the
-    run's plan and model and the built stage; None while one of them is not on disk yet
-    (before rule rehearsal_model)."""
+    run's plan and model (``run``: :func:`_run_rollout`) and the built stage; None while one
+    of them is not on disk yet (before rule rehearsal_model)."""
     from hy3rl.stage_memory import MemoryModelError, matching_utilization
 
-    got = _run_rollout(cfg, layout)
     stage_cfg = read_record(Path(layout.rehearsal_model) / "config.json")
     stage_index = read_record(Path(layout.rehearsal_model) / "model.safetensors.index.json")
     stage_total = ((stage_index or {}).get("metadata") or {}).get("total_size")
     gmem = cfg.cluster.gpu_memory_gb
-    if got is None or not stage_cfg or not stage_total or not gmem:
+    if run is None or not stage_cfg or not stage_total or not gmem:
         return None
-    eff, run = got
-    rtp = int({**SHAPE_ENV["stage"], **cfg.rehearsal.env}["ROLLOUT_TP"])
+    eff, figures = run
+    rtp = _stage_rollout_tp(cfg)
     try:
         return matching_utilization(
-            run, stage_cfg, {**eff, "actor_rollout_ref.rollout.tensor_model_parallel_size": rtp},
-            float(gmem), model_bytes=int(stage_total))
+            figures, stage_cfg,
+            {**eff, "actor_rollout_ref.rollout.tensor_model_parallel_size": rtp}, float(gmem),
+            model_bytes=int(stage_total))
     except MemoryModelError:
         return None
 
 
-def stage_batch(cfg: Config, layout: Layout) -> dict[str, int] | None:
+def stage_batch(cfg: Config, run: tuple[dict[str, Any], dict[str, Any]] | None
+                ) -> dict[str, int] | None:
     """``shape: stage``: the batch (``TRAIN_BATCH_SIZE``, ``PPO_MINI_BATCH_SIZE`` in the
     run's proportion) that gives each vLLM engine of the rehearsal (its node's GPUs at the
-    shape's rollout TP) the requests a step each engine of the run serves; None before the
-    run's plan exists or where no whole batch does."""
-    got = _run_rollout(cfg, layout)
-    if got is None or not got[1].get("requests_per_engine"):
+    shape's rollout TP) the requests a step each engine of the run serves (``run``:
+    :func:`_run_rollout`); None before the run's plan exists or where no whole batch does."""
+    if run is None or not run[1].get("requests_per_engine"):
         return None
-    eff, run = got
-    rtp = int({**SHAPE_ENV["stage"], **cfg.rehearsal.env}["ROLLOUT_TP"])
+    eff, figures = run
     n = to_int(eff.get("actor_rollout_ref.rollout.n"), 0)
-    engines = cfg.cluster.gpus_per_node // rtp
-    batch = run["requests_per_engine"] * engines / n if n else 0
+    engines = cfg.cluster.gpus_per_node // _stage_rollout_tp(cfg)
+    batch = figures["requests_per_engine"] * engines / n if n else 0
     run_batch = to_int(eff.get("data.train_batch_size"), 0)
     run_mini = to_int(eff.get("actor_rollout_ref.actor.ppo_mini_batch_size"), 0)
     if not batch or batch != int(batch) or not run_batch or not run_mini:
@@ -368,6 +375,7 @@ def plan(cfg: Config, layout: Layout, *, lock: Path, data_summary: Path, train_f
     the steps and the planned kill. Raises preflight's errors as they are."""
     from hy3rl import preflight
     from hy3rl.runtime_id import sha256_file
+    from hy3rl.stage_memory import refusal
 
     rl = layout.rehearsal_layout()
     rcfg = derive(cfg, layout)
@@ -394,8 +402,6 @@ def plan(cfg: Config, layout: Layout, *, lock: Path, data_summary: Path, train_f
         "shape": cfg.rehearsal.shape,
         "per_gpu": per_gpu_figures(cfg, layout, main, doc),
     }
-    from hy3rl.stage_memory import refusal
-
     differ = doc["rehearsal"]["per_gpu"]["differ"]
     too_big = refusal(doc["rehearsal"]["per_gpu"]["memory"], cfg.cluster.gpu_memory_gb or None,
                       cfg.rehearsal.memory_headroom)

@@ -48,7 +48,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from hy3rl.checkpoint import DTYPE_SIZES, expected_inventory, model_shape
+from hy3rl.checkpoint import DTYPE_SIZES, ModelShape, expected_inventory, model_shape
 from hy3rl.preflight.rules import to_int, truthy
 from hy3rl.verl_log import finite_number
 
@@ -93,13 +93,20 @@ def _parallel(eff: Mapping[str, Any], world: int) -> dict[str, Any]:
             "expert_shards": world // (pp * ep * etp) if dist else 1}
 
 
+def _shape(model_cfg: Mapping[str, Any]) -> ModelShape:
+    """The config's layer kinds (hy3rl.checkpoint.model_shape), or what prevents knowing them
+    as a :class:`MemoryModelError`."""
+    ms, problems = model_shape(dict(model_cfg))
+    if ms is None:
+        raise MemoryModelError("; ".join(problems))
+    return ms
+
+
 def _counts(model_cfg: Mapping[str, Any]) -> dict[str, Any]:
     """Parameters of the model by where they live: per decoder layer ``dense`` / ``expert``
     / ``buffer`` (the fp32 expert bias) counts, the MTP layer's, the embedding, and the
     output (lm_head, or the tied embedding's copy, and the final norm)."""
-    ms, problems = model_shape(dict(model_cfg))
-    if ms is None:
-        raise MemoryModelError("; ".join(problems))
+    ms = _shape(model_cfg)
     n = ms.layers
     layers = [{"dense": 0, "expert": 0, "buffer": 0} for _ in range(n + len(ms.mtp))]
     embed = output = 0
@@ -245,9 +252,7 @@ def from_measured(measured_gb: float, run: Mapping[str, Any], rehearsal: Mapping
 
 def _bytes(model_cfg: Mapping[str, Any]) -> tuple[int, int]:
     """Bytes of the config's tensors: those vLLM loads (all but the MTP layer's), all."""
-    ms, problems = model_shape(dict(model_cfg))
-    if ms is None:
-        raise MemoryModelError("; ".join(problems))
+    ms = _shape(model_cfg)
     loaded = total = 0
     for name, e in expected_inventory(ms).items():
         size = math.prod(e.shape) * DTYPE_SIZES[e.dtype]
