@@ -25,7 +25,9 @@ Reported:
 - **hangs**, each case of issue 29's table on the paper profile: the trainer stops in a
   phase (at 5 %, 50 % and 95 % of it) and the time to detection is measured (max): a hang
   that goes quiet (no output: a collective blocked on every rank), and one that keeps
-  printing (only the phase limits and the checkpoint bytes can tell).
+  printing (only the phase limits and the checkpoint bytes can tell); issue 44's saves: one
+  hung after verl's save line before its first byte, and one whose bytes trickle (4 MB
+  every 5-44 min after the hang).
 - **five startup hangs** on the same nodes: idle GPU-hours until each is declared hung,
   and the attempt after which ``hy3rl.train.after_attempt`` excludes the nodes.
 
@@ -36,12 +38,14 @@ Reported:
 from __future__ import annotations
 
 import argparse
+import heapq
 import json
+import math
 import random
 import statistics
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,9 +62,14 @@ TOTAL, SAVE_FREQ, TEST_FREQ = 200, 20, 10
 PAPER = wd.Schedule(SAVE_FREQ, TEST_FREQ, TOTAL)
 MARGIN = 10 * MIN
 SILENCE = 45 * MIN  # train.watchdog.silence_min's default
+# the checkpoint's bytes on disk are its real size x BYTE_SCALE (sparse files)
+CKPT_BYTES, BYTE_SCALE = 4e12, 1e-6
 ALLOW = wd.Allowances(startup_s=180 * MIN, step_s=60 * MIN, validation_s=None,
                       save_s=4.1e12 / 1e9, shutdown_s=15 * MIN,  # 4.1 TB at 1 GB/s
-                      startup_floor_s=200 * MIN, startup_cap_s=360 * MIN)  # the defaults
+                      startup_floor_s=200 * MIN, startup_cap_s=360 * MIN,  # the defaults
+                      first_byte_s=15 * MIN, save_rate_b_s=1e9 * BYTE_SCALE)
+TRICKLE_GAP = (5 * MIN, 44 * MIN)  # a trickling save: a write of TRICKLE_BYTES this often
+TRICKLE_BYTES = 4e6
 STALL = wd.StallPolicy(None, 2.0, 30 * MIN, 360 * MIN)  # train.watchdog's defaults
 LOG_GAP = (0.5 * MIN, 15 * MIN)
 # verl@220e903's v1 trainer as a save starts (trainer_base.py:720, verl's logging format,
@@ -128,13 +137,15 @@ class Profile:
 @dataclass(frozen=True)
 class Hang:
     """The trainer stops in ``phase`` (startup, step, save, validation) of ``step`` (a
-    startup: of ``attempt``) at ``frac`` of it; ``noisy``: its output goes on."""
+    startup: of ``attempt``) at ``frac`` of it; ``noisy``: its output goes on; ``trickle``:
+    a save's bytes go on, :data:`TRICKLE_BYTES` every :data:`TRICKLE_GAP`."""
 
     phase: str
     step: int = 0
     frac: float = 0.5
     noisy: bool = False
     attempts: tuple[int, ...] = ()
+    trickle: bool = False  # a save: its bytes go on, a small write every 5-44 min
 
 
 @dataclass
@@ -186,13 +197,29 @@ def events(p: Profile, start_step: int, t0: float, startup: float, hang: Hang | 
             yield g, "log", f"({name}) progress"
             g += rng.uniform(*LOG_GAP)
 
-    def hung_at(t: float, onset: float, noisy: bool):
+    def hung_at(t: float, onset: float, length: float, step: int):
+        """After the hang: nothing, or its output (noisy), or its trickling bytes."""
         yield onset, "hang", None
-        if noisy:
-            g = onset
-            while True:
-                g += rng.uniform(*LOG_GAP)
-                yield g, "log", "(noisy) warning"
+        outs = []
+        if hang.noisy:
+            outs.append(noisy_output(onset))
+        if hang.trickle:
+            # from the last minute's bytes written before the hang
+            outs.append(trickle(onset, step, (math.ceil((onset - t) / MIN) - 1) * MIN / length))
+        yield from heapq.merge(*outs, key=lambda ev: ev[0])
+
+    def noisy_output(onset: float):
+        g = onset
+        while True:
+            g += rng.uniform(*LOG_GAP)
+            yield g, "log", "(noisy) warning"
+
+    def trickle(onset: float, step: int, frac: float):
+        g = onset
+        while True:
+            g += rng.uniform(*TRICKLE_GAP)
+            frac += TRICKLE_BYTES / CKPT_BYTES
+            yield g, "bytes", (step, frac)
 
     def cut(gen, t: float, length: float, name: str, step: int):
         if hang and hang.phase == name and (hang.step == step if name != "startup"
@@ -202,7 +229,7 @@ def events(p: Profile, start_step: int, t0: float, startup: float, hang: Hang | 
                 if ev[0] >= onset:
                     break
                 yield ev
-            yield from hung_at(t, onset, hang.noisy)
+            yield from hung_at(t, onset, length, step)
             return True
         yield from gen
         return False
@@ -244,14 +271,15 @@ def events(p: Profile, start_step: int, t0: float, startup: float, hang: Hang | 
 
 def run(p: Profile, tmp: Path, limit_s: float, poll_s: float, hang: Hang | None = None,
         start: int = 0, until: int = TOTAL, stop_on_hang: bool = False,
-        outage: tuple[int, float, float] | None = None) -> Result:
+        outage: tuple[int, float, float] | None = None,
+        on_stop: Callable[[str], object] | None = None) -> Result:
     """The run (jobs, attempts) on the simulated clock from the save of step ``start``
     (steps 1..``start`` and one startup learned as the profile has them) until the save of
     step ``until`` (or the first hang detected, ``stop_on_hang``); see the module doc.
     ``outage``: (attempt, from_s, to_s): the dashboard does not answer from ``from_s`` to
     ``to_s`` after that attempt's submission: the trainer's output reaches driver.log only
     when it answers again, and the launcher calls Monitor.blind at each unanswered status
-    (every :data:`OUTAGE_STATUS_S`)."""
+    (every :data:`OUTAGE_STATUS_S`). ``on_stop``: called with each stop's message."""
     res = Result()
     clock = Clock()
     rng = random.Random(p.seed * 7919 + 1)
@@ -259,6 +287,11 @@ def run(p: Profile, tmp: Path, limit_s: float, poll_s: float, hang: Hang | None 
     startups: list[float] = [p.startups[-1]] if start else []
     marks: list[dict[str, float]] = (
         [{n: at for n, at, _ in startup_marks(p.startups[-1], 0.0, rng)}] if start else [])
+    # the saves before ``start`` as the monitor would have seen them write: the first byte a
+    # minute after the start (the first walk), then evenly to the end
+    saves: list[dict] = [{"first_byte_s": MIN, "gap_s": MIN,
+                          "rate_b_s": CKPT_BYTES * BYTE_SCALE / p.save[s]}
+                         for s in range(1, start + 1) if PAPER.saves(s)]
     saved = start
     hang_left = hang
     while saved < until and res.jobs < 40 and not (stop_on_hang and res.detections):
@@ -275,7 +308,8 @@ def run(p: Profile, tmp: Path, limit_s: float, poll_s: float, hang: Hang | None 
             done = {s for s in range(1, saved + 1) if PAPER.saves(s)}
             mon = wd.Monitor(
                 metrics=metrics, schedule=PAPER,
-                model=wd.TimeModel.learn(ALLOW, history, startups, startup_marks=marks),
+                model=wd.TimeModel.learn(ALLOW, history, startups, startup_marks=marks,
+                                         save_marks=saves),
                 stall=STALL, margin_s=MARGIN, is_saved=lambda s, done=done: s in done,
                 deadline=wd.Deadline(lambda end=job_end: end - clock.now, clock),
                 ckpt_dir=ckpt, start_step=saved, clock=clock, logs=[driver],
@@ -312,7 +346,7 @@ def run(p: Profile, tmp: Path, limit_s: float, poll_s: float, hang: Hang | None 
                         f = ckpt / f"global_step_{step}" / "shard"
                         f.parent.mkdir(exist_ok=True)
                         with open(f, "a") as fh:
-                            fh.truncate(int(frac * 4e12 / 1e6))  # sparse: its size grows
+                            fh.truncate(int(frac * CKPT_BYTES * BYTE_SCALE))  # sparse: it grows
                     elif kind == "saved":
                         done.add(what)
                         saved = what
@@ -339,6 +373,8 @@ def run(p: Profile, tmp: Path, limit_s: float, poll_s: float, hang: Hang | None 
                             or saved >= until:
                         outcome = "finished"
                     continue
+                if on_stop is not None:
+                    on_stop(req.message)
                 if req.outcome == "hung":
                     if onset is None:
                         res.false_hangs += 1
@@ -360,6 +396,7 @@ def run(p: Profile, tmp: Path, limit_s: float, poll_s: float, hang: Hang | None 
             if mon.startup_s is not None:  # a successful startup; a hung one never counts
                 startups.append(mon.startup_s)
                 marks.append(mon.timing()["startup_marks"])
+            saves.extend(mon.timing()["saves"])  # a hung attempt's complete saves too
             if outcome in ("stopped", "killed"):
                 break
     res.saved = saved
@@ -380,6 +417,10 @@ HANG_CASES = {
     "save step (step 60: rollout, save, validation)": [Hang("step", 60), Hang("save", 60),
                                                        Hang("validation", 60)],
     "first save, first validation (steps 20, 10)": [Hang("save", 20), Hang("validation", 10)],
+    "save before its first byte (step 60; first save: 20)": [Hang("save", 60, 0.01),
+                                                             Hang("save", 20, 0.01)],
+    "save trickling a write every 5-44 min (step 60; 20)": [Hang("save", 60, trickle=True),
+                                                            Hang("save", 20, trickle=True)],
     "startup, not the first (attempts 2-6)": [Hang("startup", attempts=(2, 3, 4, 5, 6))],
     "first startup": [Hang("startup", attempts=(1,))],
 }
@@ -417,8 +458,10 @@ def main() -> int:
             for noisy_hang in (False, True):
                 jobs = []
                 for h in hangs:
-                    for frac in FRACS + (STARTS if h.phase == "startup" else ()):
-                        hh = Hang(h.phase, h.step, frac, noisy_hang, h.attempts)
+                    fracs = ((h.frac,) if h.frac < FRACS[0]  # hung before its first byte
+                             else FRACS + (STARTS if h.phase == "startup" else ()))
+                    for frac in fracs:
+                        hh = Hang(h.phase, h.step, frac, noisy_hang, h.attempts, h.trickle)
                         jobs.append(pool.submit(_slow if name in SLOW_CASES else _run,
                                                 ("paper", 0, limit, poll, hh)))
                 cases[name, noisy_hang] = [j.result() for j in jobs]

@@ -73,7 +73,8 @@ def test_the_model_learns_each_phase_apart() -> None:
     # until the next save: each step, the validation at 30 (not the one after the save)
     assert m.until_save(20, PAPER) == 20 * STEP + VAL + SAVE
     snap = m.snapshot()
-    assert snap["save"] == {"s": SAVE, "learned": True, "samples": 1}
+    assert snap["save"] == {"s": SAVE, "learned": True, "samples": 1,
+                            "first_byte": {"s": 15 * MIN, "learned": False, "samples": 0}}
 
 
 def test_a_phase_never_seen_has_its_allowance() -> None:
@@ -382,7 +383,8 @@ def test_verls_save_line_of_the_next_step_starts_its_save(tmp_path: Path, text: 
         fh.write(text)
     assert m.poll() is None
     assert m.phase == ("save" if starts else "step")
-    clock.now += 2 * STEP + MIN  # past the step's own limit (2 x 16 min) from the step's start
+    clock.now += STEP + MIN  # past the step's own limit (2 x 16 min) from the step's start,
+    # within the save's first-byte limit (30 min) from the save line
     req = m.poll()
     assert (req is None) == starts, req
 
@@ -400,8 +402,49 @@ def test_the_checkpoint_directory_appearing_starts_the_save(tmp_path: Path) -> N
     clock.now += STEP
     (ckpt / "global_step_60" / "actor").mkdir(parents=True)  # empty: no bytes yet
     assert m.poll() is None and m.phase == "save"
-    clock.now += 2 * SAVE - MIN  # within the save's limit from the step's start
+    for _ in range(2 * int(SAVE // MIN) - 2):  # within the save's limit, bytes arriving
+        clock.now += MIN
+        with open(ckpt / "global_step_60" / "actor" / "shard", "a") as fh:
+            fh.write("x")
+        assert m.poll() is None
+
+
+def test_a_save_without_its_first_byte_is_hung_at_its_first_byte_limit(
+        tmp_path: Path) -> None:
+    """Issue 44: the save's start (here global_step_<N>/ appearing) to its first byte has
+    its own limit (1.5 x first_byte_min while no save was seen, at least stall_floor_min),
+    not twice the whole save's."""
+    clock, ckpt = Clock(), tmp_path / "ckpt"
+    m = monitor(tmp_path, clock, lines=[paper_line(s) for s in range(1, 60)], start_step=59,
+                ckpt_dir=ckpt, stall=wd.StallPolicy(None, 2, 30 * MIN, 360 * MIN))
+    m.start()
+    write(m.metrics, paper_line(59))
     assert m.poll() is None
+    clock.now += STEP
+    (ckpt / "global_step_60" / "actor").mkdir(parents=True)
+    assert m.poll() is None and m.phase == "save"
+    clock.now += 30 * MIN - 1
+    assert m.poll() is None
+    clock.now += 1
+    req = m.poll()
+    assert req and req.outcome == "hung" and "save for 30 min without a checkpoint byte; " \
+        "first-byte limit 30 min (allowance 15 min)" in req.message, req
+    # a byte written since the last walk (walked once a minute at most) is seen first
+    m2 = monitor(tmp_path / "b", clock, lines=[paper_line(s) for s in range(1, 60)],
+                 start_step=59, ckpt_dir=tmp_path / "b" / "ckpt",
+                 stall=wd.StallPolicy(None, 2, 30 * MIN, 360 * MIN))
+    m2.metrics.parent.mkdir()
+    m2.start()
+    write(m2.metrics, paper_line(59))
+    assert m2.poll() is None
+    clock.now += STEP
+    (tmp_path / "b" / "ckpt" / "global_step_60").mkdir(parents=True)
+    assert m2.poll() is None and m2.phase == "save"
+    clock.now += 30 * MIN - 30
+    assert m2.poll() is None
+    (tmp_path / "b" / "ckpt" / "global_step_60" / "shard").write_text("x")
+    clock.now += 30
+    assert m2.poll() is None
 
 
 def test_startup_limit_and_a_learned_startup(tmp_path: Path) -> None:

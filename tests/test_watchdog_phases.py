@@ -7,6 +7,7 @@ hy3rl.train.after_attempt."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -203,3 +204,139 @@ def test_a_startup_that_hangs_twice_on_the_same_nodes_excludes_them() -> None:
     # on other nodes: retried without excluding anything
     other = [rec(1, ["n3", "n4"]), rec(2, ["n1", "n2"])]
     assert after_attempt(other[-1], other, **kw).exclude == []
+
+
+@pytest.mark.parametrize("noisy", [False, True], ids=["quiet", "printing"])
+@pytest.mark.parametrize(("step", "start", "slow"), [(60, 40, False), (20, 0, False),
+                                                      (120, 80, True)],
+                         ids=["seen-before", "first-save", "after-a-2.5h-save"])
+def test_a_save_hung_before_its_first_byte_is_caught_by_its_first_byte_limit(
+        tmp_path: Path, step: int, start: int, slow: bool, noisy: bool) -> None:
+    """Issue 44: a save that hangs after verl's save line, before its first checkpoint
+    byte, while the trainer goes on printing, was caught after twice the whole save (100
+    min; 300 after a 2.5 h save): the no-bytes rule started only after a first byte. Its
+    own limit counts from the save's start: 2 x the first bytes seen (a minute), at least
+    stall_floor_min; a first save's allowance, first_byte_min, x 1.5."""
+    p = sim.Profile.paper()
+    if slow:
+        p.save[100] = 150 * MIN
+    got, seconds = detect(tmp_path, sim.Hang("save", step, 0.01, noisy), start=start,
+                          profile=p)
+    assert got == "save" and seconds <= 32 * MIN, seconds / MIN
+
+
+def test_the_first_byte_message_names_its_limit(tmp_path: Path) -> None:
+    msgs = []
+    res = sim.run(sim.Profile.paper(), tmp_path, DAY, MIN, sim.Hang("save", 60, 0.01, True),
+                  start=0, stop_on_hang=True, on_stop=msgs.append)
+    assert res.false_hangs == 0 and len(res.detections) == 1
+    assert "hung at step 60 (save for 30 min without a checkpoint byte; first-byte limit " \
+        "30 min (2 saves' first byte within 1 min)" in msgs[-1], msgs
+
+
+@pytest.mark.parametrize("noisy", [False, True], ids=["quiet", "printing"])
+@pytest.mark.parametrize(("step", "start"), [(60, 40), (20, 0)], ids=["seen-before",
+                                                                      "first-save"])
+def test_a_trickling_save_is_a_hang(tmp_path: Path, step: int, start: int,
+                                    noisy: bool) -> None:
+    """Issue 44: a save whose bytes trickle (a write every 5-44 min) was never a hang: each
+    write reset the no-bytes rule and a save still writing was never over its limit; the
+    job ran to SLURM's kill. Once its first byte came, the bytes of the last window must
+    keep a share of the slowest rate a healthy save of the run sustained (a first save: of
+    the storage's assumed bandwidth, over the silence limit's window)."""
+    for frac in (0.05, 0.5, 0.95):
+        msgs: list[str] = []
+        res = sim.run(sim.Profile.paper(), tmp_path / str(frac), DAY, MIN,
+                      sim.Hang("save", step, frac, noisy, trickle=True), start=start,
+                      stop_on_hang=True, on_stop=msgs.append)
+        assert res.false_hangs == 0 and len(res.detections) == 1, res
+        (got, seconds), = res.detections
+        assert got == "save" and seconds <= 60 * MIN, (frac, seconds / MIN)
+        assert "checkpoint bytes trickle" in msgs[-1], msgs
+        if start:  # learned: 15 min window, 10 % of the slowest healthy save's rate
+            assert seconds <= 20 * MIN and "0.1 x the slowest rate of 2 healthy saves" \
+                in msgs[-1], (seconds / MIN, msgs)
+
+
+def test_a_healthy_save_with_a_slow_part_is_no_hang(tmp_path: Path) -> None:
+    """A save whose last part writes at a fifth of the rate (a single writer's export after
+    the sharded checkpoint) after a 10-min pause: learned from the run's first save, the
+    next one raises no hang; the window is twice the pause. The same save trickling after
+    its sharded part is a hang."""
+    clock = sim.Clock()
+    ckpt = tmp_path / "ckpt"
+
+    def monitor(model: wd.TimeModel, step: int) -> wd.Monitor:
+        metrics = tmp_path / f"m{step}.jsonl"
+        metrics.write_text(json.dumps({"step": step, "data": {"timing_s/step": 960}}) + "\n")
+        m = wd.Monitor(metrics=metrics, schedule=sim.PAPER, model=model, stall=sim.STALL,
+                       margin_s=600, clock=clock, ckpt_dir=ckpt, silence_s=sim.SILENCE,
+                       is_saved=lambda s: (ckpt / f"global_step_{s}" / "done").exists(),
+                       deadline=wd.Deadline(lambda: None, clock), start_step=step)
+        m.start()
+        assert m.poll() is None and m.phase == "step"
+        clock.now += 16 * MIN
+        return m
+
+    def save(m: wd.Monitor, step: int, trickle: bool = False) -> list[wd.StopRequest]:
+        d = ckpt / f"global_step_{step}"
+        d.mkdir(parents=True)
+        stops, size = [m.poll()], 0
+        for minute in range(1, 61):
+            clock.now += MIN
+            if minute <= 25:
+                size += 100_000  # the sharded checkpoint
+            elif minute > 35:
+                size += 4 if trickle else 20_000  # 10 min later, one writer's export
+            with open(d / "shard", "a") as fh:
+                fh.truncate(size)
+            stops.append(m.poll())
+            if stops[-1] is not None:
+                break
+        else:
+            (d / "done").write_text("")
+            clock.now += MIN
+            stops.append(m.poll())
+        return [s for s in stops if s is not None]
+
+    first = monitor(wd.TimeModel.learn(sim.ALLOW, []), 19)
+    assert save(first, 20) == [] and first.phase == "validation"
+    (seen,) = first.timing()["saves"]
+    assert seen["step"] == 20 and seen["first_byte_s"] == 60 and seen["gap_s"] == 660
+    # the slowest 22-min window (2 x the pause): the pause and the export's first 12 min
+    assert seen["rate_b_s"] == pytest.approx(12 * 20_000 / (22 * MIN), rel=0.1)
+    learned = wd.TimeModel.learn(sim.ALLOW, [], save_marks=[seen])
+    window, rate, was_learned = learned.write_rule(sim.SILENCE)
+    assert was_learned and window == 2 * 660 and rate == pytest.approx(0.1 * seen["rate_b_s"])
+    nxt = monitor(learned, 39)
+    assert save(nxt, 40) == [] and nxt.phase == "validation"
+    sick = monitor(learned, 59)
+    (stop,) = save(sick, 60, trickle=True)
+    assert stop.outcome == "hung" and "checkpoint bytes trickle" in stop.message, stop
+    assert sick.timing()["saves"] == []  # a save that did not complete teaches nothing
+
+
+def test_save_marks_are_learned_only_when_they_are_numbers() -> None:
+    model = wd.TimeModel.learn(sim.ALLOW, [], save_marks=[
+        {"first_byte_s": 90, "rate_b_s": 500.0, "gap_s": 60},
+        {"first_byte_s": None, "rate_b_s": float("nan"), "gap_s": True},
+        {"first_byte_s": 30, "rate_b_s": 800.0, "gap_s": 120}])
+    assert model.first_bytes == [90.0, 30.0] and model.write_rates == [500.0, 800.0]
+    assert model.write_gaps == [60.0, 120.0]
+    assert model.first_byte() == (90.0, True)
+    assert model.write_rule(sim.SILENCE) == (wd.RATE_WINDOW_S, 50.0, True)
+    unseen = wd.TimeModel.learn(sim.ALLOW, [])
+    assert unseen.first_byte() == (15 * MIN, False)
+    assert unseen.write_rule(sim.SILENCE) == (sim.SILENCE, 0.02 * 1000, False)
+    assert unseen.write_rule(None)[0] == wd.RATE_WINDOW_S
+    no_rate = wd.TimeModel.learn(wd.Allowances(**{**sim.ALLOW.__dict__, "save_rate_b_s": None}),
+                                 [])
+    assert no_rate.write_rule(sim.SILENCE) is None
+
+
+def test_slowest_rate() -> None:
+    samples = [(0.0, 0), (60.0, 600), (120.0, 600), (180.0, 1200), (240.0, 1800)]
+    assert wd.slowest_rate(samples, 60) == 0.0
+    assert wd.slowest_rate(samples, 120) == 5.0
+    assert wd.slowest_rate(samples, 1000) == 1800 / 240  # shorter than the window
+    assert wd.slowest_rate([(0.0, 5)], 60) == 0.0

@@ -263,6 +263,7 @@ class Watchdog:
     validation_min: float | None
     save_min: float | None
     storage_mb_s: float
+    first_byte_min: float
     shutdown_min: float
     poll_s: float
     silence_min: float

@@ -488,14 +488,19 @@ def sbatch_excluded(job_id: str | None) -> list[str]:
 def allowances(wd: Any, plan: Mapping[str, Any]) -> Allowances:
     """What ``train.watchdog`` allows phases never seen (hy3rl.watchdog.Allowances); a
     first save: ``save_min``, else the checkpoint's size from preflight's disk estimate
-    (plan.json ``checkpoint.bytes_per_checkpoint``) over ``storage_mb_s``."""
+    (plan.json ``checkpoint.bytes_per_checkpoint``) over ``storage_mb_s``; a first save's
+    first byte ``first_byte_min``; the storage's rate ``storage_mb_s`` (with ``save_min``
+    and a known size: the size over ``save_min``)."""
     from hy3rl.watchdog import Allowances
 
     per = (plan.get("checkpoint") or {}).get("bytes_per_checkpoint")
+    rate = wd.storage_mb_s * 1e6
     if wd.save_min is not None:
         save_s = wd.save_min * 60
+        if isinstance(per, (int, float)) and per > 0:
+            rate = per / save_s
     elif isinstance(per, (int, float)) and per > 0:
-        save_s = per / (wd.storage_mb_s * 1e6)
+        save_s = per / rate
     else:
         save_s = None
     return Allowances(startup_s=wd.startup_min * 60, step_s=wd.first_step_min * 60,
@@ -503,7 +508,8 @@ def allowances(wd: Any, plan: Mapping[str, Any]) -> Allowances:
                       save_s=save_s, shutdown_s=wd.shutdown_min * 60,
                       startup_floor_s=wd.startup_floor_min * 60,
                       startup_cap_s=wd.stall_cap_min * 60,
-                      stall_floor_s=wd.stall_floor_min * 60)
+                      stall_floor_s=wd.stall_floor_min * 60,
+                      first_byte_s=wd.first_byte_min * 60, save_rate_b_s=rate)
 
 
 def time_left(job_id: str | None) -> float | None:
@@ -1125,8 +1131,9 @@ class Job:
                         self.target if last is None else last)
 
     def time_model(self) -> TimeModel:
-        """The run's time model (hy3rl.watchdog) from its records so far: the metrics lines
-        and the startups of every attempt of the lineage."""
+        """The run's time model (hy3rl.watchdog) from its records so far: the metrics lines,
+        the startups and the saves seen writing of every attempt of the lineage (a hung
+        attempt's complete saves too)."""
         from hy3rl.watchdog import TimeModel
 
         records = [load_attempt(self.layout, k) for k in attempt_numbers(self.layout)
@@ -1137,7 +1144,9 @@ class Job:
             allowances(self.train.watchdog, self.plan), run_metrics(self.layout),
             [t["startup_s"] for t in ok],
             startup_marks=[t["startup_marks"] for t in ok
-                           if isinstance(t.get("startup_marks"), dict)])
+                           if isinstance(t.get("startup_marks"), dict)],
+            save_marks=[m for t in timings if isinstance(t.get("saves"), list)
+                        for m in t["saves"] if isinstance(m, dict)])
 
     def restart_need(self) -> float | None:
         """Seconds a restart in this allocation needs before its first save: a startup,

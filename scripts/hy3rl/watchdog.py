@@ -30,7 +30,9 @@ nothing as a validation starts: on a test step that does not save, the step's li
 counts its validation; :data:`SAVE_LINE` says what verl prints where). The limit is
 ``stall_factor`` x the phase's estimate (1.5 x the allowance for a phase never seen),
 clamped to [``stall_floor_min``, ``stall_cap_min``]; a save still writing bytes is never
-over its limit; ``stall_min`` set fixes it (0: never). Before the
+over its limit; ``stall_min`` set fixes it (0: never). A save's first byte has its own
+limit from the save's start (:meth:`TimeModel.first_byte`), and once bytes come they must
+keep a rate over a window (:meth:`TimeModel.write_rule`): a save that trickles is a hang. Before the
 first line the startup limit, from the submission, which output does not reset: ``1.5 x
 startup_min`` until a startup succeeded, then ``2 x the startup estimate`` between
 ``startup_floor_min`` and ``stall_cap_min`` (:meth:`TimeModel.startup_limit`); a hung
@@ -140,6 +142,15 @@ STARTUP_PARTS = (*(n for n, _ in STARTUP_MARKS), FIRST_LINE_PART)  # in the star
 POLL_KEY = "poll_s"  # in a startup's marks: the longest gap between two polls in it
 LOG_READ_MAX = 1 << 20  # bytes of a log read per poll (the rest counts as activity unread)
 BYTES_EVERY_S = 60.0  # a checkpoint being written is walked at most this often
+# A save's writing (issue 44): once its first byte came, the bytes of the last window must
+# keep a share of the slowest rate a healthy save of this run sustained over such a window
+# (learned) or of the storage's assumed bandwidth (a save never seen, with a smaller share:
+# the storage may be slower than assumed). The window is at least RATE_WINDOW_S and twice
+# the longest pause between bytes of a healthy save, at most the silence limit (the window
+# of a save never seen).
+RATE_WINDOW_S = 15 * 60.0
+RATE_SHARE = 0.1
+UNSEEN_RATE_SHARE = 0.02
 
 
 @dataclass(frozen=True)
@@ -204,6 +215,8 @@ def p95(values: Sequence[float]) -> float:
 class Allowances:
     """Seconds allowed to a phase never seen yet in this run (module doc). ``validation_s``
     None: one step's estimate; ``save_s`` None: one step's estimate (no size known).
+    ``first_byte_s``: the seconds from a save's start to its first checkpoint byte;
+    ``save_rate_b_s``: the storage's write rate (None: no rate rule until a save was seen).
     ``startup_floor_s``, ``startup_cap_s``: the bounds of a startup's limit once startups
     were measured (:meth:`TimeModel.startup_limit`)."""
 
@@ -215,6 +228,10 @@ class Allowances:
     startup_floor_s: float
     startup_cap_s: float
     stall_floor_s: float = 30 * 60.0  # a startup sub-phase's limit is never below it
+    # a save's first byte, from its start, while no save of this run was seen writing
+    first_byte_s: float = 15 * 60.0
+    # the checkpoint storage's bandwidth (bytes/s) assumed for a save never seen
+    save_rate_b_s: float | None = None
 
 
 @dataclass
@@ -232,17 +249,27 @@ class TimeModel:
     startup_parts: dict[str, list[float]] = field(default_factory=dict)
     # and each one's share of its startup (the seconds to the first line)
     startup_shares: dict[str, list[float]] = field(default_factory=dict)
+    # saves seen writing (Monitor.timing's "saves"): seconds from the start to the first
+    # byte, the slowest rate sustained over a window (bytes/s) and the longest pause
+    first_bytes: list[float] = field(default_factory=list)
+    write_rates: list[float] = field(default_factory=list)
+    write_gaps: list[float] = field(default_factory=list)
 
     @classmethod
     def learn(cls, allow: Allowances, lines: Iterable[Mapping[str, Any]],
               startups: Iterable[float] = (), *,
-              startup_marks: Iterable[Mapping[str, float]] = ()) -> TimeModel:
+              startup_marks: Iterable[Mapping[str, float]] = (),
+              save_marks: Iterable[Mapping[str, Any]] = ()) -> TimeModel:
         """``startups``: those that succeeded (their first line came), never a hung wait;
         ``startup_marks``: theirs, each the seconds from the submission to each mark seen
-        and to the first line (:meth:`Monitor.timing`'s ``startup_marks``)."""
+        and to the first line (:meth:`Monitor.timing`'s ``startup_marks``);
+        ``save_marks``: the complete saves seen writing (:meth:`Monitor.timing`'s
+        ``saves``)."""
         model = cls(allow, startups=[float(s) for s in startups])
         for marks in startup_marks:
             model.add_startup_marks(marks)
+        for marks in save_marks:
+            model.add_save_marks(marks)
         model.add_lines(lines)
         return model
 
@@ -267,6 +294,43 @@ class TimeModel:
                 self.startup_shares.setdefault(name, []).append(
                     min(1.0, (seconds + poll) / max(total - poll, seconds + poll)))
             before = float(at)
+
+    def add_save_marks(self, marks: Mapping[str, Any]) -> None:
+        """One complete save seen writing: ``first_byte_s``, ``rate_b_s`` (the slowest
+        rate it sustained over a window), ``gap_s`` (its longest pause between bytes); a
+        value that is not a finite number >= 0 is not learned."""
+        for key, into in (("first_byte_s", self.first_bytes), ("rate_b_s", self.write_rates),
+                          ("gap_s", self.write_gaps)):
+            value = marks.get(key)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) \
+                    and math.isfinite(value) and value >= 0:
+                into.append(float(value))
+
+    def first_byte(self) -> tuple[float, bool]:
+        """Seconds from a save's start to its first byte: the upper median of the saves seen
+        writing (the time a save spends before writing does not grow with its size), else
+        the allowance."""
+        if self.first_bytes:
+            return upper_median(self.first_bytes), True
+        return self.allow.first_byte_s, False
+
+    def write_rule(self, silence_s: float | None) -> tuple[float, float, bool] | None:
+        """A save's writing rule: (window seconds, bytes/s it must keep over the window,
+        learned?). Learned: the window is :data:`RATE_WINDOW_S`, or twice the longest pause
+        of a healthy save when longer, at most ``silence_s``; the rate :data:`RATE_SHARE`
+        x the slowest rate a healthy save sustained over its window (the slowest save, so
+        that a slow healthy part such as a single-writer export is no hang). Never seen:
+        the silence limit's window (:data:`RATE_WINDOW_S` without one) and
+        :data:`UNSEEN_RATE_SHARE` x the storage's assumed rate. None: no rule (no rate
+        known)."""
+        cap = silence_s or RATE_WINDOW_S
+        if self.write_rates:
+            window = min(cap, max(RATE_WINDOW_S, 2 * max(self.write_gaps, default=0.0)))
+            rate = RATE_SHARE * min(self.write_rates)
+            return (window, rate, True) if rate > 0 else None
+        if self.allow.save_rate_b_s:
+            return cap, UNSEEN_RATE_SHARE * self.allow.save_rate_b_s, False
+        return None
 
     def startup_part_limit(self, name: str) -> float | None:
         """The limit of startup sub-phase ``name``, counted from its start:
@@ -403,6 +467,12 @@ class TimeModel:
                    "limit_s": round(self.startup_part_limit(name) or 0.0, 1)}
             for name, seen in self.startup_parts.items()}
         out["shutdown"] = {"s": self.allow.shutdown_s, "learned": False, "samples": 0}
+        seconds, learned = self.first_byte()
+        out["save"]["first_byte"] = {"s": round(seconds, 1), "learned": learned,
+                                     "samples": len(self.first_bytes)}
+        rule = self.write_rule(None)
+        if rule is not None:
+            out["save"]["min_rate_b_s"] = round(rule[1], 1)
         return out
 
 
@@ -621,6 +691,10 @@ class Monitor:
     # startup sub-phase in progress, which its limit does not count
     blind_at: float | None = None
     blind_in_part_s: float = 0.0
+    # the save in progress: (seconds, bytes) at each walk from its first byte on
+    save_samples: list[tuple[float, int]] = field(default_factory=list)
+    # complete saves seen writing in this attempt (timing()["saves"], TimeModel.add_save_marks)
+    saves_seen: list[dict[str, Any]] = field(default_factory=list)
 
 
     def start(self) -> None:
@@ -667,6 +741,8 @@ class Monitor:
         if phase != self.phase:
             log.info("watchdog: step %d: %s", self.next_step(), phase)
             self.phase, self.phase_started = phase, now
+            if phase == "save":
+                self.save_samples = []
 
     def poll(self) -> StopRequest | None:
         """Look at the metrics log, the trainer's output and the checkpoint once; a
@@ -777,14 +853,16 @@ class Monitor:
         step = self.next_step()
         if not self.schedule.saves(step) or step > self.schedule.last:
             return
+        path = self.ckpt_dir / f"global_step_{step}"
         if step not in self.complete_seen and self.is_saved(step):
             self.complete_seen.add(step)
+            if self.phase == "save":
+                self.save_seen(step, tree_bytes(path), now)
             self.last_progress = self.last_activity = now
             self.enter("validation" if self.schedule.validates(step) else "saved", now)
             return
         if step in self.complete_seen:
             return
-        path = self.ckpt_dir / f"global_step_{step}"
         if not path.is_dir():
             return
         if self.phase == "step":  # the checkpoint manager's first act (see SAVE_LINE)
@@ -792,10 +870,35 @@ class Monitor:
         if self.bytes_walked_at is not None and now - self.bytes_walked_at < BYTES_EVERY_S:
             return  # a multi-TB checkpoint of many files: walked once a minute at most
         self.bytes_walked_at = now
-        size = tree_bytes(path)
+        self.bytes_arrived(step, tree_bytes(path), now)
+
+    def bytes_arrived(self, step: int, size: int, now: float) -> None:
+        """A walk of the save in progress found ``size`` bytes."""
         if size > self.bytes_seen.get(step, 0):
             self.bytes_seen[step] = size
             self.last_progress = self.last_activity = self.save_bytes_at = now
+        if self.phase == "save" and self.bytes_seen.get(step):
+            self.save_samples.append((now, self.bytes_seen[step]))
+
+    def save_seen(self, step: int, size: int, now: float) -> None:
+        """A save seen writing in this attempt is complete: what it took to its first byte,
+        the slowest rate it sustained over a window and its longest pause go to the time
+        model (:meth:`TimeModel.add_save_marks`) and to the attempt record (:meth:`timing`)
+        for the attempts after it."""
+        samples = [*self.save_samples, (now, max(size, self.bytes_seen.get(step, 0)))]
+        self.save_samples = []
+        if self.phase_started is None or len(samples) < 2:
+            return
+        first, gap, last_up = samples[0][0], 0.0, samples[0][0]
+        for (_, before), (t, size_t) in zip(samples, samples[1:], strict=False):
+            if size_t > before:
+                gap, last_up = max(gap, t - last_up), t
+        window = min(self.silence_s or RATE_WINDOW_S, max(RATE_WINDOW_S, 2 * gap))
+        self.saves_seen.append({
+            "step": step, "first_byte_s": round(first - self.phase_started, 1),
+            "write_s": round(now - first, 1), "bytes": samples[-1][1],
+            "rate_b_s": round(slowest_rate(samples, window), 3), "gap_s": round(gap, 1)})
+        self.model.add_save_marks(self.saves_seen[-1])  # the attempt's later saves learn it
 
     def phase_limit(self) -> tuple[float | None, float]:
         """The limit of the phase the trainer is in (counted from its start) and the
@@ -856,6 +959,8 @@ class Monitor:
               and now - self.save_bytes_at >= self.silence_s):
             why = (f"no checkpoint bytes for {_minutes(now - self.save_bytes_at)}; silence "
                    f"limit {_minutes(self.silence_s)}")
+        elif self.phase == "save" and (stuck := self.save_stuck(nxt, now)) is not None:
+            why = stuck
         elif limit is not None and elapsed >= limit:
             if self.phase == "save" and self.save_bytes_at is not None \
                     and now - self.save_bytes_at < min(limit, self.silence_s or limit):
@@ -865,6 +970,44 @@ class Monitor:
             return None
         return StopRequest("hung", f"hung at step {nxt} ({why}; last logged step {step})",
                            step, True)
+
+    def save_stuck(self, step: int, now: float) -> str | None:
+        """Why the save of ``step`` in progress is hung, if it is: no first byte within its
+        limit (:meth:`TimeModel.first_byte`, through the stall policy), or, once bytes came,
+        fewer bytes over the last window than the write rule asks
+        (:meth:`TimeModel.write_rule`): a save that trickles a write every few minutes is
+        a hang, however long before its limit or the silence limit."""
+        if self.ckpt_dir is None or self.phase_started is None:
+            return None  # its bytes cannot be seen
+        elapsed, m = now - self.phase_started, self.model
+        if not self.bytes_seen.get(step):
+            first, learned = m.first_byte()
+            limit = self.stall.limit(first, learned)
+            if limit is None or elapsed < limit:
+                return None
+            self.bytes_arrived(step, tree_bytes(self.ckpt_dir / f"global_step_{step}"), now)
+            if self.bytes_seen.get(step):
+                return None  # the walk is throttled: bytes had come since the last one
+            source = (f"{len(m.first_bytes)} saves' first byte within {_minutes(first)}"
+                      if learned else f"allowance {_minutes(first)}")
+            return (f"save for {_minutes(elapsed)} without a checkpoint byte; first-byte "
+                    f"limit {_minutes(limit)} ({source})")
+        rule = m.write_rule(self.silence_s)
+        if rule is None or not self.save_samples:
+            return None
+        window, rate, learned = rule
+        if now - self.save_samples[0][0] < window:
+            return None
+        base = [b for t, b in self.save_samples if t <= now - window][-1]
+        written = self.save_samples[-1][1] - base
+        if written >= rate * window:
+            return None
+        source = (f"{RATE_SHARE:g} x the slowest rate of {len(m.write_rates)} healthy saves"
+                  if learned else f"{UNSEEN_RATE_SHARE:g} x the storage's assumed "
+                  f"{m.allow.save_rate_b_s / 1e6:g} MB/s")
+        return (f"checkpoint bytes trickle: {written / 1e6:.6g} MB in the last "
+                f"{_minutes(window)}, at least {rate * window / 1e6:.6g} MB expected "
+                f"({source})")
 
     def shutdown(self, step: int, waited: float) -> StopRequest | None:
         """After the line of the last step: the trainer only has to exit."""
@@ -941,7 +1084,27 @@ class Monitor:
                 "startup_hung_s": (None if self.startup_hung_s is None
                                    else round(self.startup_hung_s, 1)),
                 "startup_marks": dict(self.startup_marks),
+                "saves": list(self.saves_seen),
                 "phase": self.phase, "model": self.model.snapshot()}
+
+
+def slowest_rate(samples: Sequence[tuple[float, int]], window: float) -> float:
+    """The lowest rate (bytes/s) over the spans of ``samples`` ((seconds, bytes), in time
+    order) at least ``window`` long, each from a sample to the first one ``window`` after
+    it; the whole span's rate when it is shorter."""
+    rates = []
+    j = 0
+    for i, (t, b) in enumerate(samples):
+        j = max(j, i + 1)
+        while j < len(samples) and samples[j][0] - t < window:
+            j += 1
+        if j == len(samples):
+            break
+        rates.append((samples[j][1] - b) / (samples[j][0] - t))
+    if rates:
+        return min(rates)
+    span = samples[-1][0] - samples[0][0]
+    return (samples[-1][1] - samples[0][1]) / span if span > 0 else 0.0
 
 
 def _size(path: Path) -> int:
