@@ -69,6 +69,8 @@ from typing import TYPE_CHECKING, Any
 from hy3rl import jobenv
 from hy3rl.atomic import write_json_atomic, write_text_atomic
 from hy3rl.errors import StageError
+from hy3rl.loadwatch import ENV as LOAD_BAR_ENV
+from hy3rl.loadwatch import PROGRESS_DIR
 from hy3rl.rayjob import TERMINAL, AuthToken, JobRun, without_auth
 from hy3rl.raynode import RAY, Ports, redact_files
 from hy3rl.redact import REDACTED, Redactor, is_secret_key, make_redactor
@@ -219,6 +221,7 @@ class LaunchSpec:
     exclude: list[str] = field(default_factory=list)  # allocation nodes not to use (lost)
     monitor: Monitor | None = None  # hy3rl.watchdog: hangs and the time limit
     poll_s: float = 5.0  # seconds between two monitor polls
+    progress_every_s: float = 30.0  # the node agents' reports (hy3rl.loadwatch)
     node_logs_mb: float = 0.0  # per node: Ray logs copied to <log_dir>/nodes/<node>/
     # The CPU path (hy3rl.verl_cpu, plan cpu_path): Ray's logical CPUs (verl's actors each
     # ask for one, whatever the cores), and gpus_per_node are logical GPUs (trainer ranks
@@ -523,6 +526,8 @@ class Launcher:
             inner += ["--head-address", str(head_address)]
         if rt["prefix"]:
             inner += ["--ray-cli", "ray"]
+        inner += ["--progress-out", str(self.spec.log_dir / PROGRESS_DIR / f"{node.name}.json"),
+                  "--progress-every", f"{self.spec.progress_every_s:g}"]
         if self.spec.node_logs_mb > 0:
             inner += ["--logs-out", str(self.spec.log_dir / "nodes" / node.name),
                       "--logs-cap-mb", f"{self.spec.node_logs_mb:g}"]
@@ -729,6 +734,9 @@ class Launcher:
             raise LaunchError(f"{self.spec.runtime_env}: cannot read the runtime env: {exc}")\
                 from None
         env = {str(k): str(v) for k, v in (base.get("env_vars") or {}).items()}
+        # Megatron-Bridge's loading bar drawn as it advances (hy3rl.loadwatch); a runtime
+        # env or the launch may set it otherwise
+        env = {**LOAD_BAR_ENV, **env}
         env.update({k: str(v) for k, v in self.spec.env_vars.items()})
         env.update({n: os.environ[n] for n in self.spec.passthrough_env if n in os.environ})
         # verl's plugin hook takes a list of modules: one passed through from the user's

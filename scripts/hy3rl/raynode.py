@@ -6,7 +6,9 @@ by ``hy3rl.launch.Launcher.node_cmd``; not a user command).
 scope: every process it starts carries ``HY3RL_RAY_SCOPE=<scope>`` in its environment, and
 exactly that scope is killed on exit or on a signal (never ``ray stop``, which would kill
 other jobs' Ray on a shared host). The head publishes its address and Ray version in
-``head.json``. Before the node's temp dir is removed, its Ray logs are copied (capped) to the
+``head.json``. Beside Ray, the node agent (``--progress-out``, :mod:`hy3rl.loadwatch`)
+reports the model-load progress of the scope's processes every ``--progress-every``
+seconds. Before the node's temp dir is removed, its Ray logs are copied (capped) to the
 attempt's folder and redacted.
 
 Needs only the standard library, ``psutil`` and ``ray`` in the runtime (so it imports only
@@ -176,6 +178,16 @@ def node_main(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     child = subprocess.Popen(full, start_new_session=True)
     stopping = threading.Event()
+    agent_stop = threading.Event()
+    if args.progress_out:
+        # the node agent: model-load progress of this node's processes (hy3rl.loadwatch)
+        from hy3rl.loadwatch import LoadWatch, run_agent, worker_outputs
+
+        watch = LoadWatch(args.name, lambda: [p.pid for p in scope_processes(args.scope)],
+                          lambda: worker_outputs(temp))
+        threading.Thread(target=run_agent, daemon=True, name="loadwatch",
+                         args=(watch, Path(args.progress_out), args.progress_every,
+                               agent_stop)).start()
     grace = [float(args.grace)]
 
     def on_signal(signum, _frame):
@@ -202,6 +214,7 @@ def node_main(args: argparse.Namespace) -> int:
                 except subprocess.TimeoutExpired:
                     child.kill()
                     code = child.wait()
+    agent_stop.set()
     n = kill_scope(args.scope, min(2.0, grace[0]))
     log.info("ray start exited %s; %d process(es) of the scope stopped", code, n)
     if args.logs_out:
@@ -245,6 +258,9 @@ def main(argv: list[str] | None = None) -> int:
     nd.add_argument("--logs-out", default="",
                     help="copy this node's Ray logs there before removing its temp dir")
     nd.add_argument("--logs-cap-mb", type=float, default=0.0)
+    nd.add_argument("--progress-out", default="",
+                    help="the node agent's report of model-load progress (hy3rl.loadwatch)")
+    nd.add_argument("--progress-every", type=float, default=30.0)
     nd.add_argument("--ray-cli", default="",
                     help="Ray CLI name resolved on this (runtime's) PATH; default: the one "
                          "next to this interpreter, else PATH")
