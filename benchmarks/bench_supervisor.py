@@ -161,6 +161,8 @@ class Result:
     attempts: int = 0
     saved: int = 0
     startup_hang_waits: list[float] = field(default_factory=list)
+    # after each startup hang: the nodes hy3rl.train.after_attempt excludes
+    excluded: list[list[str]] = field(default_factory=list)
 
 
 class Clock:
@@ -272,14 +274,18 @@ def events(p: Profile, start_step: int, t0: float, startup: float, hang: Hang | 
 def run(p: Profile, tmp: Path, limit_s: float, poll_s: float, hang: Hang | None = None,
         start: int = 0, until: int = TOTAL, stop_on_hang: bool = False,
         outage: tuple[int, float, float] | None = None,
-        on_stop: Callable[[str], object] | None = None) -> Result:
+        on_stop: Callable[[str], object] | None = None, agents: bool = False) -> Result:
     """The run (jobs, attempts) on the simulated clock from the save of step ``start``
     (steps 1..``start`` and one startup learned as the profile has them) until the save of
     step ``until`` (or the first hang detected, ``stop_on_hang``); see the module doc.
     ``outage``: (attempt, from_s, to_s): the dashboard does not answer from ``from_s`` to
     ``to_s`` after that attempt's submission: the trainer's output reaches driver.log only
     when it answers again, and the launcher calls Monitor.blind at each unanswered status
-    (every :data:`OUTAGE_STATUS_S`). ``on_stop``: called with each stop's message."""
+    (every :data:`OUTAGE_STATUS_S`). ``on_stop``: called with each stop's message.
+    ``agents``: the node agents report (hy3rl.loadwatch) at each poll, one file a node of
+    :data:`NODES`: every node progresses until a hang; at a startup hang :data:`CULPRIT`
+    stops at once and the others :data:`WAIT_S` later (they wait for it in a collective).
+    After each startup hang, hy3rl.train.after_attempt decides which nodes to exclude."""
     res = Result()
     clock = Clock()
     rng = random.Random(p.seed * 7919 + 1)
@@ -314,6 +320,9 @@ def run(p: Profile, tmp: Path, limit_s: float, poll_s: float, hang: Hang | None 
                 deadline=wd.Deadline(lambda end=job_end: end - clock.now, clock),
                 ckpt_dir=ckpt, start_step=saved, clock=clock, logs=[driver],
                 silence_s=SILENCE)
+            if agents:
+                mon.progress_dir = d / "progress"
+                mon.progress_dir.mkdir()
             mon.start()
             startup = p.startups[(res.attempts - 1) % len(p.startups)]
             evs = events(p, saved, clock.now, startup, hang_left, res.attempts, rng)
@@ -367,6 +376,8 @@ def run(p: Profile, tmp: Path, limit_s: float, poll_s: float, hang: Hang | None 
                             fh.write("".join(f"{x}\n" for x in held))
                         held = []
                 clock.now = t
+                if agents and mon.first_line_at is None:  # read in the startup only
+                    report(mon.progress_dir, t, onset)
                 req = mon.poll()
                 if req is None:
                     if (nxt is None and onset is None and mon.last_step == TOTAL) \
@@ -383,6 +394,7 @@ def run(p: Profile, tmp: Path, limit_s: float, poll_s: float, hang: Hang | None 
                         res.detections.append((mon.phase or "startup", t - onset))
                         if req.step is None:
                             res.startup_hang_waits.append(t - mon.started)
+                            res.excluded.append(excluded_after(res.attempts, mon))
                         if hang_left.phase != "startup":
                             hang_left = None
                     outcome = "hung"
@@ -403,11 +415,35 @@ def run(p: Profile, tmp: Path, limit_s: float, poll_s: float, hang: Hang | None 
     return res
 
 
+NODES = [f"n{i:02d}" for i in range(1, 17)]  # the paper run's 16 nodes
+CULPRIT, WAIT_S = "n07", 10 * MIN
+
+
+def report(progress: Path, t: float, onset: float | None) -> None:
+    """Each node agent's report at ``t`` (hy3rl.loadwatch's form) as the module doc says."""
+    for node in NODES:
+        last = t if onset is None else min(t, onset + (0 if node == CULPRIT else WAIT_S))
+        (progress / f"{node}.json").write_text(json.dumps(
+            {"node": node, "t": t, "last_progress": last, "shards": [f"{node}.safetensors"]}))
+
+
+def excluded_after(k: int, mon: wd.Monitor) -> list[str]:
+    """What hy3rl.train.after_attempt excludes after startup hang ``k`` of one job."""
+    from hy3rl.train import after_attempt
+
+    rec = {"attempt": k, "outcome": "hung", "exit_reason": "hung before its first step",
+           "last_logged_step": None, "start_step": 0, "end_step": 0, "nodes": NODES,
+           "trajectory_id": "t", "log_dir": f"attempt-{k}", "timing": mon.timing()}
+    return after_attempt(rec, [rec], restarts_left=3, lost=[], allocation=NODES,
+                         nodes_needed=len(NODES), time_left=None, interval=None).exclude
+
+
 def _run(args: tuple) -> Result:
     kind, seed, limit_s, poll_s, hang, *rest = args
+    outage, agents = (rest + [None, False])[:2]
     p = Profile.paper() if kind == "paper" else Profile.noisy(seed)
     with tempfile.TemporaryDirectory() as tmp:
-        return run(p, Path(tmp), limit_s, poll_s, hang, outage=rest[0] if rest else None)
+        return run(p, Path(tmp), limit_s, poll_s, hang, outage=outage, agents=agents)
 
 
 HANG_CASES = {
@@ -424,6 +460,17 @@ HANG_CASES = {
     "startup, not the first (attempts 2-6)": [Hang("startup", attempts=(2, 3, 4, 5, 6))],
     "first startup": [Hang("startup", attempts=(1,))],
 }
+# a hang inside the model load (just after verl's worker-group line, halfway, near its end:
+# the paper profile's shares), without and with the node agents reporting its progress
+# (run(agents)); and the whole startups with the agents (their exclusions)
+LOAD_FRACS = (0.081, 0.255, 0.42)
+LOAD_CASES = {"model load, not the first startup (attempt 2)": [Hang("startup", attempts=(2,))],
+              "model load, first startup": [Hang("startup", attempts=(1,))]}
+AGENT_CASES = {"model load, not the first startup, node agents":
+               [Hang("startup", attempts=(2,))],
+               "model load, first startup, node agents": [Hang("startup", attempts=(1,))],
+               "startup, not the first, node agents (attempts 2-6)":
+               [Hang("startup", attempts=(2, 3, 4, 5, 6))]}
 FRACS = (0.05, 0.5, 0.95)  # where in its phase a hang starts
 # and, for a startup, right after each mark (the paper profile's shares): a hang as its
 # sub-phase starts waits that sub-phase's whole limit, the worst case
@@ -454,16 +501,18 @@ def main() -> int:
         noisy = list(pool.map(_run, [("noisy", a.seed + i, limit, a.noisy_poll_min * MIN, None)
                                      for i in range(a.runs)], chunksize=8))
         cases = {}
-        for name, hangs in {**HANG_CASES, **SLOW_CASES}.items():
+        for name, hangs in {**HANG_CASES, **LOAD_CASES, **AGENT_CASES, **SLOW_CASES}.items():
             for noisy_hang in (False, True):
                 jobs = []
                 for h in hangs:
                     fracs = ((h.frac,) if h.frac < FRACS[0]  # hung before its first byte
+                             else LOAD_FRACS if "model load" in name
                              else FRACS + (STARTS if h.phase == "startup" else ()))
                     for frac in fracs:
                         hh = Hang(h.phase, h.step, frac, noisy_hang, h.attempts, h.trickle)
                         jobs.append(pool.submit(_slow if name in SLOW_CASES else _run,
-                                                ("paper", 0, limit, poll, hh)))
+                                                ("paper", 0, limit, poll, hh, None,
+                                                 name in AGENT_CASES)))
                 cases[name, noisy_hang] = [j.result() for j in jobs]
         outages = list(pool.map(_run, [("noisy", a.seed + i, limit, a.noisy_poll_min * MIN,
                                          None, OUTAGE) for i in range(min(a.runs, 200))],
@@ -494,7 +543,8 @@ def main() -> int:
     print("  detection, minutes from the hang to the stop (max over the hang at 5/50/95 % of "
           "its phase;\n    a startup's also just after each of its marks):")
     print(f"    {'where the trainer hangs':<55} {'quiet':>7} {'printing':>9}")
-    for name in {**HANG_CASES, **SLOW_CASES}:
+    print("    (a model load's: just after verl's worker-group line, halfway, near its end)")
+    for name in {**HANG_CASES, **LOAD_CASES, **AGENT_CASES, **SLOW_CASES}:
         row = []
         for noisy_hang in (False, True):
             ds = [d for r in cases[name, noisy_hang] for _, d in r.detections]
@@ -502,18 +552,25 @@ def main() -> int:
             row.append(f"{max(ds) / MIN:.0f}" + (f" ({missed} missed)" if missed else "")
                        if ds else "missed")
         print(f"    {name:<55} {row[0]:>7} {row[1]:>9}")
-    for noisy_hang in (False, True):
-        waits = cases["startup, not the first (attempts 2-6)", noisy_hang][1].startup_hang_waits
-        print(f"  five startup hangs ({'printing' if noisy_hang else 'quiet'}, attempts 2-6, "
-              f"at half the startup): {sum(waits) / 3600 * GPUS:.0f} idle GPU-hours "
-              f"(submission to stop: {', '.join(f'{w / MIN:.0f}' for w in waits)} min x "
-              f"{GPUS} GPUs); hy3rl.train.after_attempt excludes the nodes after the second")
+    for name in ("startup, not the first (attempts 2-6)",
+                 "startup, not the first, node agents (attempts 2-6)"):
+        for noisy_hang in (False, True):
+            r = cases[name, noisy_hang][1]  # the hangs at half the startup
+            waits = r.startup_hang_waits
+            excl = [", ".join(e) or "none" for e in r.excluded]
+            whole = sum(len(e) >= len(NODES) for e in r.excluded)
+            print(f"  five startup hangs ({'printing' if noisy_hang else 'quiet'}, attempts "
+                  f"2-6, at half the startup{', node agents' if 'agents' in name else ''}): "
+                  f"{sum(waits) / 3600 * GPUS:.0f} idle GPU-hours (submission to stop: "
+                  f"{', '.join(f'{w / MIN:.0f}' for w in waits)} min x {GPUS} GPUs); "
+                  f"hy3rl.train.after_attempt excluded after each: {'; '.join(excl)} "
+                  f"(the whole allocation {whole} times)")
     return 0
 
 
 def _slow(args: tuple) -> Result:
     """A hang after one 2.5 h save (step 100)."""
-    kind, seed, limit_s, poll_s, hang = args
+    kind, seed, limit_s, poll_s, hang, *_ = args
     p = Profile.paper()
     p.save[100] = 150 * MIN
     with tempfile.TemporaryDirectory() as tmp:

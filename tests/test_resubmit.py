@@ -544,3 +544,44 @@ def test_retries_decide_the_next_submission_when_snakemake_asks():
     assert (r > 2 - 1) is False and asked == [2, 3]  # attempt 2 failed: the decision stops
     asked.clear()
     assert (r > 4) is False and asked == []  # no retry left: the decision is not asked
+
+
+def test_a_start_hung_on_a_node_the_reports_named_is_no_loop():
+    """Issue 44: the node agents' reports named the node that stopped first (excluded from
+    the resubmission); a startup hang after it, on other nodes, is new evidence, not a
+    crash loop."""
+    a = record(1, "hung", 0, None, nodes=("gpu01", "gpu02", "gpu03"))
+    a["timing"] = {"node_quiet_s": {"gpu01": 100.0, "gpu02": 2000.0, "gpu03": 120.0}}
+    b = record(2, "hung", 0, None, nodes=("gpu01", "gpu03", "gpu04"), started=40)
+    assert crash_loop([a, b]) is None
+    a["timing"]["node_quiet_s"]["gpu02"] = 130.0  # no evidence: on other nodes, a loop
+    assert crash_loop([a, b]).startswith("crash loop at step 1: attempts 1 and 2")
+
+
+@pytest.mark.parametrize(("gpu03", "stops"), [("down*", True), ("drained", True),
+                                              ("idle", False), ("mixed", False)])
+def test_too_few_eligible_nodes_stop_instead_of_waiting(layout: Layout, gpu03: str,
+                                                         stops: bool):
+    """Issue 44: with fewer usable nodes of the job's partition outside the exclusions than
+    the job needs, sbatch would queue for ever: the decision stops and says why."""
+    write_records(layout, record(1, "hung", 0, None, nodes=("gpu01", "gpu02")))
+    write_json_atomic(Path(layout.train_job_exit), {
+        "job": "4711", "ended_at": at(40), "attempts": [1], "retry": True,
+        "reason": "hung before its first step; gpu02 stopped progressing first",
+        "exclude": ["gpu02"], "partition": "h20", "nodes_needed": 2})
+    asked = []
+
+    def partition_state(part: str) -> dict:
+        asked.append(part)
+        return {"gpu01": "idle", "gpu02": "idle", "gpu03": gpu03}
+
+    d = decide(layout, 2, SINCE, job_state=no_slurm, node_state=no_slurm,
+               partition_state=partition_state)
+    assert asked == ["h20"] and d.exclude == ["gpu02"]
+    if stops:
+        assert d.stop == ("partition h20 has 1 eligible node(s) for a job of 2: 1 excluded "
+                          "(gpu02), 1 down or drained (gpu03); a resubmission would wait "
+                          "for ever (a new snakemake invocation starts without this one's "
+                          "exclusions)"), d.stop
+    else:
+        assert d.stop is None

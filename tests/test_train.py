@@ -681,7 +681,9 @@ def test_runtime_env_secrets_redacted_in_logs(tmp_path: Path, monkeypatch, caplo
     merged = yaml.safe_load(path.read_text())
     assert merged["env_vars"] == {"A": "1", "VERL_FILE_LOGGER_PATH": "/m.jsonl",
                                   "WANDB_MODE": "offline",
-                                  "HY3RL_JOB_ENV": str(tmp_path / ".job-env")}
+                                  "HY3RL_JOB_ENV": str(tmp_path / ".job-env"),
+                                  # Megatron-Bridge's loading bar drawn as it advances
+                                  "TTY_COMPATIBLE": "1"}
     assert path.stat().st_mode & 0o777 == 0o600 and not path.is_relative_to(tmp_path)
     kept = yaml.safe_load((tmp_path / "runtime_env.yaml").read_text())  # the attempt's copy
     assert kept == merged
@@ -986,5 +988,6 @@ def test_a_start_that_hangs_ends_for_a_new_allocation() -> None:
     step = train.after_attempt(rec, [rec], restarts_left=3, lost=[], allocation=["n1"],
                                nodes_needed=1, time_left=None, interval=None)
     assert (step.restart, step.retry) == (False, True)
-    assert step.reason.endswith("a start that hangs is retried in a new allocation: ends for "
-                                "a resubmission")
+    assert step.reason.endswith("a start that hangs is retried in a new allocation (no node "
+                                "stopped before the others: none excluded): ends for a "
+                                "resubmission")

@@ -795,3 +795,75 @@ def test_the_need_until_the_next_save_sums_steps_as_a_distribution() -> None:
     need = m.until_save(100, sched) - m.save()[0]
     assert 20 * STEP < need < 20 * STEP + 20 * MIN < 20 * wd.p95(steps)
     assert m.steps_sum(1) > STEP  # one step: above its mean
+
+
+def test_the_model_load_is_hung_when_no_node_progresses(tmp_path: Path) -> None:
+    """Issue 44: inside the model load nothing in the output moves, so a load that hung
+    while Ray and NCCL go on printing waited its sub-phase's limit (105-110 min; the first
+    startup, the whole startup's 270). The node agents' reports (hy3rl.loadwatch, one file a
+    node, its own clock) now give the load a limit from the last progress on any node:
+    load_quiet_s (15 min). A report not renewed for 3 min says nothing: with none fresh,
+    the sub-phase's own limit holds (blind is not hung)."""
+    clock = Clock()
+    log_path, progress = tmp_path / "driver.log", tmp_path / "progress"
+    log_path.write_text("")
+    progress.mkdir()
+    m = monitor(tmp_path, clock, logs=[log_path], silence_s=45 * MIN, progress_dir=progress)
+    m.start()
+    t0 = clock.now
+    node_clock = {"n1": 10_000.0, "n2": 50_000.0}  # each node's own clock: any offset
+
+    def agents(progressing: dict[str, bool], shards: bool = True) -> None:
+        for node, moving in progressing.items():
+            path = progress / f"{node}.json"
+            last = json.loads(path.read_text())["last_progress"] if path.exists() else None
+            t = node_clock[node] + clock.now - t0
+            path.write_text(json.dumps({"node": node, "t": t,
+                                        "last_progress": t if moving or last is None else last,
+                                        "shards": ["model-00001.safetensors"] if shards else []}))
+
+    for name in ("datasets", "workers"):
+        clock.now += 2 * MIN
+        with open(log_path, "a") as fh:
+            fh.write(V1 + MARK_LINES[name] + "\n")
+        agents({"n1": True, "n2": True})
+        assert m.poll() is None
+    assert m.startup_part() == "actor_model"
+    for _ in range(20):  # loading: n1 stops after 5 min, n2 goes on
+        clock.now += MIN
+        agents({"n1": clock.now - t0 < 9 * MIN, "n2": True})
+        assert m.poll() is None
+    for minute in range(1, 16):  # then n2 stops too: 15 min without progress on any node
+        clock.now += MIN
+        agents({"n1": False, "n2": False})
+        req = m.poll()
+        assert (req is None) == (minute < 15), (minute, req)
+    assert req.outcome == "hung" and req.step is None
+    assert "no model-load progress on any of 2 node(s) for 15 min (page faults, mapped " \
+        "shards, the loading bar), its limit 15 min; n1 stopped first, 31 min ago" \
+        in req.message, req.message
+    timing = m.timing()
+    assert timing["node_quiet_s"] == {"n1": 31 * MIN, "n2": 15 * MIN}
+    assert timing["node_loading"] == ["n1", "n2"]
+
+    # the agents' reports stale (not renewed): the load rule is blind, the sub-phase's own
+    # limit (none learned here: the whole startup's, 270 min) still holds
+    clock2 = Clock()
+    m2 = monitor(tmp_path / "b", clock2, logs=[log_path], silence_s=45 * MIN,
+                 progress_dir=progress)
+    m2.start()
+    m2.startup_marks.update({"datasets": 0.0, "workers": 0.0})
+    clock2.now += 2 * MIN
+    assert m2.poll() is None and m2.startup_part() == "actor_model"
+    for _ in range(60):
+        clock2.now += MIN
+        with open(log_path, "a") as fh:
+            fh.write("(raylet) still here\n")
+        assert m2.poll() is None, m2.phase
+    # and outside the model load the reports do not decide
+    m3 = monitor(tmp_path / "c", Clock(), logs=[log_path], progress_dir=progress)
+    m3.start()
+    assert m3.startup_part() == "datasets"
+    m3.clock.now += 20 * MIN
+    agents({"n1": False, "n2": False})
+    assert m3.poll() is None

@@ -186,24 +186,50 @@ def test_the_silence_limit_is_not_counted_while_the_log_stream_is_down(tmp_path:
     assert req and req.outcome == "hung" and "silence limit 10 min" in req.message
 
 
-def rec(k: int, nodes: list[str], step: int | None = None) -> dict:
+def rec(k: int, nodes: list[str], step: int | None = None,
+        quiet: dict[str, float] | None = None) -> dict:
     return {"attempt": k, "outcome": "hung", "exit_reason": "hung before its first step",
             "last_logged_step": step, "start_step": 40, "end_step": 40, "nodes": nodes,
-            "trajectory_id": "t", "log_dir": f"attempt-{k}"}
+            "trajectory_id": "t", "log_dir": f"attempt-{k}",
+            "timing": {"node_quiet_s": quiet}}
 
 
-def test_a_startup_that_hangs_twice_on_the_same_nodes_excludes_them() -> None:
-    kw = {"restarts_left": 3, "lost": [], "allocation": ["n1", "n2"], "nodes_needed": 2,
-          "time_left": None, "interval": None}
-    first = after_attempt(rec(1, ["n1", "n2"]), [rec(1, ["n1", "n2"])], **kw)
-    assert not first.restart and first.retry and first.exclude == []
-    again = [rec(1, ["n1", "n2"]), rec(2, ["n2", "n1"])]
-    step = after_attempt(again[-1], again, **kw)
-    assert not step.restart and step.retry and step.exclude == ["n1", "n2"]
-    assert "the start hung on n1, n2 before (attempt 1)" in step.reason
-    # on other nodes: retried without excluding anything
-    other = [rec(1, ["n3", "n4"]), rec(2, ["n1", "n2"])]
-    assert after_attempt(other[-1], other, **kw).exclude == []
+KW = {"restarts_left": 3, "lost": [], "allocation": ["n1", "n2", "n3", "n4"],
+      "nodes_needed": 4, "time_left": None, "interval": None}
+NODES = ["n1", "n2", "n3", "n4"]
+
+
+def test_a_startup_hang_excludes_the_node_that_stopped_first_never_the_allocation() -> None:
+    """Issue 44: two startup hangs on the same nodes excluded the whole allocation (16 nodes
+    of the paper run: on a partition of fewer than 32 the run could not go on). Now the
+    node agents' reports are the evidence: the node whose processes stopped progressing
+    first (n3, 40 min before the stop; the others waited in a collective from 3 min on) is
+    excluded at once, the others never."""
+    quiet = {"n1": 180.0, "n2": 200.0, "n3": 2400.0, "n4": 190.0}
+    step = after_attempt(rec(1, NODES, quiet=quiet), [rec(1, NODES, quiet=quiet)], **KW)
+    assert not step.restart and step.retry and step.exclude == ["n3"], step
+    assert "n3 stopped progressing first (n3 40 min ago, the other nodes 3 min ago" \
+        in step.reason
+    # a second hang on other nodes after one with evidence is no crash loop: the node
+    # named was excluded, the next hang is new evidence
+    recs = [rec(1, NODES, quiet=quiet), rec(2, ["n1", "n2", "n4", "n5"],
+                                           quiet={"n1": 60, "n2": 60, "n4": 60, "n5": 1900})]
+    step = after_attempt(recs[-1], recs, **KW)
+    assert step.retry and step.exclude == ["n5"], step
+
+
+@pytest.mark.parametrize("quiet", [
+    None,  # no node agents
+    {"n1": 600.0, "n2": 610.0, "n3": 620.0, "n4": 605.0},  # all stopped together
+    {"n1": 2000.0, "n2": 2000.0, "n3": 2000.0, "n4": 100.0},  # most stopped first: no evidence
+    {"n1": 2000.0},  # one node reported
+], ids=["no-agents", "together", "most", "one-report"])
+def test_a_startup_hang_without_evidence_excludes_nothing(quiet: dict | None) -> None:
+    for recs in ([rec(1, NODES, quiet=quiet)],
+                 [rec(1, NODES, quiet=quiet), rec(2, list(reversed(NODES)), quiet=quiet)]):
+        step = after_attempt(recs[-1], recs, **KW)
+        assert not step.restart and step.retry and step.exclude == [], step
+        assert "no node stopped before the others: none excluded" in step.reason
 
 
 @pytest.mark.parametrize("noisy", [False, True], ids=["quiet", "printing"])

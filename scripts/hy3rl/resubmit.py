@@ -17,7 +17,9 @@ Contract (docs/formats/train.md):
   the trainer's first minutes, such as a configuration or import error, is retried once
   and stops when it repeats). Two startups that hung (no metrics line at all) on the same
   nodes are not a loop yet: the job ends for a new allocation instead of restarting in
-  its own, and a loop needs the hang on other nodes too. Any other outcome in between
+  its own, and a loop needs the hang on other nodes too; nor is a startup hang after one
+  whose node agents named the nodes that stopped first (:func:`stalled_nodes`, excluded
+  from the resubmission: the next hang is new evidence). Any other outcome in between
   breaks the chain.
 - An attempt the health guard stopped (outcome ``unhealthy``, hy3rl.health) is never
   resubmitted: the decision stops with its ``health_stop`` message (the rule, the step,
@@ -34,7 +36,10 @@ Contract (docs/formats/train.md):
   drained or failing (all of the job's nodes when none can be told). A job that left
   neither (it died before its first attempt: a broken environment, a refused input, or it
   never started) is resubmitted once; twice in a row stops. Every node lost or excluded
-  earlier in this invocation stays excluded. :func:`crash_loop` over this invocation's
+  earlier in this invocation stays excluded; when the failed job's partition
+  (``job-exit.json`` ``partition``) has fewer usable nodes outside them than the job needs
+  (:func:`too_few_nodes`), the decision stops with that reason instead of a submission
+  that would wait for ever. :func:`crash_loop` over this invocation's
   records is a second guard. Each decision is one line of
   ``train/attempts/submissions.jsonl``.
 - Unreadable records raise :class:`ResubmitError` naming the file (the rule turns it into a
@@ -127,15 +132,48 @@ def _loops(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
     if start != (a.get("end_step") or 0) or (b.get("end_step") or 0) != start:
         return False
     fa, fb = a.get("failed_at_step"), b.get("failed_at_step")
-    if startup_hang(a) and startup_hang(b) and a.get("nodes") \
-            and sorted(a["nodes"]) == sorted(b.get("nodes") or []):
-        return False  # a start that hangs is tried on other nodes before it is a loop
+    if startup_hang(a) and startup_hang(b) and (
+            stalled_nodes(a) or (a.get("nodes")
+                                 and sorted(a["nodes"]) == sorted(b.get("nodes") or []))):
+        # a start that hangs is tried on other nodes before it is a loop; one that hung
+        # on a node the reports named had that node excluded: the next hang is new evidence
+        return False
     return (fa is not None and fa == fb) or (_no_step_logged(a) and _no_step_logged(b))
 
 
 def startup_hang(rec: Mapping[str, Any]) -> bool:
     """The attempt hung before its first step (model loads, NCCL initialisation)."""
     return outcome(rec) == "hung" and rec.get("last_logged_step") is None
+
+
+STALL_LEAD_S = 300.0  # a node stopped this much before the last node to progress: evidence
+
+
+def stalled_nodes(rec: Mapping[str, Any]) -> list[str]:
+    """The nodes a hung startup's node agents show stopped progressing first (the attempt
+    record's ``timing.node_quiet_s``: per node, the seconds since its processes last
+    progressed, at the stop; hy3rl.loadwatch): those quiet :data:`STALL_LEAD_S` longer
+    than the node that progressed last, when they are at most half of the nodes that
+    reported (more is no evidence against any one node: the cause is elsewhere, and the
+    allocation is never excluded whole), and, where the reports say which nodes had model
+    shards mapped at the stop (``timing.node_loading``), only nodes still in their load (a
+    node that finished a smaller share of the load first and then waited is no culprit).
+    Empty without reports from two nodes or more."""
+    if not startup_hang(rec):
+        return []
+    quiet = (rec.get("timing") or {}).get("node_quiet_s")
+    if not isinstance(quiet, dict):
+        return []
+    q = {str(n): float(v) for n, v in quiet.items()
+         if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    if len(q) < 2:
+        return []
+    last = min(q.values())
+    stalled = sorted(n for n, v in q.items() if v - last >= STALL_LEAD_S)
+    loading = (rec.get("timing") or {}).get("node_loading")
+    if isinstance(loading, list) and any(n not in loading for n in stalled):
+        return []
+    return stalled if 2 * len(stalled) <= len(q) else []
 
 
 def crash_loop(records: Sequence[Mapping[str, Any]],
@@ -325,13 +363,47 @@ def slurm_node_states(nodes: Sequence[str]) -> dict[str, str]:
     when sinfo cannot tell."""
     if not nodes:
         return {}
-    out = slurm_output(["sinfo", "-h", "-N", "-n", ",".join(nodes), "-o", "%N %T"])
+    return _sinfo_states(["-n", ",".join(nodes)])
+
+
+def _sinfo_states(select: list[str]) -> dict[str, str]:
+    """``{node: state}`` of the nodes ``sinfo -N`` selects with ``select``."""
+    out = slurm_output(["sinfo", "-h", "-N", *select, "-o", "%N %T"])
     states: dict[str, str] = {}
     for line in (out or "").splitlines():
         parts = line.split()
         if len(parts) == 2:
             states[parts[0]] = parts[1]
     return states
+
+
+def partition_node_states(partition: str) -> dict[str, str]:
+    """``{node: state}`` of every node of ``partition`` (``sinfo -N -p``); empty when sinfo
+    cannot tell."""
+    return _sinfo_states(["-p", partition])
+
+
+def too_few_nodes(job_exit: Mapping[str, Any], exclude: Sequence[str],
+                  partition_state: Callable[[str], Mapping[str, str]]) -> str | None:
+    """Why a resubmission cannot be placed: fewer usable nodes of the job's partition
+    (``job-exit.json`` ``partition``, ``nodes_needed``) outside ``exclude`` than the job
+    needs; None when they are enough or it cannot be told."""
+    part, need = job_exit.get("partition"), job_exit.get("nodes_needed")
+    if not exclude or not isinstance(part, str) or not part or not isinstance(need, int):
+        return None
+    states = partition_state(part)
+    if not states:
+        return None
+    out = set(exclude)
+    usable = sorted(n for n, st in states.items() if n not in out and not node_unusable(st))
+    if len(usable) >= need:
+        return None
+    down = sorted(n for n, st in states.items() if n not in out and node_unusable(st))
+    return (f"partition {part} has {len(usable)} eligible node(s) for a job of {need}: "
+            f"{len(out & set(states))} excluded ({', '.join(sorted(out & set(states)))})"
+            + (f", {len(down)} down or drained ({', '.join(down)})" if down else "")
+            + "; a resubmission would wait for ever (a new snakemake invocation starts "
+              "without this one's exclusions)")
 
 
 def node_unusable(state: str | None) -> bool:
@@ -400,6 +472,7 @@ def planned(job_records: Sequence[Mapping[str, Any]]) -> tuple[bool, str | None]
 def decide(layout: Layout, attempt: int, since: str, *,
            job_state: Callable[[str], SlurmJob | None] = slurm_job,
            node_state: Callable[[Sequence[str]], Mapping[str, str]] = slurm_node_states,
+           partition_state: Callable[[str], Mapping[str, str]] = partition_node_states,
            max_failed: int | None = None) -> Decision:
     """The decision for Snakemake's submission ``attempt`` of a training job of the run in
     ``layout``, ``since`` being the controller's start (module doc). The first submission
@@ -453,6 +526,8 @@ def decide(layout: Layout, attempt: int, since: str, *,
     loop = crash_loop(records, layout.train_attempts)
     if stop is None and loop:
         stop = loop
+    if stop is None and job_exit is not None:
+        stop = too_few_nodes(job_exit, sorted(set(exclude)), partition_state)
     sick = next((r for r in reversed(mine) if outcome(r) == "unhealthy"), None)
     if stop is None and sick is not None:  # the health guard stopped it: never resubmitted
         health = sick.get("health_stop")

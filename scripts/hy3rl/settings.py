@@ -264,6 +264,7 @@ class Watchdog:
     save_min: float | None
     storage_mb_s: float
     first_byte_min: float
+    load_quiet_min: float
     shutdown_min: float
     poll_s: float
     silence_min: float

@@ -73,6 +73,7 @@ from hy3rl.health import (
     stopped_when,
 )
 from hy3rl.layout import ATTEMPT_RE, Layout
+from hy3rl.loadwatch import PROGRESS_DIR
 from hy3rl.timefmt import parse, utc_now
 from hy3rl.verl_log import merged_attempts, read_metrics
 
@@ -391,19 +392,21 @@ def after_attempt(rec: Mapping[str, Any], records: Sequence[Mapping[str, Any]], 
         return JobStep(False, False, loop, exclude)
     if outcome == "hung" and rec.get("last_logged_step") is None:
         # A start that hangs (NCCL initialisation, a node that never loads) is retried in a
-        # new allocation, on other nodes if SLURM has them, before it can be a crash loop;
-        # twice on the same nodes, those nodes are excluded (never a longer wait).
-        from hy3rl.resubmit import startup_hang
+        # new allocation, before it can be a crash loop. The nodes excluded are those the
+        # node agents' reports show stopped first (stalled_nodes), never the allocation.
+        from hy3rl.resubmit import stalled_nodes
 
-        nodes = sorted(rec.get("nodes") or [])
-        before = [r for r in records if r is not rec and r.get("attempt") != rec.get("attempt")
-                  and startup_hang(r) and nodes and sorted(r.get("nodes") or []) == nodes]
-        if before:
-            return JobStep(False, True, f"{reason}; the start hung on {', '.join(nodes)} "
-                           f"before (attempt {before[-1].get('attempt')}): those nodes are "
-                           "excluded from the resubmission", sorted(set(exclude) | set(nodes)))
+        stalled = stalled_nodes(rec)
+        if stalled:
+            quiet = (rec.get("timing") or {}).get("node_quiet_s") or {}
+            ago = ", ".join(f"{n} {quiet[n] / 60:.0f} min ago" for n in stalled)
+            return JobStep(False, True, f"{reason}; {', '.join(stalled)} stopped progressing "
+                           f"first ({ago}, the other nodes {min(quiet.values()) / 60:.0f} min "
+                           "ago: the node agents' reports): excluded from the resubmission",
+                           sorted(set(exclude) | set(stalled)))
         return JobStep(False, True, f"{reason}; a start that hangs is retried in a new "
-                       "allocation: ends for a resubmission", exclude)
+                       "allocation (no node stopped before the others: none excluded): ends "
+                       "for a resubmission", exclude)
     fits = len([n for n in allocation if n not in set(lost)]) >= nodes_needed
     has_time = time_left is None or interval is None or time_left >= interval
     if restarts_left > 0 and has_time and fits:
@@ -432,6 +435,7 @@ ERROR_LINE = re.compile(r"^\s*(?:\([^)]*\)\s*)?([A-Za-z_][\w.]*(?:Error|Exceptio
 
 
 DISK_FULL = re.compile(r"No space left on device|\[Errno 28\]|ENOSPC")
+LOAD_TENSOR_SLACK = 10.0  # the model load's quiet limit: at least 10 x the largest tensor's read
 
 
 def output_tail(driver_log: Path) -> str | None:
@@ -490,7 +494,8 @@ def allowances(wd: Any, plan: Mapping[str, Any]) -> Allowances:
     first save: ``save_min``, else the checkpoint's size from preflight's disk estimate
     (plan.json ``checkpoint.bytes_per_checkpoint``) over ``storage_mb_s``; a first save's
     first byte ``first_byte_min``; the storage's rate ``storage_mb_s`` (with ``save_min``
-    and a known size: the size over ``save_min``)."""
+    and a known size: the size over ``save_min``); the model load's ``load_quiet_s``
+    (:func:`load_quiet`)."""
     from hy3rl.watchdog import Allowances
 
     per = (plan.get("checkpoint") or {}).get("bytes_per_checkpoint")
@@ -509,7 +514,25 @@ def allowances(wd: Any, plan: Mapping[str, Any]) -> Allowances:
                       startup_floor_s=wd.startup_floor_min * 60,
                       startup_cap_s=wd.stall_cap_min * 60,
                       stall_floor_s=wd.stall_floor_min * 60,
-                      first_byte_s=wd.first_byte_min * 60, save_rate_b_s=rate)
+                      first_byte_s=wd.first_byte_min * 60, save_rate_b_s=rate,
+                      load_quiet_s=load_quiet(wd, plan))
+
+
+def load_quiet(wd: Any, plan: Mapping[str, Any]) -> float:
+    """The model load's limit without progress on any node (hy3rl.watchdog.load_stuck):
+    ``load_quiet_min``, or longer when the largest tensor of the model (its safetensors
+    headers, ``plan.json`` ``verl_checks.model_dir``) read at ``storage_mb_s`` takes more
+    than a tenth of it (one tensor is the longest a load goes without a new page)."""
+    from hy3rl.checkpoint import read_header
+
+    floor = wd.load_quiet_min * 60
+    if floor <= 0:
+        return 0.0  # disabled
+    model = (plan.get("verl_checks") or {}).get("model_dir")
+    shards = sorted(Path(model).glob("*.safetensors")) if model else []
+    largest = max((t.nbytes for sh in map(read_header, shards) for t in sh.tensors.values()),
+                  default=0)
+    return max(floor, LOAD_TENSOR_SLACK * largest / (wd.storage_mb_s * 1e6))
 
 
 def time_left(job_id: str | None) -> float | None:
@@ -538,13 +561,15 @@ def job_name() -> str:
 
 
 def write_job_exit(layout: Layout, job: str, attempts: list[int], step: JobStep | None,
-                   reason: str) -> None:
+                   reason: str, nodes_needed: int | None = None) -> None:
     """``train/attempts/job-exit.json`` (docs/formats/train.md): read by the controller
     before it resubmits (hy3rl.resubmit)."""
     write_json_atomic(Path(layout.train_job_exit), {
         "job": job, "ended_at": utc_now(), "attempts": attempts,
         "retry": bool(step and step.retry), "reason": step.reason if step else reason,
-        "exclude": list(step.exclude) if step else []})
+        "exclude": list(step.exclude) if step else [],
+        # what the controller needs to tell whether enough nodes are left to exclude from
+        "partition": os.environ.get("SLURM_JOB_PARTITION"), "nodes_needed": nodes_needed})
 
 
 def keys_digest(config: Mapping[str, Any], final: bool,
@@ -920,7 +945,7 @@ def run(train: Train, cluster: Cluster, layout: Layout, *, keep_steps: Protected
                 log.info("attempt %d: %s; restarting in this allocation (restart %d of %d)",
                          k, rec["exit_reason"], len(job.attempts), train.restarts_per_job)
             k += 1
-        write_job_exit(layout, job_name(), job.attempts, step, "")
+        write_job_exit(layout, job_name(), job.attempts, step, "", cluster.nodes)
         raise TrainFailed(f"{step.reason}; newest complete checkpoint "
                           f"{job.end_step}; logs in {layout.attempt_logs(k)}"
                           + ("" if step.retry else "; not resubmitted"), 1)
@@ -1227,7 +1252,7 @@ class Job:
             is_saved=lambda s: check_complete(ckpt / f"global_step_{s}", s)[0],
             deadline=Deadline(lambda: time_left(me.job_id)), ckpt_dir=ckpt, start_step=start,
             kill_after=kill_at, logs=[log_dir / "driver.log"],
-            silence_s=wd.silence_min * 60 or None)
+            silence_s=wd.silence_min * 60 or None, progress_dir=log_dir / PROGRESS_DIR)
         guard = Guard(self.watcher, monitor,
                       on_event=lambda event: self.on_health(record, event),
                       next_save=lambda s: self.schedule(last).next_save(s - 1),

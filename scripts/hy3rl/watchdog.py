@@ -26,23 +26,25 @@ startup and the shutdown their configured minutes.
 signals finer than the metrics line: ``step`` from the previous line; ``save`` from verl's
 ``Saving checkpoint to <dir>/global_step_<N>`` line in the trainer's output or
 ``global_step_<N>/`` appearing; ``validation`` from the save's completion (verl prints
-nothing as a validation starts: on a test step that does not save, the step's limit
-counts its validation; :data:`SAVE_LINE` says what verl prints where). The limit is
+nothing as a validation starts: on a test step that does not save, the step's limit counts
+its validation; :data:`SAVE_LINE` says what verl prints where). The limit is
 ``stall_factor`` x the phase's estimate (1.5 x the allowance for a phase never seen),
 clamped to [``stall_floor_min``, ``stall_cap_min``]; a save still writing bytes is never
-over its limit; ``stall_min`` set fixes it (0: never). A save's first byte has its own
-limit from the save's start (:meth:`TimeModel.first_byte`), and once bytes come they must
-keep a rate over a window (:meth:`TimeModel.write_rule`): a save that trickles is a hang. Before the
-first line the startup limit, from the submission, which output does not reset: ``1.5 x
+over its limit; ``stall_min`` set fixes it (0: never). A save's first byte has its own limit
+from the save's start (:meth:`TimeModel.first_byte`), and once bytes come they must keep a
+rate over a window (:meth:`TimeModel.write_rule`): a save that trickles is a hang. Before
+the first line the startup limit, from the submission, which output does not reset: ``1.5 x
 startup_min`` until a startup succeeded, then ``2 x the startup estimate`` between
 ``startup_floor_min`` and ``stall_cap_min`` (:meth:`TimeModel.startup_limit`); a hung
-startup never raises it (twice on the same nodes, they are excluded:
-``hy3rl.train.after_attempt``). In every phase, ``silence_min`` without any sign of the
-trainer (its output growing, a line, checkpoint bytes) is a hang, and in a save that long
-without checkpoint bytes; silence is not counted while the launcher cannot see the output
-(:meth:`Monitor.blind`). **After the last step**: the shutdown allowance; when it passes
-and the last step's checkpoint is complete the attempt is stopped as ``succeeded`` (the
-records say it was stopped after the final step), else ``hung``.
+startup never raises it (the nodes its node agents show stopped first are excluded:
+``hy3rl.train.after_attempt``); in the model load, no progress on any node for
+``load_quiet_min`` (the node agents' reports, :meth:`Monitor.load_stuck`). In every phase,
+``silence_min`` without any sign of the trainer (its output growing, a line, checkpoint
+bytes) is a hang, and in a save that long without checkpoint bytes; silence is not counted
+while the launcher cannot see the output (:meth:`Monitor.blind`). **After the last step**:
+the shutdown allowance; when it passes and the last step's checkpoint is complete the
+attempt is stopped as ``succeeded`` (the records say it was stopped after the final step),
+else ``hung``.
 
 **stopped_for_time_limit**: at a complete save of step N whose line is written, when the
 time left before the job's end is less than the work until the next save (each step, the
@@ -149,6 +151,12 @@ BYTES_EVERY_S = 60.0  # a checkpoint being written is walked at most this often
 # the longest pause between bytes of a healthy save, at most the silence limit (the window
 # of a save never seen).
 RATE_WINDOW_S = 15 * 60.0
+# The model load (issue 44): the startup sub-phase in which Megatron-Bridge loads the HF
+# weights, watched through the node agents' reports (hy3rl.loadwatch) when they come: a
+# report not renewed for REPORT_STALE_S says nothing (the agent is gone or its file system
+# lags); with none fresh the load has only its sub-phase limit.
+LOAD_PART = "actor_model"
+REPORT_STALE_S = 180.0
 RATE_SHARE = 0.1
 UNSEEN_RATE_SHARE = 0.02
 
@@ -217,6 +225,8 @@ class Allowances:
     None: one step's estimate; ``save_s`` None: one step's estimate (no size known).
     ``first_byte_s``: the seconds from a save's start to its first checkpoint byte;
     ``save_rate_b_s``: the storage's write rate (None: no rate rule until a save was seen).
+    ``load_quiet_s``: the model load's limit without progress on any node (the node
+    agents' reports).
     ``startup_floor_s``, ``startup_cap_s``: the bounds of a startup's limit once startups
     were measured (:meth:`TimeModel.startup_limit`)."""
 
@@ -232,6 +242,8 @@ class Allowances:
     first_byte_s: float = 15 * 60.0
     # the checkpoint storage's bandwidth (bytes/s) assumed for a save never seen
     save_rate_b_s: float | None = None
+    # the model load: no progress on any node for this long is a hang (hy3rl.loadwatch)
+    load_quiet_s: float = 15 * 60.0
 
 
 @dataclass
@@ -413,7 +425,7 @@ class TimeModel:
         never below ``startup_floor_s`` (the slowest healthy startup expected: a resume
         loading optimizer state after a fast first start is no hang) nor above
         ``startup_cap_s``. Learned from successful startups only: a hung startup never
-        raises it (one that hangs twice on the same nodes excludes them:
+        raises it (the nodes its node agents show stopped first are excluded:
         hy3rl.train.after_attempt); a hang that goes quiet is caught earlier by the
         silence limit."""
         a = self.allow
@@ -695,6 +707,12 @@ class Monitor:
     save_samples: list[tuple[float, int]] = field(default_factory=list)
     # complete saves seen writing in this attempt (timing()["saves"], TimeModel.add_save_marks)
     saves_seen: list[dict[str, Any]] = field(default_factory=list)
+    # the node agents' reports (hy3rl.loadwatch): their folder, and per node the report's
+    # own time (its clock), when this monitor saw it change, and the report
+    progress_dir: Path | None = None
+    reports: dict[str, tuple[float, float, dict[str, Any]]] = field(default_factory=dict)
+    quiet_at_stop: dict[str, float] | None = None  # node_quiet when the startup hung
+    loading_at_stop: list[str] | None = None  # node_loading then
 
 
     def start(self) -> None:
@@ -941,9 +959,13 @@ class Monitor:
                 why = (f"startup sub-phase {part} for {_minutes(in_part)}, its limit "
                        f"{_minutes(part_limit)} (from its successful startups); "
                        f"{_minutes(waited)} after the submission")
+            elif part == LOAD_PART and (stuck := self.load_stuck(now, in_part)) is not None:
+                why = f"{stuck}; {_minutes(waited)} after the submission"
             else:
                 return None
             self.startup_hung_s = waited
+            self.quiet_at_stop = self.node_quiet(now)
+            self.loading_at_stop = self.node_loading()
             return StopRequest("hung", f"hung before its first step ({why})", None, True)
         step = self.last_step
         if step is not None and step >= self.schedule.last:
@@ -970,6 +992,55 @@ class Monitor:
             return None
         return StopRequest("hung", f"hung at step {nxt} ({why}; last logged step {step})",
                            step, True)
+
+    def read_reports(self, now: float, stale: bool = False) -> dict[str, float]:
+        """The node agents' reports: per node whose report is fresh (renewed within
+        :data:`REPORT_STALE_S`; ``stale``: every node that reported), the seconds since it
+        last progressed, up to ``now`` (a report not renewed counts as no progress)."""
+        if self.progress_dir is None:
+            return {}
+        from hy3rl.loadwatch import read_reports
+
+        for node, doc in read_reports(self.progress_dir).items():
+            seen = self.reports.get(node)
+            if seen is None or doc["t"] != seen[0]:
+                self.reports[node] = (float(doc["t"]), now, doc)
+        return {node: max(0.0, t - float(doc["last_progress"])) + (now - at)
+                for node, (t, at, doc) in self.reports.items()
+                if stale or now - at <= REPORT_STALE_S}
+
+    def load_stuck(self, now: float, in_part: float) -> str | None:
+        """Why the model load is hung, if it is: no node's processes progressed (page faults,
+        mapped shards, Megatron-Bridge's loading bar: hy3rl.loadwatch) for
+        ``load_quiet_s``, counted from the sub-phase's start at the earliest; None while no
+        node's report is fresh (the sub-phase's own limit still holds)."""
+        quiet = self.read_reports(now)
+        if not quiet:
+            return None
+        limit = self.model.allow.load_quiet_s
+        idle = min(min(quiet.values()), in_part)
+        if limit <= 0 or idle < limit:
+            return None
+        first = max(quiet, key=lambda n: quiet[n])
+        return (f"no model-load progress on any of {len(quiet)} node(s) for "
+                f"{_minutes(idle)} (page faults, mapped shards, the loading bar), its limit "
+                f"{_minutes(limit)}; {first} stopped first, {_minutes(quiet[first])} ago")
+
+    def node_quiet(self, now: float) -> dict[str, float] | None:
+        """Per node that reported, the seconds since its processes last progressed (the
+        evidence for excluding a node after a hung startup: hy3rl.train.after_attempt);
+        None without node agents."""
+        if self.progress_dir is None:
+            return None
+        return {n: round(q, 1) for n, q in sorted(self.read_reports(now, True).items())}
+
+    def node_loading(self) -> list[str] | None:
+        """The nodes whose newest report has model shards mapped (a load in progress there);
+        None without node agents or when no report says."""
+        if self.progress_dir is None or not any(
+                isinstance(doc.get("shards"), list) for _, _, doc in self.reports.values()):
+            return None
+        return sorted(n for n, (_, _, doc) in self.reports.items() if doc.get("shards"))
 
     def save_stuck(self, step: int, now: float) -> str | None:
         """Why the save of ``step`` in progress is hung, if it is: no first byte within its
@@ -1085,6 +1156,7 @@ class Monitor:
                                    else round(self.startup_hung_s, 1)),
                 "startup_marks": dict(self.startup_marks),
                 "saves": list(self.saves_seen),
+                "node_quiet_s": self.quiet_at_stop, "node_loading": self.loading_at_stop,
                 "phase": self.phase, "model": self.model.snapshot()}
 
 
