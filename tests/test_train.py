@@ -683,7 +683,7 @@ def test_runtime_env_secrets_redacted_in_logs(tmp_path: Path, monkeypatch, caplo
                                   "WANDB_MODE": "offline",
                                   "HY3RL_JOB_ENV": str(tmp_path / ".job-env"),
                                   # Megatron-Bridge's loading bar drawn as it advances
-                                  "TTY_COMPATIBLE": "1"}
+                                  "TTY_COMPATIBLE": "1", "COLUMNS": "400"}
     assert path.stat().st_mode & 0o777 == 0o600 and not path.is_relative_to(tmp_path)
     kept = yaml.safe_load((tmp_path / "runtime_env.yaml").read_text())  # the attempt's copy
     assert kept == merged

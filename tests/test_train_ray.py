@@ -329,3 +329,47 @@ def test_no_secret_in_rays_files(train_setup) -> None:
         assert not leftover("t-local-1")
     finally:
         shutil.rmtree(temp_root, ignore_errors=True)
+
+
+def test_a_model_load_that_hangs_midway_is_caught_by_the_node_agent(train_setup,
+                                                                      tmp_path: Path) -> None:
+    """Issue 44: the trainer double loads a real safetensors shard as Megatron-Bridge does
+    (its loading bar over the tensors, each read memory-mapped) in a Ray worker of the job,
+    and hangs midway while the job's processes go on living. The node agent beside Ray
+    (hy3rl.raynode -> hy3rl.loadwatch) saw the load progress and stop; the supervisor ends
+    the startup after load_quiet_min without progress on any node, long before the
+    sub-phase's limit (none learned: the whole startup's, 270 min)."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    shard = tmp_path / "model-00001-of-00001.safetensors"
+    rng = np.random.default_rng(0)
+    save_file({f"model.layers.{i}.mlp.experts.weight": rng.standard_normal(
+        512 * 1024, dtype=np.float32) for i in range(40)}, str(shard))  # 40 x 2 MiB
+    setup = train_setup(total=2, save_freq=2)
+    setup.config["train"]["restarts_per_job"] = 0
+    setup.config["train"]["watchdog"].update(load_quiet_min=0.25, node_report_s=1)
+    setup.set_faults(hang_in_load=20)
+    began = time.monotonic()
+    proc = subprocess.run(setup.cli(), cwd=setup.root, capture_output=True, text=True,
+                          timeout=300, env={**train_env(setup),
+                                            "HY3RL_DOUBLE_LOAD_SHARD": str(shard)})
+    took = time.monotonic() - began
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    a1 = attempt(setup, 1)
+    assert a1["outcome"] == "hung" and a1["last_logged_step"] is None, a1
+    assert "no model-load progress on any of 1 node(s) for " in a1["exit_reason"], a1
+    assert "its limit 0.25 min" in a1["exit_reason"], a1
+    (node,) = a1["nodes"]
+    timing = a1["timing"]
+    assert set(timing["node_quiet_s"]) == {node} and timing["node_quiet_s"][node] >= 15
+    assert timing["node_loading"] == [node]
+    logs = setup.results / "train" / "attempts" / "attempt-1"
+    # the agent's last report (written on through the teardown): the bar stopped at 20 of 40
+    report = json.loads((logs / "progress" / f"{node}.json").read_text())
+    assert report["bar"] == [20, 40], report
+    assert "loaded" not in (logs / "driver.log").read_text()
+    # one node: no evidence against it, nothing excluded; a new allocation is asked for
+    assert "none excluded" in proc.stderr, proc.stderr[-2000:]
+    assert took < 200, took
+    assert not leftover("t-local-1")

@@ -7,7 +7,8 @@ NCCL go on printing whether the load progresses or not. Two signals do move, on 
 processes of the node's Ray scope (``HY3RL_RAY_SCOPE``, :func:`hy3rl.nodelogs.
 scope_processes`):
 
-- **the kernel's counters**: Megatron-Bridge reads the HF shards memory-mapped
+- **the kernel's counters** of the job's processes (the scope less Ray's daemons,
+  :func:`job_pids`): Megatron-Bridge reads the HF shards memory-mapped
   (safetensors), so a load shows as page faults (``/proc/<pid>/stat`` fields 10 and 12,
   minor and major) and as the shard files mapped (``/proc/<pid>/maps``); ``rchar`` and file
   offsets do not move, ``read_bytes`` (``/proc/<pid>/io``) only on a cold local disk. An idle
@@ -48,7 +49,14 @@ FAULTS_PER_MIN = 2000.0  # a process faulting faster is progressing (an idle act
 READ_BYTES_STEP = 16 << 20  # or reading this much from disk between two samples
 BAR = re.compile(r"Loading from (\S+).*?\((\d+)/(\d+)\)")
 BAR_TAIL = 64 << 10  # bytes of a worker's output read for the bar
-ENV = {"TTY_COMPATIBLE": "1"}  # what makes rich draw the bar through a pipe (set on the job)
+# What makes rich draw the bar through a pipe (set on the job): a terminal, and one wide
+# enough that the bar's count is not elided (rich's default 80 columns cut it to "…").
+ENV = {"TTY_COMPATIBLE": "1", "COLUMNS": "400"}
+# Ray's own daemons in the scope: not the job's processes (gcs_server alone faults about
+# 2,000 times a minute on an idle head: counted, no load would ever look hung)
+RAY_DAEMONS = ("gcs_server", "/raylet", "ray/dashboard/", "ray-dashboard-", "log_monitor",
+               "ray/autoscaler/", "ray.util.client.server", "ray/_private/monitor",
+               "ray::DashboardAgent", "ray::RuntimeEnvAgent", "runtime_env/agent")
 PROGRESS_DIR = "progress"  # in the attempt's log folder: <node>.json, each node's report
 
 
@@ -103,6 +111,22 @@ def last_bar(paths: Iterable[Path]) -> tuple[str, int, int] | None:
                     best = (st.st_mtime, (m.group(1), int(m.group(2)), int(m.group(3))))
                 break
     return best[1] if best else None
+
+
+def job_pids(scope: str) -> list[int]:
+    """The processes of the node's Ray scope that are the job's (its driver and workers):
+    the scope's less Ray's daemons (:data:`RAY_DAEMONS`)."""
+    from hy3rl.nodelogs import scope_processes
+
+    pids = []
+    for p in scope_processes(scope):
+        try:
+            cmd = " ".join(p.cmdline())
+        except Exception:  # noqa: BLE001 - gone or unreadable: not counted
+            continue
+        if not any(d in cmd for d in RAY_DAEMONS):
+            pids.append(p.pid)
+    return pids
 
 
 def worker_outputs(temp_dir: Path) -> list[Path]:

@@ -181,10 +181,9 @@ def node_main(args: argparse.Namespace) -> int:
     agent_stop = threading.Event()
     if args.progress_out:
         # the node agent: model-load progress of this node's processes (hy3rl.loadwatch)
-        from hy3rl.loadwatch import LoadWatch, run_agent, worker_outputs
+        from hy3rl.loadwatch import LoadWatch, job_pids, run_agent, worker_outputs
 
-        watch = LoadWatch(args.name, lambda: [p.pid for p in scope_processes(args.scope)],
-                          lambda: worker_outputs(temp))
+        watch = LoadWatch(args.name, lambda: job_pids(args.scope), lambda: worker_outputs(temp))
         threading.Thread(target=run_agent, daemon=True, name="loadwatch",
                          args=(watch, Path(args.progress_out), args.progress_every,
                                agent_stop)).start()

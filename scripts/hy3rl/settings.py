@@ -265,6 +265,7 @@ class Watchdog:
     storage_mb_s: float
     first_byte_min: float
     load_quiet_min: float
+    node_report_s: float
     shutdown_min: float
     poll_s: float
     silence_min: float

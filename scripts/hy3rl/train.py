@@ -1271,6 +1271,7 @@ class Job:
             gpus_per_node=int(cpu_path["ranks"]) if cpu_path else cluster.gpus_per_node,
             cpus_per_node=cluster.cpus_per_node, ray=train.ray, runtime=train.runtime,
             exclude=list(self.lost), monitor=guard, poll_s=wd.poll_s,
+            progress_every_s=wd.node_report_s,
             node_logs_mb=train.node_logs_mb,
             ray_cpus=int(cpu_path["ray_cpus"]) if cpu_path else None)
         spec.env_vars.update(self.wandb_env())
