@@ -46,7 +46,8 @@ def test_the_rendered_runtime_env_holds_no_secret(tmp_path: Path, monkeypatch,
         "CUDA_DEVICE_MAX_CONNECTIONS": "1", "PYTHONPATH": f"/deps/{'ab12' * 10}/src",
         "VERL_FILE_LOGGER_PATH":
         "/results/r/attempt-1.metrics.jsonl", "WANDB_RUN_ID": "r-0123",
-        "WANDB_MODE": "offline", "HY3RL_JOB_ENV": str(job_env)}
+        "WANDB_MODE": "offline", "HY3RL_JOB_ENV": str(job_env),
+        "TTY_COMPATIBLE": "1", "COLUMNS": "400"}  # hy3rl.loadwatch.ENV: the loading bar
     assert rendered["worker_process_setup_hook"] == "hy3rl.jobenv.export"
     assert rendered["working_dir"] == "/deps/verl"
     kept = tmp_path / "attempt-1" / "runtime_env.yaml"
