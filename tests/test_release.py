@@ -141,6 +141,17 @@ def _problems(check: dict) -> str:
     return "\n".join(check["problems"]) + check["details"]
 
 
+def _evaluated_as_now(layout: Layout, tag: str, hf: Path) -> None:
+    """Record ``tag``'s evaluation as having loaded ``hf`` as it is now (as a new
+    evaluation would)."""
+    meta_path = Path(layout.eval_samples_meta(tag))
+    meta = json.loads(meta_path.read_text())
+    meta["files"] = evaluate.computing_files(hf)
+    meta["weights"] = {k: v["sha256"] for k, v in meta["files"].items()
+                       if k.endswith(".safetensors")}
+    meta_path.write_text(json.dumps(meta))
+
+
 def test_good_release_passes_every_check_and_its_card_parses(run_copy, tiny_hy3_dir):
     from huggingface_hub import ModelCard
 
@@ -150,8 +161,9 @@ def test_good_release_passes_every_check_and_its_card_parses(run_copy, tiny_hy3_
     assert dest == (Path(cfg.release.dir) / RUN / "selected").resolve() and dest.is_dir()
     doc = json.loads(Path(layout.release_checks("selected")).read_text())
     assert {c["name"]: c["status"] for c in doc["checks"]} == {
-        n: "pass" for n in ("tokenizer", "index", "headers", "index_vs_shards", "inventory",
-                            "fixed_tensors", "generates", "report", "card", "evaluated")}
+        n: "pass" for n in ("tokenizer", "config", "encodings", "index", "headers",
+                            "index_vs_shards", "inventory", "fixed_tensors", "generates",
+                            "report", "card", "evaluated")}
     assert doc["size"]["files"] == len(rec["files"]) == 10 + len(REPORT_FILES)
     assert rec["evaluated_tag"] == "step2" and rec["step"] == 2
     # evaluate.run recorded the sha256 of each weight file it loaded; they are the release's
@@ -160,9 +172,14 @@ def test_good_release_passes_every_check_and_its_card_parses(run_copy, tiny_hy3_
                                if k.endswith(".safetensors")}
     assert len(meta["weights"]) == 3
     assert rec["source"].endswith("global_step_2/actor/model/huggingface")
-    # the weights and config of the checkpoint, the tokenizer files of the base
-    assert rec["origin"]["tokenizer.json"] == str(tiny_hy3_dir.resolve() / "tokenizer.json")
-    assert "global_step_2" in rec["origin"]["model-00001-of-00003.safetensors"]
+    # every file that computes from the evaluated checkpoint (issue 42: the tokenizer and the
+    # generation config too, which its evaluation loaded), recorded by the evaluation
+    assert set(meta["files"]) == {k for k in rec["files"] if "/" not in k and k != "README.md"}
+    assert all(rec["files"][k]["sha256"] == v["sha256"] for k, v in meta["files"].items())
+    for name in ("tokenizer.json", "generation_config.json", "config.json",
+                 "model-00001-of-00003.safetensors"):
+        assert "global_step_2" in rec["origin"][name], rec["origin"]
+    assert set(meta["prompt_ids"]) == {"0"}  # eval.num_problems 1
     assert "tiny-hy3.json" not in rec["files"] and "README.md" in rec["files"]
     assert set(rec["files"]) == {p.relative_to(dest).as_posix() for p in dest.rglob("*")
                                   if p.is_file()}
@@ -329,7 +346,8 @@ def test_weights_unlike_the_evaluated_ones_fail_by_file(run_copy, tiny_hy3_dir):
     cfg, layout, _ = run_copy
     meta_path = Path(layout.eval_samples_meta("final"))
     meta = json.loads(meta_path.read_text())
-    meta["weights"] = evaluate.weight_hashes(tiny_hy3_dir)
+    meta["files"].update({k: v for k, v in evaluate.computing_files(tiny_hy3_dir).items()
+                          if k.endswith(".safetensors")})
     meta_path.write_text(json.dumps(meta))
     failed = _refused(run_copy)
     assert set(failed) == {"evaluated"}
@@ -343,14 +361,19 @@ def test_weights_unlike_the_evaluated_ones_fail_by_file(run_copy, tiny_hy3_dir):
     assert str(meta_path) in text
 
 
-def test_an_evaluation_without_recorded_weights_fails(run_copy):
+@pytest.mark.parametrize(("key", "check"), [("files", "evaluated"),
+                                            ("prompt_ids", "encodings")])
+def test_an_evaluation_without_its_records_of_what_it_loaded_fails(run_copy, key, check):
+    """An evaluation made before its files and prompt encodings were recorded cannot vouch
+    for the release: evaluate the tag again."""
     cfg, layout, _ = run_copy
     meta_path = Path(layout.eval_samples_meta("final"))
     meta = json.loads(meta_path.read_text())
-    del meta["weights"]
+    del meta[key]
     meta_path.write_text(json.dumps(meta))
     failed = _refused(run_copy)
-    assert "records no 'weights'" in _problems(failed["evaluated"])
+    assert set(failed) == {check}
+    assert f"records no '{key}'" in _problems(failed[check])
 
 
 def test_a_missing_evaluation_record_fails_evaluated_by_name(run_copy):
@@ -360,7 +383,7 @@ def test_a_missing_evaluation_record_fails_evaluated_by_name(run_copy):
     meta_path = Path(layout.eval_samples_meta("final"))
     meta_path.unlink()
     failed = _refused(run_copy)
-    assert set(failed) == {"evaluated"}, failed
+    assert set(failed) == {"evaluated", "encodings"}, failed
     assert f"{meta_path}: missing" in _problems(failed["evaluated"])
 
 
@@ -371,19 +394,18 @@ def test_changed_tokenizer_fails_by_file(run_copy):
     doc["added_tokens"].append({**doc["added_tokens"][-1], "id": 512, "content": "<|new|>"})
     tok.write_text(json.dumps(doc))
     failed = _refused(run_copy)
-    assert set(failed) == {"tokenizer"}
+    assert set(failed) == {"tokenizer", "evaluated"}
     text = _problems(failed["tokenizer"])
     assert str(tok.parent / "tokenizer.json") in text and "'<|new|>'" in text
+    assert "tokenizer.json: key(s) added_tokens differ from the file evaluated" in \
+        _problems(failed["evaluated"])
 
 
 def test_moved_expert_bias_fails_fixed_tensors_by_name(run_copy):
     cfg, layout, _ = run_copy
     hf = layout.checkpoint_hf_model(3)
     rewrite_checkpoint(hf, lambda t: {**t, BIAS: t[BIAS] + 1.0})
-    meta_path = Path(layout.eval_samples_meta("final"))  # evaluated as it is now
-    meta = json.loads(meta_path.read_text())
-    meta["weights"] = evaluate.weight_hashes(hf)
-    meta_path.write_text(json.dumps(meta))
+    _evaluated_as_now(layout, "final", hf)
     failed = _refused(run_copy)
     assert set(failed) == {"fixed_tensors"}
     assert f"{BIAS} in " in _problems(failed["fixed_tensors"])
@@ -405,9 +427,12 @@ def test_a_model_that_does_not_load_fails_generates(run_copy):
     doc = json.loads(conf.read_text())
     doc["hidden_act"] = "no_such_activation"
     conf.write_text(json.dumps(doc))
+    _evaluated_as_now(layout, "final", conf.parent)
     failed = _refused(run_copy)
-    assert set(failed) == {"generates"}
+    assert set(failed) == {"generates", "config"}
     assert "does not load or generate" in _problems(failed["generates"])
+    assert 'config.json hidden_act: "no_such_activation", the base\'s "silu"' in \
+        _problems(failed["config"])
 
 
 def test_with_vllm_the_generates_check_runs_the_evaluations_vllm_path(run_copy, tiny_hy3_dir):
@@ -810,7 +835,7 @@ def test_the_releases_page_shows_each_release_with_its_checks_and_the_report_lin
         for name, meta in rec["files"].items():
             assert f"<code>{name}</code>" in page and meta["sha256"] in page
         assert rec["generated"][0]["response"][:20].replace("<", "&lt;") in page
-    assert page.count('<td class="status-pass">pass</td>') == 2 * 10
+    assert page.count('<td class="status-pass">pass</td>') == 2 * 12  # 12 checks a release
     assert "step 2 (evaluated as <code>step2</code>)" in page
     assert "not uploaded" in page and 'href="index.html"' in page
     after = report.build(cfg, layout, {})["index.html"].decode()
@@ -853,3 +878,75 @@ def test_the_releases_page_refuses_records_that_disagree(run_copy):
     refused(r"README\.md: missing")
     Path(layout.release_record("final")).unlink()
     refused(r"release\.json: missing \(release final\)")
+
+
+@pytest.mark.parametrize(("key", "value"), [
+    ("architectures", ["LlamaForCausalLM"]), ("torch_dtype", "float32"),
+    ("num_experts_per_tok", 1), ("rope_theta", 12345.0), ("router_scaling_factor", 9.0)])
+def test_a_config_changed_after_the_evaluation_is_refused_naming_the_key(run_copy, key,
+                                                                         value):
+    """Issue 42: config.json was checked by nothing (it came with the checkpoint, the
+    evaluation hashed only the weights): a changed architecture, dtype, expert count, rope
+    or router scale passed every check. Now `evaluated` names the key that differs from the
+    file the evaluation loaded, and `config` names it against the base's."""
+    cfg, layout, _ = run_copy
+    conf = layout.checkpoint_hf_model(3) / "config.json"
+    doc = json.loads(conf.read_text())
+    doc[key] = value
+    conf.write_text(json.dumps(doc))
+    failed = _refused(run_copy)
+    assert {"evaluated", "config"} <= set(failed), failed
+    assert f"config.json: key(s) {key} differ from the file evaluated" in \
+        _problems(failed["evaluated"])
+    assert f"config.json {key}: {json.dumps(value)}" in _problems(failed["config"])
+
+
+def test_a_config_key_the_run_may_change_is_named_not_refused(run_copy, tiny_hy3_dir):
+    """A key changed on purpose (release.config_may_differ) and evaluated so passes, named
+    in the check's details; the same change not declared is refused."""
+    cfg, layout, records = run_copy
+    conf = layout.checkpoint_hf_model(3) / "config.json"
+    doc = json.loads(conf.read_text())
+    doc["rope_theta"] = 20000.0
+    conf.write_text(json.dumps(doc))
+    _evaluated_as_now(layout, "final", conf.parent)
+    failed = _refused(run_copy)
+    assert set(failed) == {"config"} and "rope_theta: 20000.0" in _problems(failed["config"])
+    cfg2 = _cfg(Path(layout.results_root).parent, tiny_hy3_dir,
+                config_may_differ=["rope_theta"])
+    release.build(cfg2, layout, "final", records(), threads=2)
+    checks = json.loads(Path(layout.release_checks("final")).read_text())["checks"]
+    config = next(c for c in checks if c["name"] == "config")
+    assert config["status"] == "pass" and "rope_theta (allowed)" in config["details"]
+
+
+def test_a_tokenizer_normalizer_changed_after_the_evaluation_is_refused(run_copy):
+    """Issue 42: the shipped tokenizer's normalizer changed after the evaluation (the
+    evaluated tokenizer gave 16 ids for a prompt, the shipped one 19): `evaluated` names the
+    key, `encodings` the prompts the release's tokenizer reads otherwise."""
+    cfg, layout, _ = run_copy
+    tok = layout.checkpoint_hf_model(3) / "tokenizer.json"
+    doc = json.loads(tok.read_text())
+    doc["normalizer"] = {"type": "Replace", "pattern": {"String": " "}, "content": "  "}
+    tok.write_text(json.dumps(doc))
+    failed = _refused(run_copy)
+    assert {"evaluated", "encodings"} <= set(failed), failed
+    assert "tokenizer.json: key(s) normalizer differ from the file evaluated" in \
+        _problems(failed["evaluated"])
+    assert "problem 0: " in _problems(failed["encodings"])
+    assert "token ids from the release's tokenizer" in _problems(failed["encodings"])
+
+
+def test_a_generation_config_changed_after_the_evaluation_is_refused(run_copy):
+    """Issue 42: generation_config.json (vLLM's and transformers' default stop tokens and
+    sampling) was the base's, never the one evaluated: now the evaluated file is shipped and
+    a change after the evaluation is named by key."""
+    cfg, layout, _ = run_copy
+    gen = layout.checkpoint_hf_model(3) / "generation_config.json"
+    doc = json.loads(gen.read_text())
+    doc["eos_token_id"] = 7
+    gen.write_text(json.dumps(doc))
+    failed = _refused(run_copy)
+    assert set(failed) == {"evaluated"}, failed
+    assert "generation_config.json: key(s) eos_token_id differ from the file evaluated" in \
+        _problems(failed["evaluated"])

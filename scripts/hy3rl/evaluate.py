@@ -518,6 +518,60 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+# The files of an HF model directory that compute its answers (issue 42): the weights and
+# their index, the model config, the generation config (vLLM and transformers take their
+# default sampling and stop tokens from it), the tokenizer and the chat template. An
+# evaluation records each one it could load by content (files), and rule release ships
+# exactly these from the evaluated directory and compares them with that record.
+COMPUTES = re.compile(r"^(.+\.safetensors|model\.safetensors\.index\.json|config\.json"
+                      r"|generation_config\.json|tokenizer.*|special_tokens_map\.json"
+                      r"|added_tokens\.json|vocab\..+|merges\.txt|chat_template\.(jinja|json))$")
+
+
+def json_keys(path: Path) -> dict[str, str] | None:
+    """The first 16 hex digits of the sha256 of each top-level key's value (canonical JSON)
+    of a JSON object file: what names the key a change touched (a tokenizer's
+    ``normalizer``, a config's ``rope_theta``); None for a file that is not one."""
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    if not isinstance(doc, dict):
+        return None
+    return {k: hashlib.sha256(json.dumps(v, sort_keys=True).encode()).hexdigest()[:16]
+            for k, v in doc.items()}
+
+
+def computing_files(model_dir: str | Path, threads: int = 1) -> dict[str, dict[str, Any]]:
+    """Each file of ``model_dir`` that computes its answers (:data:`COMPUTES`): its sha256
+    and, for a JSON file, its keys' digests (:func:`json_keys`); ``threads`` files hashed at
+    a time (hy3rl.hub.hash_files)."""
+    from hy3rl.hub import hash_files
+
+    files = sorted(f for f in Path(model_dir).iterdir() if f.is_file() and COMPUTES.match(f.name))
+    got = hash_files([(f, "sha256") for f in files], threads, progress=False,
+                     desc="hashing the model's files")
+    out: dict[str, dict[str, Any]] = {}
+    for f in files:
+        out[f.name] = {"sha256": got[f]}
+        if f.suffix == ".json" and not f.name.endswith(".index.json"):
+            keys = json_keys(f)
+            if keys is not None:
+                out[f.name]["keys"] = keys
+    return out
+
+
+def prompt_encodings(tokenizer, rendered: dict[str, str]) -> dict[str, list]:
+    """Per problem, [the number of token ids, the first 16 hex digits of their sha256] of its
+    rendered prompt: what the evaluated tokenizer made of the evaluation's own prompts
+    (rule release encodes them again with the tokenizer it ships)."""
+    out = {}
+    for pid, text in rendered.items():
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        out[pid] = [len(ids), hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16]]
+    return out
+
+
 def weight_hashes(model_dir: str | Path, threads: int = 1) -> dict[str, str]:
     """sha256 of every weight file (``*.safetensors``) of an HF model directory, by file
     name, ``threads`` files at a time (hy3rl.hub.hash_files): what samples.meta.json's
@@ -750,8 +804,12 @@ def run(ev: Eval, *, tag: str, model: str | Path, val: Path, samples: Path, meta
         def generate(batch: list[Request]) -> list[SampleRecord]:
             return be.generate(batch, sampling)
 
-    # the files this generation loads, by content (rule release compares them with its own)
-    meta_doc["weights"] = weight_hashes(model_path, cpus_per_node)
+    # the files this generation loads, by content, and what its tokenizer made of its
+    # prompts (rule release compares them with its own)
+    meta_doc["files"] = computing_files(model_path, cpus_per_node)
+    meta_doc["weights"] = {k: v["sha256"] for k, v in meta_doc["files"].items()
+                           if k.endswith(".safetensors")}
+    meta_doc["prompt_ids"] = prompt_encodings(tokenizer, rendered)
     records, reused = run_generation(requests, generate, samples, fp, batch_size, progress)
     meta_doc.update(status="complete", num_samples=len(records), resumed_samples=reused,
                     truncated=sum(r.finish_reason == "length" for r in records),

@@ -44,6 +44,7 @@ import os
 import re
 import shutil
 import time
+from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,12 +58,15 @@ from hy3rl.timefmt import utc_now
 RELEASE_TAGS = ("selected", "final")
 BIAS_RATE_KEY = ("actor_rollout_ref.actor.megatron.override_transformer_config."
                  "moe_router_bias_update_rate")
-# Taken from the checkpoint's HF directory: the weights and the model config.
-CHECKPOINT_FILES = re.compile(r"^(.+\.safetensors|model\.safetensors\.index\.json|config\.json)$")
-# Taken from the base model as they are: tokenizer, chat template, generation config, license.
-BASE_FILES = re.compile(r"^(tokenizer.*|special_tokens_map\.json|added_tokens\.json|vocab\..+"
-                        r"|merges\.txt|chat_template\.(jinja|json)|generation_config\.json"
-                        r"|LICEN[CS]E.*|NOTICE.*)$")
+# Taken from the evaluated checkpoint's HF directory: every file that computes the model's
+# answers (hy3rl.evaluate.COMPUTES: weights, config, generation config, tokenizer, chat
+# template), the very files the evaluation loaded. From the base: only its license.
+BASE_FILES = re.compile(r"^(LICEN[CS]E.*|NOTICE.*)$")
+# The checkpoint's tokenizer files, compared with the base's (check_tokenizer)
+TOKENIZER_FILES = re.compile(r"^(tokenizer.*|special_tokens_map\.json|added_tokens\.json"
+                             r"|vocab\..+|merges\.txt|chat_template\.(jinja|json))$")
+# config.json keys an export may write otherwise than the base without computing otherwise
+CONFIG_METADATA = frozenset({"transformers_version", "_name_or_path", "_commit_hash"})
 CARD = "README.md"
 # Files the hub writes into a new repository itself: not content of another release.
 HUB_OWN_FILES = frozenset({".gitattributes"})
@@ -159,14 +163,16 @@ def evaluated_tag(tag: str, selected: Path | None) -> str:
 
 
 def stage(source: Path, base: Path, staging: Path) -> dict[str, str]:
-    """Copy the checkpoint's weights and config and the base's tokenizer files into
-    ``staging`` (a new directory); returns file name -> where it came from."""
+    """Copy the checkpoint's files that compute (hy3rl.evaluate.COMPUTES: what its
+    evaluation loaded) and the base's license into ``staging`` (a new directory); returns
+    file name -> where it came from."""
+    from hy3rl.evaluate import COMPUTES
+
     if not source.is_dir():
         raise ReleaseError(f"{source}: the checkpoint's HF directory does not exist")
     if not base.is_dir():
         raise ReleaseError(f"{base}: the base model directory does not exist")
-    ckpt = sorted(p.name for p in source.iterdir()
-                  if p.is_file() and CHECKPOINT_FILES.match(p.name))
+    ckpt = sorted(p.name for p in source.iterdir() if p.is_file() and COMPUTES.match(p.name))
     if "config.json" not in ckpt or not any(n.endswith(".safetensors") for n in ckpt):
         raise ReleaseError(f"{source}: no config.json or no *.safetensors weight file (an "
                            "empty or incomplete HF export)")
@@ -193,15 +199,15 @@ def _tokenizer_view(folder: Path) -> dict[str, Any]:
 
 def check_tokenizer(source: Path, base: Path) -> ck.CheckResult:
     """The checkpoint's tokenizer (when its export carries one) against the base's: the
-    vocabulary (added tokens included), the special tokens, the chat template. The release
-    ships the base's files, so a model trained with another tokenizer is refused."""
+    vocabulary (added tokens included), the special tokens, the chat template: a model
+    exported with another tokenizer than the one it was trained with is refused (the
+    release ships the checkpoint's, which its evaluation loaded; :func:`check_encodings`
+    compares what it makes of the evaluation's prompts)."""
     name = "tokenizer"
-    own = sorted(p.name for p in source.iterdir() if BASE_FILES.match(p.name)
-                 and p.name.startswith(("tokenizer", "chat_template", "special_tokens",
-                                        "added_tokens", "vocab", "merges")))
+    own = sorted(p.name for p in source.iterdir() if TOKENIZER_FILES.match(p.name))
     if not own:
-        return ck.CheckResult(name, "pass", f"{source} carries no tokenizer; the base's is "
-                              "shipped")
+        return ck.CheckResult(name, "pass", f"{source} carries no tokenizer file to compare "
+                              "with the base's (the release ships what its evaluation loaded)")
     try:
         mine, theirs = _tokenizer_view(source), _tokenizer_view(base)
     except Exception as exc:  # transformers raises many kinds for a broken tokenizer
@@ -534,37 +540,125 @@ def file_manifest(folder: Path, threads: int) -> dict[str, dict[str, Any]]:
             for f in files}
 
 
-def check_evaluated(manifest: dict[str, dict[str, Any]], samples_meta: Path) -> ck.CheckResult:
-    """The release's weight files against those the evaluation loaded (samples.meta.json
-    ``weights``), file for file."""
-    name = "evaluated"
+def _recorded(samples_meta: Path, name: str, key: str,
+              what: str) -> tuple[dict[str, Any], dict[str, Any], None] | tuple[
+                  None, None, ck.CheckResult]:
+    """The evaluation's record and its ``key`` (a non-empty mapping: ``what``), or the
+    failed check ``name`` that says why they cannot be used."""
     if not Path(samples_meta).is_file():
         msg = (f"{samples_meta}: missing (the record of the evaluation of this model): "
                "evaluate the tag first")
-        return ck.CheckResult(name, "fail", msg, [msg])
+        return None, None, ck.CheckResult(name, "fail", msg, [msg])
     meta = _read_json(samples_meta, "the evaluation's samples meta")
-    loaded = meta.get("weights") if isinstance(meta, dict) else None
-    if not isinstance(loaded, dict) or not loaded:
-        msg = (f"{samples_meta}: records no 'weights' (the sha256 of the files the evaluation "
-               "loaded): evaluate the tag again")
-        return ck.CheckResult(name, "fail", msg, [msg])
-    if meta.get("status") != "complete":
-        msg = f"{samples_meta}: status {meta.get('status')!r}, not 'complete'"
-        return ck.CheckResult(name, "fail", msg, [msg])
-    mine = {k: v["sha256"] for k, v in manifest.items() if k.endswith(".safetensors")}
+    if not isinstance(meta, dict) or meta.get("status") != "complete":
+        status = meta.get("status") if isinstance(meta, dict) else None
+        msg = f"{samples_meta}: status {status!r}, not 'complete'"
+        return None, None, ck.CheckResult(name, "fail", msg, [msg])
+    value = meta.get(key)
+    if not isinstance(value, dict) or not value:
+        msg = f"{samples_meta}: records no '{key}' ({what}): evaluate the tag again"
+        return None, None, ck.CheckResult(name, "fail", msg, [msg])
+    return meta, value, None
+
+
+def check_evaluated(manifest: dict[str, dict[str, Any]], samples_meta: Path,
+                    folder: Path) -> ck.CheckResult:
+    """Every file of the release that computes (hy3rl.evaluate.COMPUTES: weights, config,
+    generation config, tokenizer, chat template) against what the evaluation loaded
+    (samples.meta.json ``files``), file for file both ways; a JSON file that differs is
+    named with the top-level keys that differ (``folder``: the release being made)."""
+    from hy3rl.evaluate import COMPUTES, json_keys
+
+    name = "evaluated"
+    meta, loaded, failed = _recorded(samples_meta, name, "files", "the sha256 of each file "
+                                     "the evaluation loaded: weights, config, generation "
+                                     "config, tokenizer")
+    if failed is not None:
+        return failed
+    mine = {k: v["sha256"] for k, v in manifest.items() if "/" not in k and COMPUTES.match(k)}
     problems = []
     for f in sorted(mine.keys() | loaded.keys()):
-        if f not in loaded:
+        theirs = loaded.get(f) if isinstance(loaded.get(f), dict) else None
+        if theirs is None:
             problems.append(f"{f}: in the release, not among the files evaluated "
                             f"({samples_meta})")
         elif f not in mine:
             problems.append(f"{f}: evaluated ({samples_meta}), not in the release")
-        elif mine[f] != loaded[f]:
-            problems.append(f"{f}: sha256 {mine[f]} in the release, {loaded[f]} evaluated "
-                            f"({samples_meta})")
-    return ck._check(name, problems, f"{len(mine)} weight files equal those evaluated "
-                     f"({samples_meta}, model {meta.get('model_path')})",
-                     f"{len(problems)} weight files differ from those evaluated")
+        elif mine[f] != theirs.get("sha256"):
+            keys = json_keys(folder / f) if isinstance(theirs.get("keys"), dict) else None
+            if keys is not None:
+                diff = sorted(k for k in keys.keys() | theirs["keys"].keys()
+                              if keys.get(k) != theirs["keys"].get(k))
+                what = (f"key(s) {', '.join(diff[:SHOWN])} differ" if diff
+                        else "its bytes differ (the same values)")
+                problems.append(f"{f}: {what} from the file evaluated ({samples_meta})")
+            else:
+                problems.append(f"{f}: sha256 {mine[f]} in the release, {theirs.get('sha256')} "
+                                f"evaluated ({samples_meta})")
+    return ck._check(name, problems, f"{len(mine)} files that compute (weights, config, "
+                     f"tokenizer, ...) equal those evaluated ({samples_meta}, model "
+                     f"{meta.get('model_path')})",
+                     f"{len(problems)} files differ from those evaluated")
+
+
+def check_config(folder: Path, base: Path, mtp: Mtp | None,
+                 may_differ: Sequence[str] = ()) -> ck.CheckResult:
+    """The release's config.json against the base's: every key equal but the export's
+    metadata (:data:`CONFIG_METADATA`), the MTP layers the policy sets
+    (``num_nextn_predict_layers``) and ``release.config_may_differ``; each other key that
+    differs is named with both values (an architecture, a dtype, the router's scaling
+    changed is another model than the one trained from the base)."""
+    name = "config"
+    mine, theirs = _config(folder), _config(base)
+    allowed = set(CONFIG_METADATA) | set(may_differ)
+    if mtp is not None and mtp.nextn is not None:
+        allowed.add("num_nextn_predict_layers")
+    diff = sorted(k for k in mine.keys() | theirs.keys()
+                  if k not in allowed and mine.get(k, _ABSENT) != theirs.get(k, _ABSENT))
+    problems = [f"{folder.name}/config.json {k}: {_shown(mine.get(k, _ABSENT))}, the base's "
+                f"{_shown(theirs.get(k, _ABSENT))} ({base}/config.json)" for k in diff]
+    named = sorted(k for k in allowed if mine.get(k, _ABSENT) != theirs.get(k, _ABSENT))
+    return ck._check(name, problems, f"config.json equals the base's in {len(theirs)} keys"
+                     + (f" but {', '.join(named)} (allowed)" if named else ""),
+                     f"{len(problems)} config.json key(s) differ from the base's")
+
+
+_ABSENT = object()
+
+
+def _shown(value: Any) -> str:
+    return "absent" if value is _ABSENT else json.dumps(value)[:80]
+
+
+def check_encodings(folder: Path, samples_meta: Path) -> ck.CheckResult:
+    """What the release's tokenizer makes of the evaluation's own prompts (its problems,
+    rendered with the release's chat template) against what the evaluated one made
+    (samples.meta.json ``prompt_ids``): a normalizer, template or special token changed
+    after the evaluation changes the ids the model reads."""
+    from transformers import AutoTokenizer
+
+    from hy3rl.evaluate import load_problems, prompt_encodings, render_prompts
+
+    name = "encodings"
+    meta, want, failed = _recorded(samples_meta, name, "prompt_ids",
+                                   "what the evaluated tokenizer made of its prompts")
+    if failed is not None:
+        return failed
+    val = Path(str(meta.get("val_file")))
+    try:
+        problems = load_problems(val, meta.get("num_problems"))
+        tokenizer = AutoTokenizer.from_pretrained(str(folder))
+        got = prompt_encodings(tokenizer, render_prompts(tokenizer, problems))
+    except Exception as exc:  # noqa: BLE001 - a tokenizer or a file that does not load
+        msg = f"the release's tokenizer on the evaluation's prompts ({val}): {exc}"
+        return ck.CheckResult(name, "fail", msg, [msg])
+    problems_ = [f"problem {pid}: {got.get(pid, ['none'])[0]} token ids from the release's "
+                 f"tokenizer, {ids[0]} evaluated"
+                 + (" (other ids)" if pid in got and got[pid][0] == ids[0] else "")
+                 for pid, ids in sorted(want.items()) if got.get(pid) != list(ids)]
+    return ck._check(name, problems_, f"the release's tokenizer encodes the evaluation's "
+                     f"{len(want)} prompts ({val}) as the evaluated one did",
+                     f"{len(problems_)} of {len(want)} prompts encode otherwise than evaluated")
 
 
 # --------------------------------------------------------------------------- the card
@@ -1011,6 +1105,8 @@ def build(cfg: Any, layout: Any, tag: str, rec: Records, *, threads: int) -> dic
         st, results = headers(staging, threads)
         results.insert(0, check_tokenizer(source, base))
         mtp = mtp_policy(cfg, rec.plan, base, base_st.tensors)
+        results.insert(1, check_config(staging, base, mtp, cfg.release.config_may_differ))
+        results.insert(2, check_encodings(staging, samples_meta))
         results.append(check_inventory(base_st.tensors, st.tensors, base, mtp, staging))
         results.append(check_fixed(base, staging, base_st.tensors, st.tensors, rate, why))
         gen, answers = check_generates(
@@ -1020,7 +1116,7 @@ def build(cfg: Any, layout: Any, tag: str, rec: Records, *, threads: int) -> dic
         results.append(copy_report(rec.report, staging, eval_tag, step))
         results.append(write_card(staging, cfg, tag, eval_tag, step, rec, base, mtp))
         manifest = file_manifest(staging, threads)  # every file's sha256, for release.json
-        results.append(check_evaluated(manifest, samples_meta))
+        results.append(check_evaluated(manifest, samples_meta, staging))
         extra = {"tag": tag, "evaluated_tag": eval_tag, "step": step, "source": str(source),
                  "base": str(base), "dir": str(dest),
                  "size": {"files": len(manifest),

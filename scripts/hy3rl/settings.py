@@ -547,6 +547,7 @@ class Release:
     dir: str
     tags: list[str] | None  # None (unset): what the DAG evaluates (hy3rl.release.release_tags)
     mtp: str  # auto | trained | none (hy3rl.release.mtp_policy)
+    config_may_differ: list[str]  # config.json keys allowed to differ from the base's
     problems: int
     max_tokens: int
     threads: int
