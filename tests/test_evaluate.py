@@ -255,6 +255,15 @@ def test_transformers_end_to_end_on_tiny_hy3(tmp_path, tiny_hy3_dir, reference):
     # the weight files it loaded, by content (rule release compares its release with them)
     assert meta["weights"] == evaluate.weight_hashes(tiny_hy3_dir)
     assert sorted(meta["weights"]) == sorted(p.name for p in tiny_hy3_dir.glob("*.safetensors"))
+    # issue 42: every file that computes, JSON files by key (not tiny-hy3.json, the
+    # fixture's own notes), and what the tokenizer made of each prompt
+    assert sorted(meta["files"]) == sorted(
+        p.name for p in tiny_hy3_dir.iterdir() if p.name != "tiny-hy3.json")
+    assert "architectures" in meta["files"]["config.json"]["keys"]
+    assert "normalizer" in meta["files"]["tokenizer.json"]["keys"]
+    assert "keys" not in meta["files"]["model.safetensors.index.json"]
+    assert set(meta["prompt_ids"]) == set(rendered)
+    assert all(n > 0 and len(h) == 16 for n, h in meta["prompt_ids"].values())
     # same seeds -> the same samples; another base seed -> other samples
     again, _ = _gen(tmp_path, tiny_hy3_dir, val, "again")
     assert again.read_bytes() == out.read_bytes()
