@@ -790,7 +790,10 @@ def release_job_resources():
     if CFG.eval.backend == "vllm":
         v = CFG.eval.vllm
         return gpu_job_resources(v.nodes, v.gpus_per_node, CFG.release.runtime_min)
-    return {"mem_mb": 16000, "runtime": CFG.release.runtime_min}
+    # never more than the node cluster.* describes (SLURM refused a release of 16 GB / 4
+    # CPUs on the test cluster's nodes after the whole run had trained: issue 42)
+    return {"mem_mb": min(16000, CFG.cluster.mem_mb_per_node),
+            "runtime": CFG.release.runtime_min}
 
 
 def release_trigger_keys():
@@ -803,10 +806,11 @@ def release_trigger_keys():
 
 
 def release_threads():
-    """release.threads; with vLLM a whole node's CPUs (as eval_generate)."""
+    """release.threads, at most the node's CPUs (cluster.cpus_per_node); with vLLM a whole
+    node's CPUs (as eval_generate)."""
     if CFG.eval.backend == "vllm":
         return CFG.cluster.cpus_per_node
-    return CFG.release.threads
+    return min(CFG.release.threads, CFG.cluster.cpus_per_node)
 
 
 # ---- report ----

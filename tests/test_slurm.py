@@ -420,3 +420,21 @@ def test_a_cluster_that_cannot_start_is_retried_once_then_fails_with_its_log_tai
     tried = sorted(states.iterdir())  # one fresh state directory per start, kept for its logs
     assert len(tried) == 2 and all(str(d) in msg for d in tried), msg
     assert not (conf / "slurm.conf").exists() and not (conf / "gres.conf").exists()
+
+
+@pytest.mark.slow  # quick loop: left out (a workflow run or a heavy subprocess)
+def test_a_transformers_release_asks_no_more_than_the_node(tmp_path):
+    """Issue 42: on the SLURM test cluster (nodes of 2 CPUs) a whole run trained, then both
+    release jobs were refused by sbatch: the release asked release.threads (4) CPUs and
+    16 GB whatever the nodes held. It now asks at most the node cluster.* describes."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({"cluster": {"gpu": True, "cpus_per_node": 2,
+                                               "mem_mb_per_node": 4000},
+                                   "train": {"cpu": {"enable": False}}}))
+    proc = run_snakemake(["-n", "--profile", str(PROFILE), "--profile", str(SITE_PROFILE),
+                          "--configfile", str(REPO_ROOT / "config/config.yaml"), str(cfg)],
+                         tmp_path)
+    out = proc.stdout + proc.stderr
+    res = resources_line(out, "release_model")
+    assert res["mem_mb"] == "4000", res  # (its threads, min(release.threads, the node's
+    # CPUs), reach sbatch as --cpus-per-task; a dry run does not print them)
