@@ -116,7 +116,7 @@ def rehearsal_model_inputs():
     """Rule rehearsal_model's inputs: none for the small model; for ``rehearsal.shape:
     stage`` the real model (its manifest) and the run's plan (its pipeline size), ancient:
     preflight re-plans on many changes that leave the stage as it is (the rule's params
-    name train.env, where the pipeline size is set); a stage that no longer matches the
+    name the pipeline size: hy3rl.smk.stage_triggers); a stage that no longer matches the
     run's plan is refused by rule rehearsal_plan, naming the figure."""
     if CFG.rehearsal.shape != "stage":
         return {}
@@ -124,12 +124,14 @@ def rehearsal_model_inputs():
 
 
 def rehearsal_model_triggers():
-    """What rebuilds the rehearsal's model: its sizes and shape; for a stage also the
-    run's knobs (train.env: ACTOR_PP decides the stage's layers)."""
-    keys = ["rehearsal.model", "rehearsal.shape"]
+    """What rebuilds the rehearsal's model: its sizes and shape; for a stage also the run's
+    pipeline size, which decides its layers (hy3rl.smk.stage_triggers), and no other knob."""
+    from hy3rl.smk import stage_triggers
+
+    out = triggers("rehearsal.model", "rehearsal.shape")
     if CFG.rehearsal.shape == "stage":
-        keys.append("train.env")
-    return triggers(*keys)
+        out.update(stage_triggers(config))
+    return out
 
 
 # ---- data ----

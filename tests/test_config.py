@@ -170,6 +170,32 @@ def test_triggers_name_each_key_and_hide_secrets():
     assert all(k.isidentifier() for k in t)
 
 
+def test_the_stage_is_rebuilt_for_the_pipeline_size_only():
+    """Issue 40: with rehearsal.shape stage, any train.env change (a project name, the
+    rollout's memory: the mid-run OOM fix) rebuilt the 40 GB stage in a 120-min cluster job;
+    its layers depend on the run's pipeline size alone (ACTOR_PP, or a verl override of it,
+    flat or nested, which train.env did not even see)."""
+    from hy3rl.smk import stage_triggers
+
+    base = {"train": {"env": {"ACTOR_PP": 8, "PROJECT_NAME": "a", "ROLLOUT_GPU_MEM_UTIL": 0.7},
+                      "verl_overrides": {"trainer.val_before_train": False}}}
+    same = {"train": {"env": {"ACTOR_PP": 8, "PROJECT_NAME": "b", "ROLLOUT_GPU_MEM_UTIL": 0.5},
+                      "verl_overrides": {"trainer.val_before_train": True}}}
+    assert stage_triggers(base) == stage_triggers(same)
+    assert list(stage_triggers(base).values()) == ["train.env.ACTOR_PP=8"]
+    assert stage_triggers({"train": {"env": {"ACTOR_PP": 4}}}) != stage_triggers(base)
+    key = "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size"
+    for over in ({key: 4}, {f"+{key}": 4},
+                 {"actor_rollout_ref": {"actor": {"megatron": {
+                     "pipeline_model_parallel_size": 4}}}}):
+        moved = {"train": {"env": {"ACTOR_PP": 8}, "verl_overrides": over}}
+        assert stage_triggers(moved) != stage_triggers(base), over
+        assert any(v.endswith("pipeline_model_parallel_size=4")
+                   for v in stage_triggers(moved).values())
+    assert all(k.isidentifier() for k in stage_triggers(moved))
+    assert list(stage_triggers({}).values()) == ["train.env.ACTOR_PP=null"]
+
+
 def test_layout_is_the_one_checkpoint_dir(tmp_path: Path):
     from hy3rl.layout import Layout
     from hy3rl.settings import Config

@@ -99,6 +99,27 @@ def triggers(config: Mapping[str, Any], *keys: str) -> dict[str, str]:
     return out
 
 
+PP_KEY = "pipeline_model_parallel_size"  # the only figure of the launch a stage's layers use
+
+
+def stage_triggers(config: Mapping[str, Any]) -> dict[str, str]:
+    """Rule ``rehearsal_model``'s params for ``rehearsal.shape: stage`` beyond the model (an
+    input) and ``rehearsal.model``: what decides the stage's layers, the run's pipeline size
+    (``train.env.ACTOR_PP``, and a ``train.verl_overrides`` leaf setting
+    ``...pipeline_model_parallel_size``), never the other knobs (issue 40: any
+    ``train.env`` change, a project name or the rollout's memory, rebuilt the 40 GB stage
+    in a 120-min cluster job). A pipeline size reached another way is refused by rule
+    rehearsal_plan, which compares the stage with the run's plan."""
+    out = triggers(config, "train.env.ACTOR_PP")
+    over = (config.get("train") or {}).get("verl_overrides") if isinstance(config, Mapping) \
+        else None
+    for leaf, value in _leaves(over or {}, "train.verl_overrides"):
+        if leaf.endswith(PP_KEY):
+            name = "t_" + "".join(c if c.isalnum() else "_" for c in leaf)
+            out[name] = f"{leaf}={json.dumps(value, sort_keys=True)}"
+    return out
+
+
 def write_keys(snakemake: Any) -> None:
     """Rules eval_request and rehearsal_runtime: write the rule's one param (the config
     values that re-run the job downstream, one ``key=value`` a line) as JSON to its output.
