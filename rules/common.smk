@@ -125,7 +125,8 @@ def rehearsal_model_inputs():
 
 def rehearsal_model_triggers():
     """What rebuilds the rehearsal's model: its sizes and shape; for a stage also the run's
-    pipeline size, which decides its layers (hy3rl.smk.stage_triggers), and no other knob."""
+    pipeline size, which decides its layers (hy3rl.smk.stage_triggers), and no other knob.
+    """
     from hy3rl.smk import stage_triggers
 
     out = triggers("rehearsal.model", "rehearsal.shape")
@@ -794,8 +795,10 @@ def release_job_resources():
         return gpu_job_resources(v.nodes, v.gpus_per_node, CFG.release.runtime_min)
     # never more than the node cluster.* describes (SLURM refused a release of 16 GB / 4
     # CPUs on the test cluster's nodes after the whole run had trained: issue 42)
-    return {"mem_mb": min(16000, CFG.cluster.mem_mb_per_node),
-            "runtime": CFG.release.runtime_min}
+    return {
+        "mem_mb": min(16000, CFG.cluster.mem_mb_per_node),
+        "runtime": CFG.release.runtime_min,
+    }
 
 
 def release_trigger_keys():

@@ -73,7 +73,9 @@ def test_a_load_that_hangs_midway_stops_progressing(tmp_path: Path, shard: Path)
             time.sleep(0.5)
             reports.append(watch.sample())
             loading.append(reports[-1]["last_progress"] == reports[-1]["t"])
-        assert len(loading) >= 2 and all(loading[1:]), reports  # progress at each sample
+        # progress seen while it loads (a sample may straddle the hang, and on a loaded
+        # machine the loader may not run between two samples: not every one)
+        assert sum(loading) >= 2, reports
         why = " ".join(r["why"] for r in reports)
         assert "page faults a minute" in why and "loading bar" in why, why
         assert any(r["shards"] == [shard.name] for r in reports), reports

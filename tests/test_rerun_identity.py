@@ -313,8 +313,9 @@ def test_each_change_is_one_invocation_that_does_the_right_thing(tmp_path: Path,
     checks = json.loads((run.res / "release" / "final" / "checks.json").read_text())
     assert checks["ok"], checks
     assert {c["name"]: c["status"] for c in checks["checks"]} == {n: "pass" for n in (
-        "tokenizer", "index", "headers", "index_vs_shards", "inventory", "fixed_tensors",
-        "generates", "report", "card", "evaluated")}, checks["checks"]
+        "tokenizer", "config", "encodings", "index", "headers", "index_vs_shards",
+        "inventory", "fixed_tensors", "generates", "report", "card", "evaluated")}, \
+        checks["checks"]
     meta = json.loads((run.res / "eval" / rel["evaluated_tag"] / "samples.meta.json")
                       .read_text())
     assert meta["weights"] == {k: v["sha256"] for k, v in rel["files"].items()
@@ -329,7 +330,7 @@ def test_each_change_is_one_invocation_that_does_the_right_thing(tmp_path: Path,
     assert _ran(out, "release_page"), out[-3000:]
     page = (run.res / "report" / "releases.html").read_text()
     assert 'id="release-final"' in page and rel["dir"] in page
-    assert page.count('<td class="status-pass">pass</td>') == 10
+    assert page.count('<td class="status-pass">pass</td>') == 12  # 12 checks a release
     assert 'href="releases.html"' in (run.res / "report" / "index.html").read_text()
     code, out = run("-n")
     assert code == 0 and "Nothing to be done" in out, out[-3000:]
