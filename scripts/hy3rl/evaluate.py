@@ -523,9 +523,11 @@ def file_sha256(path: Path) -> str:
 # default sampling and stop tokens from it), the tokenizer and the chat template. An
 # evaluation records each one it could load by content (files), and rule release ships
 # exactly these from the evaluated directory and compares them with that record.
+_TOKENIZER = (r"tokenizer.*|special_tokens_map\.json|added_tokens\.json|vocab\..+|merges\.txt"
+              r"|chat_template\.(jinja|json)")
+TOKENIZER_FILES = re.compile(rf"^({_TOKENIZER})$")  # the tokenizer's and the template's
 COMPUTES = re.compile(r"^(.+\.safetensors|model\.safetensors\.index\.json|config\.json"
-                      r"|generation_config\.json|tokenizer.*|special_tokens_map\.json"
-                      r"|added_tokens\.json|vocab\..+|merges\.txt|chat_template\.(jinja|json))$")
+                      rf"|generation_config\.json|{_TOKENIZER})$")
 
 
 def json_keys(path: Path) -> dict[str, str] | None:
@@ -570,19 +572,6 @@ def prompt_encodings(tokenizer, rendered: dict[str, str]) -> dict[str, list]:
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         out[pid] = [len(ids), hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16]]
     return out
-
-
-def weight_hashes(model_dir: str | Path, threads: int = 1) -> dict[str, str]:
-    """sha256 of every weight file (``*.safetensors``) of an HF model directory, by file
-    name, ``threads`` files at a time (hy3rl.hub.hash_files): what samples.meta.json's
-    ``weights`` records of the files a generation loaded, and what rule release compares
-    its release's manifest with."""
-    from hy3rl.hub import hash_files
-
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    got = hash_files([(f, "sha256") for f in files], threads, progress=False,
-                     desc="hashing weights")
-    return {f.name: got[f] for f in files}
 
 
 def _versions() -> dict[str, str | None]:

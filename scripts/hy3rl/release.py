@@ -62,9 +62,6 @@ BIAS_RATE_KEY = ("actor_rollout_ref.actor.megatron.override_transformer_config."
 # answers (hy3rl.evaluate.COMPUTES: weights, config, generation config, tokenizer, chat
 # template), the very files the evaluation loaded. From the base: only its license.
 BASE_FILES = re.compile(r"^(LICEN[CS]E.*|NOTICE.*)$")
-# The checkpoint's tokenizer files, compared with the base's (check_tokenizer)
-TOKENIZER_FILES = re.compile(r"^(tokenizer.*|special_tokens_map\.json|added_tokens\.json"
-                             r"|vocab\..+|merges\.txt|chat_template\.(jinja|json))$")
 # config.json keys an export may write otherwise than the base without computing otherwise
 CONFIG_METADATA = frozenset({"transformers_version", "_name_or_path", "_commit_hash"})
 CARD = "README.md"
@@ -204,6 +201,8 @@ def check_tokenizer(source: Path, base: Path) -> ck.CheckResult:
     release ships the checkpoint's, which its evaluation loaded; :func:`check_encodings`
     compares what it makes of the evaluation's prompts)."""
     name = "tokenizer"
+    from hy3rl.evaluate import TOKENIZER_FILES
+
     own = sorted(p.name for p in source.iterdir() if TOKENIZER_FILES.match(p.name))
     if not own:
         return ck.CheckResult(name, "pass", f"{source} carries no tokenizer file to compare "

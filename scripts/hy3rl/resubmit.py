@@ -149,6 +149,16 @@ def startup_hang(rec: Mapping[str, Any]) -> bool:
 STALL_LEAD_S = 300.0  # a node stopped this much before the last node to progress: evidence
 
 
+def node_quiet(rec: Mapping[str, Any]) -> dict[str, float]:
+    """The attempt record's ``timing.node_quiet_s``: per node that reported, the seconds since
+    its processes last progressed, at the stop (numbers only; empty without reports)."""
+    quiet = (rec.get("timing") or {}).get("node_quiet_s")
+    if not isinstance(quiet, dict):
+        return {}
+    return {str(n): float(v) for n, v in quiet.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
 def stalled_nodes(rec: Mapping[str, Any]) -> list[str]:
     """The nodes a hung startup's node agents show stopped progressing first (the attempt
     record's ``timing.node_quiet_s``: per node, the seconds since its processes last
@@ -161,11 +171,7 @@ def stalled_nodes(rec: Mapping[str, Any]) -> list[str]:
     Empty without reports from two nodes or more."""
     if not startup_hang(rec):
         return []
-    quiet = (rec.get("timing") or {}).get("node_quiet_s")
-    if not isinstance(quiet, dict):
-        return []
-    q = {str(n): float(v) for n, v in quiet.items()
-         if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    q = node_quiet(rec)
     if len(q) < 2:
         return []
     last = min(q.values())

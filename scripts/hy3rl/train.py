@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -394,11 +395,11 @@ def after_attempt(rec: Mapping[str, Any], records: Sequence[Mapping[str, Any]], 
         # A start that hangs (NCCL initialisation, a node that never loads) is retried in a
         # new allocation, before it can be a crash loop. The nodes excluded are those the
         # node agents' reports show stopped first (stalled_nodes), never the allocation.
-        from hy3rl.resubmit import stalled_nodes
+        from hy3rl.resubmit import node_quiet, stalled_nodes
 
         stalled = stalled_nodes(rec)
         if stalled:
-            quiet = (rec.get("timing") or {}).get("node_quiet_s") or {}
+            quiet = node_quiet(rec)
             ago = ", ".join(f"{n} {quiet[n] / 60:.0f} min ago" for n in stalled)
             return JobStep(False, True, f"{reason}; {', '.join(stalled)} stopped progressing "
                            f"first ({ago}, the other nodes {min(quiet.values()) / 60:.0f} min "
@@ -523,16 +524,23 @@ def load_quiet(wd: Any, plan: Mapping[str, Any]) -> float:
     ``load_quiet_min``, or longer when the largest tensor of the model (its safetensors
     headers, ``plan.json`` ``verl_checks.model_dir``) read at ``storage_mb_s`` takes more
     than a tenth of it (one tensor is the longest a load goes without a new page)."""
-    from hy3rl.checkpoint import read_header
-
     floor = wd.load_quiet_min * 60
     if floor <= 0:
         return 0.0  # disabled
     model = (plan.get("verl_checks") or {}).get("model_dir")
-    shards = sorted(Path(model).glob("*.safetensors")) if model else []
-    largest = max((t.nbytes for sh in map(read_header, shards) for t in sh.tensors.values()),
-                  default=0)
+    largest = _largest_tensor(str(model)) if model else 0
     return max(floor, LOAD_TENSOR_SLACK * largest / (wd.storage_mb_s * 1e6))
+
+
+@functools.cache
+def _largest_tensor(model_dir: str) -> int:
+    """Bytes of the largest tensor of a model directory (its safetensors headers), read
+    once per directory: the time model is rebuilt at every attempt of a job."""
+    from hy3rl.checkpoint import read_header
+
+    shards = sorted(Path(model_dir).glob("*.safetensors"))
+    return max((t.nbytes for sh in map(read_header, shards) for t in sh.tensors.values()),
+               default=0)
 
 
 def time_left(job_id: str | None) -> float | None:
